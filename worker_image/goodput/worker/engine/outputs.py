@@ -1,0 +1,81 @@
+"""Data passed between the scheduler (torch-free) and the model runner (torch).
+
+This module is the contract between ``goodput.worker.engine`` and ``goodput.worker.model``:
+the scheduler produces a :class:`SchedulerOutput` per step, the runner executes it and returns a
+:class:`RunnerOutput`, and the scheduler commits that output (tokens and timestamps).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from goodput.worker.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's slice of a step: a prefill chunk or a single decode token.
+
+    token_ids: the tokens whose KV is computed this step (len >= 1). For a decode this is the
+        one most recently sampled token; for a prefill chunk, prompt (or, after preemption by
+        recompute, prompt + output) tokens ``[start_pos, start_pos + len)``.
+    start_pos: absolute position of ``token_ids[0]`` == the request's ``num_computed_tokens``
+        before the step (tokens already in the paged KV cache, prefix-cache hits included).
+    block_table: physical block ids covering every position in ``[0, start_pos + len)``;
+        position p lives in block ``block_table[p // block_size]`` at offset ``p % block_size``.
+        Every block is reserved before the step runs (nothing runs without its next state).
+    sample: True when this chunk reaches the end of the request's known tokens, so the runner
+        samples one new token from the last position's logits. False for a non-final
+        prefill chunk.
+    sampling_params: the request's sampling parameters.
+    num_output_tokens: output tokens already generated (seeded sampling uses
+        (seed, num_output_tokens) so results do not depend on batching or preemption).
+    output_token_ids: the request's generated tokens so far (for repetition-style penalties).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached + new tokens)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything one engine step runs. ``chunks`` holds decodes first, then prefill chunks.
+
+    num_batched_tokens: sum of chunk lengths (<= max_num_batched_tokens).
+    preempted_ids: requests preempted (by recompute) while scheduling this step.
+    finished_ids: requests retired at the start of this step (their blocks were freed).
+    """
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner returns: one sampled token per chunk with ``sample=True``.
+
+    sampled_token_ids: request_id -> new token id.
+    logprobs: request_id -> log-probability of the sampled token (optional, may be empty).
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, float] = field(default_factory=dict)
