@@ -7,8 +7,12 @@ the scheduler produces a :class:`SchedulerOutput` per step, the runner executes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from goodput.worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from goodput.worker.engine.request import FinishReason, Request
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,6 @@ class ScheduledChunk:
     sampling_params: the request's sampling parameters.
     num_output_tokens: output tokens already generated (seeded sampling uses
         (seed, num_output_tokens) so results do not depend on batching or preemption).
-    output_token_ids: the request's generated tokens so far (for repetition-style penalties).
     """
 
     request_id: str
@@ -79,3 +82,24 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """One request's result of a committed step (``Scheduler.update_from_output``).
+
+    new_token_ids: tokens sampled this step (one, or none for a non-final prefill chunk, which
+        produces no RequestOutput at all).
+    finished: the request finished this step (EOS / stop token -> "stop"; max_tokens or
+        max_model_len -> "length"); its KV blocks are already freed.
+    finish_reason: a ``FinishReason`` (a ``str`` enum: "stop", "length", "abort") or None.
+    request: the engine's Request (token lists and timestamps: TTFT, ITL, TPOT, E2E).
+    logprobs: the runner's log-probability for each new token, when it returned one.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: "FinishReason | None"
+    request: "Request"
+    logprobs: list[float] | None = None

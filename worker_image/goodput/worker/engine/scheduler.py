@@ -1,0 +1,452 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, preemption, admission.
+
+Sources: iteration-level scheduling of Orca (Yu et al., OSDI 2022); paged KV and preemption by
+recompute of PagedAttention/vLLM (Kwon et al., SOSP 2023); chunked prefills mixed with decodes
+under one token budget of Sarathi-Serve (Agrawal et al., OSDI 2024).
+
+There is no separate prefill phase: each request has ``num_tokens`` (prompt + output) and
+``num_computed_tokens`` (KV in the cache); a step gives every chosen request
+``num_tokens - num_computed_tokens`` new tokens, cut to the step's token budget. One engine step:
+
+1. ``schedule()``: retire finished requests -> defer what cannot fit (reject happens at admission)
+   -> choose decodes (running requests first), then prefill chunks, within
+   ``max_num_batched_tokens`` and ``max_num_seqs`` -> reserve every KV block, preempting by
+   recompute when blocks run out.
+2. the model runner executes the ``SchedulerOutput``.
+3. ``update_from_output()`` commits tokens and timestamps and applies the stop rules.
+
+Calls must come from one thread (the engine serialises add/abort/step). A ``SchedulerOutput`` that
+is never committed is simply recomputed by the next ``schedule()`` (progress is committed only in
+``update_from_output``), so a failed runner step can be retried.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from goodput.worker.engine.block_manager import BlockManager
+from goodput.worker.engine.config import EngineConfig
+from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput
+from goodput.worker.engine.request import FinishReason, Request, RequestStatus
+
+REJECT_REASONS = ("queue_full", "never_fits", "invalid")
+FINISH_REASONS = tuple(r.value for r in FinishReason)
+ENGINE_STATES = ("running", "waiting", "rejecting", "blocked")
+
+
+class AdmissionError(Exception):
+    """A request refused by ``Scheduler.add_request``.
+
+    reason: "invalid" (bad input, HTTP 400), "never_fits" (can never be served by this engine's
+        max_model_len or KV pool, HTTP 400), "queue_full" (try again later, HTTP 429).
+    message: human-readable, names the numbers involved.
+    retry_after: seconds to wait before retrying (only for "queue_full").
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics and ``/admin/state``. Counters are totals since start.
+
+    kv_usage_ratio: referenced blocks / all blocks (cached-but-free blocks count as free).
+    prefix_cache_queries / hits: in tokens (prompt tokens looked up at admission / found).
+    """
+
+    engine_state: str
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int
+    kv_usage_ratio: float
+    num_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_waiting: int
+    admitted_total: int
+    rejected_total: dict[str, int]
+    finished_total: dict[str, int]
+    preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    steps_total: int
+    batched_tokens_total: int
+
+
+@dataclass
+class _StepPlan:
+    budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> new tokens (in order)
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a paged KV ``BlockManager``.
+
+    config: the ``EngineConfig`` (limits, policy, EOS ids, identity).
+    block_manager: the KV allocator (built from ``config`` when None); must match its
+        num_blocks and block_size.
+    clock: monotonic time source in seconds (tests pass a fake one).
+
+    Queues: ``waiting`` (FCFS deque; preempted requests re-enter at the front) and ``running``
+    (admission order). ``priority`` (smaller = more important) only chooses preemption victims.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if block_manager is None:
+            block_manager = BlockManager.from_config(config)
+        if (block_manager.num_blocks, block_manager.block_size) != (config.num_blocks, config.block_size):
+            raise ValueError(
+                f"block manager has {block_manager.num_blocks} blocks of {block_manager.block_size} "
+                f"tokens, config says {config.num_blocks} of {config.block_size}")
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.max_num_seqs = config.max_num_seqs
+        self.max_waiting = config.max_waiting
+        self._eos = frozenset(config.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self._admit_seq: dict[str, int] = {}
+        self._next_seq = 0
+        self._finished_ids: list[str] = []
+        # What limited the waiting queue in the last step (for engine_state()).
+        self._kv_blocked = False
+        self._last_queue_full: float | None = None
+        # Counters.
+        self.admitted_total = 0
+        self.rejected_total = dict.fromkeys(REJECT_REASONS, 0)
+        self.finished_total = dict.fromkeys(FINISH_REASONS, 0)
+        self.preemptions_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.steps_total = 0
+        self.batched_tokens_total = 0
+
+    # ---- admission -----------------------------------------------------------------------------
+    def _reject(self, reason: str, message: str, retry_after: float | None = None) -> AdmissionError:
+        self.rejected_total[reason] += 1
+        if reason == "queue_full":
+            self._last_queue_full = self.clock()
+        return AdmissionError(reason, message, retry_after)
+
+    def add_request(self, req: Request) -> None:
+        """Admit ``req`` to the waiting queue, or raise ``AdmissionError`` at once.
+
+        invalid: empty prompt, token id out of range, duplicate id, a request already used.
+        never_fits: prompt + max_tokens > max_model_len, or its KV (prompt + max_tokens - 1
+            tokens) needs more blocks than the whole pool (it could never run even alone).
+        queue_full: the waiting queue holds ``max_waiting`` requests (retry_after is set).
+        """
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
+        cfg = self.config
+        rid = req.request_id
+        if rid in self.requests:
+            raise self._reject("invalid", f"request id {rid!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
+            raise self._reject("invalid", f"request {rid!r} was already scheduled once")
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise self._reject("invalid", "the prompt is empty (0 tokens); at least 1 token is needed")
+        lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
+        if lo < 0 or (cfg.vocab_size is not None and hi >= cfg.vocab_size):
+            bad = lo if lo < 0 else hi
+            raise self._reject("invalid", f"prompt token id {bad} is outside the vocabulary "
+                                          f"[0, {cfg.vocab_size if cfg.vocab_size else 'inf'})")
+        max_tokens = req.sampling_params.max_tokens
+        if n + max_tokens > cfg.max_model_len:
+            raise self._reject(
+                "never_fits", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                              f"tokens exceeds max_model_len ({cfg.max_model_len})")
+        need = cfg.blocks_for_tokens(req.max_num_kv_tokens)
+        if need > cfg.num_blocks:
+            raise self._reject(
+                "never_fits", f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks "
+                              f"of {cfg.block_size} tokens but the whole pool has {cfg.num_blocks} "
+                              f"blocks ({cfg.kv_capacity_tokens} tokens)")
+        if len(self.waiting) >= self.max_waiting:
+            raise self._reject(
+                "queue_full", f"the waiting queue is full ({len(self.waiting)} requests, "
+                              f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
+        now = self.clock()
+        if req.arrival_time is None:
+            req.arrival_time = now
+        req.queued_time = now
+        self.requests[rid] = req
+        self._admit_seq[rid] = self._next_seq
+        self._next_seq += 1
+        self.waiting.append(req)
+        self.admitted_total += 1
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; every chunk's KV blocks are reserved before it is returned.
+
+        Order: retire finished -> decodes of running requests -> prefill chunks of running
+        requests -> new (or preempted) waiting requests, while the token budget, ``max_num_seqs``
+        and the KV pool allow. When a running request cannot get a block, the running request
+        with the largest ``priority`` value, then the newest, is preempted by recompute (blocks
+        freed, ``num_computed_tokens = 0``, back to the front of the waiting queue); no waiting
+        request is admitted in a step that preempted. Admission guarantees any single request
+        fits the pool alone, so this always makes progress.
+        """
+        now = self.clock()
+        out = SchedulerOutput()
+        # 1. retire what finished since the last step (blocks were freed when it finished).
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        kv_blocked = False
+
+        # 2. running requests: decodes first, then chunks of partially prefilled prompts.
+        for want_decode in (True, False):
+            for req in list(self.running):
+                if plan.budget <= 0:
+                    break
+                if req.status is not RequestStatus.RUNNING or req.request_id in plan.scheduled:
+                    continue
+                remaining = req.num_tokens - req.num_computed_tokens
+                if remaining <= 0 or (remaining == 1) != want_decode:
+                    continue
+                n = min(remaining, plan.budget)
+                while not self.block_manager.allocate_slots(req, n):
+                    kv_blocked = True
+                    victim = self._pick_victim()
+                    self._preempt(victim, now, plan)
+                    if victim is req:
+                        break
+                else:
+                    plan.scheduled[req.request_id] = n
+                    plan.budget -= n
+
+        # 3. waiting requests (FCFS; the head blocks the rest so nobody is starved).
+        admit = not plan.preempted and not (
+            self.config.scheduling_policy == "static" and self.running)
+        while admit and self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.block_manager.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, plan.budget)
+            if not self.block_manager.allocate_slots(req, n, hit_blocks):
+                kv_blocked = True
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self.prompt_tokens_total += req.num_prompt_tokens
+            self.running.append(req)
+            plan.scheduled[req.request_id] = n
+            plan.budget -= n
+
+        self._kv_blocked = kv_blocked
+        # 4. build the chunks (block tables are final now).
+        for rid, n in plan.scheduled.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            out.chunks.append(ScheduledChunk(
+                request_id=rid,
+                token_ids=tuple(req.all_token_ids[start:start + n]),
+                start_pos=start,
+                block_table=tuple(req.block_ids),
+                sample=start + n == req.num_tokens,
+                sampling_params=req.sampling_params,
+                num_output_tokens=req.num_output_tokens,
+            ))
+            out.num_batched_tokens += n
+        out.preempted_ids = plan.preempted
+        if out.chunks:
+            self.steps_total += 1
+            self.batched_tokens_total += out.num_batched_tokens
+        return out
+
+    def _pick_victim(self) -> Request:
+        seq = self._admit_seq
+        return max(self.running, key=lambda r: (r.priority, seq[r.request_id]))
+
+    def _preempt(self, req: Request, now: float, plan: _StepPlan) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.preempted_times.append(now)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        n = plan.scheduled.pop(req.request_id, 0)
+        plan.budget += n
+        plan.preempted.append(req.request_id)
+        self.preemptions_total += 1
+
+    # ---- commit ---------------------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: RunnerOutput) -> list[RequestOutput]:
+        """Commit a step: advance ``num_computed_tokens``, append sampled tokens with their time,
+        offer newly full blocks to the prefix cache, and finish requests that hit a stop rule:
+
+        - EOS (``config.eos_token_ids``) unless ``ignore_eos`` -> "stop";
+        - a token in ``stop_token_ids`` -> "stop";
+          (both only once more than ``min_tokens`` tokens exist; the sampler should also mask them
+          before that);
+        - ``max_tokens`` tokens generated -> "length";
+        - prompt + output reached ``max_model_len`` -> "length".
+
+        Chunks of requests aborted/finished since ``schedule()`` are skipped. Returns one
+        ``RequestOutput`` per request that got a token (finished ones have their blocks freed).
+        Raises RuntimeError (before changing anything) if the runner omitted a sampled token.
+        """
+        live: list[tuple[ScheduledChunk, Request]] = []
+        for chunk in sched_out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if (req is None or req.status is not RequestStatus.RUNNING
+                    or req.num_computed_tokens != chunk.start_pos):
+                continue  # aborted, finished or preempted since it was scheduled
+            if chunk.sample and chunk.request_id not in runner_out.sampled_token_ids:
+                raise RuntimeError(f"runner returned no sampled token for request {chunk.request_id!r}")
+            live.append((chunk, req))
+        now = self.clock()
+        outputs: list[RequestOutput] = []
+        bm = self.block_manager
+        for chunk, req in live:
+            req.num_computed_tokens += chunk.num_tokens
+            bm.cache_full_blocks(req)
+            if not chunk.sample:
+                continue
+            tok = runner_out.sampled_token_ids[req.request_id]
+            req.append_output_token(tok, now)
+            self.generation_tokens_total += 1
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason, now)
+            lp = runner_out.logprobs.get(req.request_id)
+            outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, req,
+                                         None if lp is None else [lp]))
+        return outputs
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out > sp.min_tokens:
+            if (tok in self._eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = now
+        del self.requests[req.request_id]
+        del self._admit_seq[req.request_id]
+        self._finished_ids.append(req.request_id)
+        self.finished_total[reason.value] += 1
+
+    def finish_request(self, request_id: str, reason: FinishReason | str) -> Request | None:
+        """Finish a request now (e.g. a stop string found by the detokenizer: reason "stop"),
+        freeing its blocks at once. Returns the Request, or None if it is unknown/finished."""
+        reason = FinishReason(reason)
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, reason, self.clock())
+        return req
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort (client disconnect): finish with reason "abort" and free its blocks at once."""
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    # ---- limits, state, stats ------------------------------------------------------------------
+    def set_limits(self, max_num_seqs: int | None = None, max_waiting: int | None = None) -> dict:
+        """Change runtime admission limits; returns the limits now in force.
+
+        Lowering ``max_num_seqs`` below the running count preempts nothing: it only stops
+        admitting until the running set shrinks. Lowering ``max_waiting`` below the queue length
+        rejects new requests until the queue drains. Raises ValueError on a bad value
+        (max_num_seqs >= 1, max_waiting >= 0).
+        """
+        for name, value, lo in (("max_num_seqs", max_num_seqs, 1), ("max_waiting", max_waiting, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if max_num_seqs is not None:
+            self.max_num_seqs = max_num_seqs
+        if max_waiting is not None:
+            self.max_waiting = max_waiting
+        return {"max_num_seqs": self.max_num_seqs, "max_waiting": self.max_waiting}
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def engine_state(self) -> str:
+        """Exactly one of, checked in this order:
+
+        - "rejecting": the waiting queue is at ``max_waiting``, or a request was rejected with
+          queue_full within the last ``rejecting_window_s`` seconds (load shedding; invalid and
+          never_fits rejections are client errors and do not count);
+        - "blocked": requests are waiting and the last step could not admit the head of the queue
+          (or preempted a running request) because KV blocks ran out;
+        - "waiting": requests are waiting, limited by max_num_seqs, the token budget or the static
+          policy's cohort, not by KV;
+        - "running": nothing is waiting (including idle).
+        """
+        if len(self.waiting) >= self.max_waiting or (
+                self._last_queue_full is not None
+                and self.clock() - self._last_queue_full <= self.config.rejecting_window_s):
+            return "rejecting"
+        if self.waiting:
+            return "blocked" if self._kv_blocked else "waiting"
+        return "running"
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            engine_state=self.engine_state(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_waiting=sum(1 for r in self.waiting if r.status is RequestStatus.PREEMPTED),
+            kv_usage_ratio=bm.usage,
+            num_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            block_size=bm.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_waiting=self.max_waiting,
+            admitted_total=self.admitted_total,
+            rejected_total=dict(self.rejected_total),
+            finished_total=dict(self.finished_total),
+            preemptions_total=self.preemptions_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries_total=bm.prefix_cache_queries,
+            prefix_cache_hits_total=bm.prefix_cache_hits,
+            steps_total=self.steps_total,
+            batched_tokens_total=self.batched_tokens_total,
+        )
+
+    def check_invariants(self) -> None:
+        """Block-manager invariants plus queue consistency (tests; O(pool))."""
+        self.block_manager.check_invariants(self.running)
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING and self.requests[r.request_id] is r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not r.block_ids and r.num_computed_tokens == 0, f"waiting {r.request_id} holds KV"
