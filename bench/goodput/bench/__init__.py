@@ -1,0 +1,1 @@
+"""goodput.bench: load generator and benchmarks (see bench/README.md)."""
