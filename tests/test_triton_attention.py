@@ -223,3 +223,61 @@ def test_bad_inputs_raise_clear_errors():
         triton_ops.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.slot_mapping[:1])
     with pytest.raises(ValueError, match="k_cache"):
         triton_ops.write_kv(b.k_new, b.v_new, b.k_cache[0], b.v_cache, b.slot_mapping)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backend object, the selector, and B's torch reference backend
+# ----------------------------------------------------------------------------------------------
+def _torch_ref_backend():
+    mod = pytest.importorskip("goodput.worker.model.attention.torch_ref",
+                              reason="torch reference backend not landed yet")
+    return mod.TorchReferenceBackend()
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_backend_interface(splits):
+    from goodput.worker.model.attention.triton_backend import TritonAttentionBackend
+    be = TritonAttentionBackend(num_kv_splits=splits, tile_n=16)
+    for seqs in ([(12, 1), (40, 1)], [(12, 1), (5, 6)]):   # decode-only (splits), then mixed
+        b = Batch(seqs, block_size=16, n_kv=1, qpk=3, head_dim=16, dtype=F32, seed=3).to(DEVICE)
+        k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+        be.write_kv(b.k_new, b.v_new, k_cache, v_cache, b.slot_mapping)
+        out = be.forward(b.q, k_cache, v_cache, b.meta, b.scale)
+        ref = naive_attention(b.q, k_cache, v_cache, b.tables, b.seqs, b.scale)
+        assert (out.cpu().double() - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("seqs,dtype", [([(20, 1), (10, 13), (0, 5)], F32),
+                                        ([(3, 1), (17, 16)], BF16)])
+def test_matches_torch_reference_backend(seqs, dtype):
+    from goodput.worker.model.attention.triton_backend import TritonAttentionBackend
+    ref_be = _torch_ref_backend()
+    b = Batch(seqs, block_size=16, n_kv=3, qpk=3, head_dim=64, dtype=dtype, seed=4).to(DEVICE)
+    caches = []
+    for be in (ref_be, TritonAttentionBackend()):
+        k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+        be.write_kv(b.k_new, b.v_new, k_cache, v_cache, b.slot_mapping)
+        caches.append((k_cache, v_cache, be.forward(b.q, k_cache, v_cache, b.meta, b.scale)))
+    (rk, rv, rout), (tk, tv, tout) = caches
+    assert torch.equal(rk, tk) and torch.equal(rv, tv)
+    err = (rout.float() - tout.float()).abs().max().item()
+    assert err <= TOL[dtype], err
+
+
+def test_selector():
+    from goodput.worker.model.attention.selector import select_backend
+    assert select_backend("triton", DEVICE).name == "triton"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("flash", "cpu")
+    if DEVICE == "cpu":
+        os.environ.pop("TRITON_INTERPRET")
+        try:
+            with pytest.raises(ValueError, match="runs on CUDA devices"):
+                select_backend("triton", "cpu")
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
+    _torch_ref_backend()
+    assert select_backend("torch", DEVICE).name == "torch"
+    assert select_backend("auto", "cpu").name == "torch"
+    if torch.cuda.is_available():
+        assert select_backend("auto", "cuda").name == "triton"
