@@ -19,8 +19,8 @@ if DEVICE == "cpu":
 
 triton = pytest.importorskip("triton")
 
-from goodput.worker.model.attention import triton_ops  # noqa: E402
-from goodput.worker.model.attention.base import AttentionMetadata  # noqa: E402
+from goodput.worker.model.attention import triton_ops
+from goodput.worker.model.attention.base import AttentionMetadata
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -146,19 +146,19 @@ def check(b: Batch, **kw):
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CASES = [
     # context 0, two prompts, one longer than a tile and crossing blocks
-    ("pure_prefill", [(0, 7), (0, 37)], 16, 2, 1, 32, F32, dict(block_m=16, tile_n=16)),
+    ("pure_prefill", [(0, 7), (0, 37)], 16, 2, 1, 32, F32, {"block_m": 16, "tile_n": 16}),
     # pure decode, GQA 3, a context ending exactly on a block boundary (31 + 1 = 32)
     ("pure_decode_gqa3", [(5, 1), (31, 1), (40, 1)], 16, 1, 3, 32, F32, {}),
     # decode + prefill chunk starting mid-block (ctx 10, 13 new tokens), block_size 32
-    ("mixed_mid_block_bs32", [(20, 1), (10, 13), (0, 5)], 32, 2, 3, 16, F32, dict(block_m=16)),
+    ("mixed_mid_block_bs32", [(20, 1), (10, 13), (0, 5)], 32, 2, 3, 16, F32, {"block_m": 16}),
     # chunk ending exactly on a block boundary (16 + 16 = 32) and tiles wider than a block
-    ("chunk_ends_on_block", [(16, 16), (0, 32)], 16, 1, 1, 16, F32, dict(tile_n=32)),
+    ("chunk_ends_on_block", [(16, 16), (0, 32)], 16, 1, 1, 16, F32, {"tile_n": 32}),
     # an unused slot (zero-length sequence) mid-batch and padded rows with slot -1
-    ("padded_slot", [(9, 1), (0, 0), (3, 4)], 16, 1, 3, 16, F32, dict(pad_rows=2)),
+    ("padded_slot", [(9, 1), (0, 0), (3, 4)], 16, 1, 3, 16, F32, {"pad_rows": 2}),
     # non-power-of-two head_dim (masked lanes)
     ("head_dim_24", [(6, 3), (17, 1)], 16, 1, 1, 24, F32, {}),
     # low precision: the mixed case in bf16 and fp16
-    ("mixed_bf16", [(20, 1), (10, 13)], 16, 1, 3, 32, BF16, dict(block_m=16)),
+    ("mixed_bf16", [(20, 1), (10, 13)], 16, 1, 3, 32, BF16, {"block_m": 16}),
     ("mixed_fp16", [(20, 1), (10, 13)], 32, 2, 1, 32, F16, {}),
 ]
 

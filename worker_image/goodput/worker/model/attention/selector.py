@@ -10,7 +10,6 @@ import importlib.util
 import os
 
 import torch
-
 from goodput.worker.model.attention.base import AttentionBackend
 
 BACKEND_NAMES = ("auto", "torch", "triton")

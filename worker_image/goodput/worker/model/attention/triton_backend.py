@@ -9,7 +9,6 @@ Implements :class:`goodput.worker.model.attention.base.AttentionBackend` with th
 from __future__ import annotations
 
 import torch
-
 from goodput.worker.model.attention import triton_ops
 from goodput.worker.model.attention.base import AttentionMetadata
 

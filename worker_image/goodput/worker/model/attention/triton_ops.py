@@ -498,5 +498,12 @@ def paged_attention(
     return out
 
 
-__all__ = ["write_kv", "paged_attention", "choose_num_kv_splits", "is_interpreted",
-           "MIN_TOKENS_PER_SPLIT", "MAX_KV_SPLITS", "PROGRAMS_PER_SM"]
+__all__ = [
+    "MAX_KV_SPLITS",
+    "MIN_TOKENS_PER_SPLIT",
+    "PROGRAMS_PER_SM",
+    "choose_num_kv_splits",
+    "is_interpreted",
+    "paged_attention",
+    "write_kv",
+]
