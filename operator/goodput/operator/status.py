@@ -1,0 +1,143 @@
+"""Pure: observed children -> the InferenceService status the operator owns.
+
+``compute_status`` is a function of plain data (the Deployment as read from the server, whether the
+Service exists, the spec's problems, the previous conditions and a clock value), so it is tested as a
+table of named cases. The operator writes the result only when it differs from the current status.
+
+Conditions (Kubernetes API conventions: type, status, reason, message, lastTransitionTime,
+observedGeneration; lastTransitionTime changes only when status flips):
+  Ready        True when at least one worker is ready and serving (AllReplicasReady /
+               MinimumReplicasReady); False otherwise (Creating, NoReplicasReady, ScaledToZero, InvalidSpec).
+  Progressing  True while the Deployment is rolling out or scaling (RollingOut, ScalingDown,
+               WaitingForReplicas, Creating); False when done (Complete) or stuck (ProgressDeadlineExceeded,
+               or the spec's own problem reason).
+  Degraded     True for a spec the operator will not roll out (reason from api.semantic_problems), a
+               stuck rollout (ProgressDeadlineExceeded) or failing pod creation (ReplicaFailure);
+               False (AsExpected) otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from goodput.operator import resources
+from goodput.operator.api import Problem
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+def _cond(conditions: Sequence[dict[str, Any]], ctype: str) -> Optional[dict[str, Any]]:
+    for c in conditions or ():
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def _make(ctype: str, status: bool, reason: str, message: str, generation: Optional[int],
+          previous: Sequence[dict[str, Any]], now: str) -> dict[str, Any]:
+    s = "True" if status else "False"
+    prev = _cond(previous, ctype)
+    ltt = prev["lastTransitionTime"] if prev and prev.get("status") == s and prev.get(
+        "lastTransitionTime") else now
+    c = {"type": ctype, "status": s, "reason": reason, "message": message, "lastTransitionTime": ltt}
+    if generation is not None:
+        c["observedGeneration"] = generation
+    return c
+
+
+def compute_status(
+    *,
+    name: str,
+    namespace: str,
+    generation: Optional[int],
+    desired_replicas: int,
+    deployment: Optional[dict[str, Any]],
+    service_exists: bool,
+    problems: Sequence[Problem] = (),
+    previous_conditions: Sequence[dict[str, Any]] = (),
+    now: str,
+) -> dict[str, Any]:
+    """The operator-owned status fields (camelCase) for one InferenceService.
+
+    ``deployment`` is the apps/v1 Deployment as a dict (or None when it does not exist);
+    ``now`` is an RFC 3339 timestamp used for conditions whose status changes.
+    Returns observedGeneration, conditions, replicas, readyReplicas, updatedReplicas, selector, url.
+    Fields owned by others (admission, autoscaler) are not returned.
+    """
+    dstat = (deployment or {}).get("status") or {}
+    dgen = ((deployment or {}).get("metadata") or {}).get("generation")
+    total = int(dstat.get("replicas") or 0)
+    ready = int(dstat.get("readyReplicas") or 0)
+    updated = int(dstat.get("updatedReplicas") or 0)
+    dconds = dstat.get("conditions") or []
+    rolled = deployment is not None and dgen is not None and int(dstat.get("observedGeneration") or 0) >= dgen
+    dprog = _cond(dconds, "Progressing")
+    dfail = _cond(dconds, "ReplicaFailure")
+    stuck = bool(dprog and dprog.get("status") == "False" and dprog.get("reason") == "ProgressDeadlineExceeded")
+    failing = bool(dfail and dfail.get("status") == "True")
+    prev = previous_conditions
+
+    # Degraded
+    if problems:
+        degraded = _make("Degraded", True, problems[0].reason, "; ".join(p.message for p in problems),
+                         generation, prev, now)
+    elif stuck:
+        degraded = _make("Degraded", True, "ProgressDeadlineExceeded",
+                         (dprog or {}).get("message") or "rollout exceeded its progress deadline",
+                         generation, prev, now)
+    elif failing:
+        degraded = _make("Degraded", True, "ReplicaFailure", (dfail or {}).get("message") or "",
+                         generation, prev, now)
+    else:
+        degraded = _make("Degraded", False, "AsExpected", "", generation, prev, now)
+
+    counts = f"{ready}/{desired_replicas} replicas ready"
+    # Progressing
+    if problems:
+        progressing = _make("Progressing", False, problems[0].reason,
+                            "spec not rolled out: see the Degraded condition", generation, prev, now)
+    elif deployment is None:
+        progressing = _make("Progressing", True, "Creating", "creating the worker Deployment",
+                            generation, prev, now)
+    elif stuck:
+        progressing = _make("Progressing", False, "ProgressDeadlineExceeded",
+                            (dprog or {}).get("message") or "", generation, prev, now)
+    elif not rolled or updated < desired_replicas or total > updated:
+        progressing = _make("Progressing", True, "RollingOut",
+                            f"{updated}/{desired_replicas} replicas updated, {total} total", generation, prev, now)
+    elif total > desired_replicas:
+        progressing = _make("Progressing", True, "ScalingDown", f"{total} replicas, want {desired_replicas}",
+                            generation, prev, now)
+    elif ready < desired_replicas:
+        progressing = _make("Progressing", True, "WaitingForReplicas", counts, generation, prev, now)
+    else:
+        progressing = _make("Progressing", False, "Complete", counts, generation, prev, now)
+
+    # Ready: can the URL serve a request now?
+    if deployment is None:
+        reason = problems[0].reason if problems else "Creating"
+        readyc = _make("Ready", False, reason, "no worker Deployment", generation, prev, now)
+    elif desired_replicas == 0 and ready == 0:
+        readyc = _make("Ready", False, "ScaledToZero", "spec.replicas is 0", generation, prev, now)
+    elif ready >= 1 and ready >= desired_replicas:
+        readyc = _make("Ready", True, "AllReplicasReady", counts, generation, prev, now)
+    elif ready >= 1:
+        readyc = _make("Ready", True, "MinimumReplicasReady", counts, generation, prev, now)
+    else:
+        readyc = _make("Ready", False, "NoReplicasReady", counts, generation, prev, now)
+
+    return {
+        "observedGeneration": generation,
+        "conditions": [readyc, progressing, degraded],
+        "replicas": total,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "selector": resources.selector_string(name),
+        "url": resources.service_url(name, namespace) if service_exists else None,
+    }
+
+
+def status_changed(current: Optional[dict[str, Any]], new: dict[str, Any]) -> bool:
+    """Whether writing ``new`` would change ``current`` (only the keys in ``new`` are compared)."""
+    current = current or {}
+    return any(current.get(k) != v for k, v in new.items())
