@@ -50,7 +50,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.cache_identity = cache_identity
+        self._cache_identity = cache_identity
         self._ref = [0] * num_blocks
         # Prefix-cache metadata of each block (None when the block holds no cached content).
         self._hash: list[bytes | None] = [None] * num_blocks
@@ -70,6 +70,17 @@ class BlockManager:
         """Build from an ``EngineConfig`` (num_blocks, block_size, prefix caching, identity)."""
         return cls(config.num_blocks, config.block_size, config.enable_prefix_caching,
                    config.cache_identity)
+
+    @property
+    def cache_identity(self) -> str:
+        """Model identity (name + revision) mixed into every block hash. Setting a new one (e.g.
+        after swapping weights) makes every block cached under the old identity unreachable."""
+        return self._cache_identity
+
+    @cache_identity.setter
+    def cache_identity(self, value: str) -> None:
+        self._cache_identity = value
+        self._identity_cache.clear()
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -99,9 +110,12 @@ class BlockManager:
     def _identity(self, cache_salt: str | None) -> bytes:
         ident = self._identity_cache.get(cache_salt)
         if ident is None:
-            raw = self.cache_identity.encode() + b"\x00" + (
-                b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode())
-            ident = hashlib.blake2b(raw, digest_size=32).digest()
+            # Length-prefixed fields, so no (identity, salt) pair can spell another one.
+            h = hashlib.blake2b(digest_size=32)
+            for part in (self._cache_identity, cache_salt):
+                raw = b"" if part is None else part.encode()
+                h.update(b"\x00" if part is None else b"\x01" + len(raw).to_bytes(8, "little") + raw)
+            ident = h.digest()
             if len(self._identity_cache) < 4096:  # salts are per tenant; bound the memo anyway
                 self._identity_cache[cache_salt] = ident
         return ident
