@@ -1,0 +1,148 @@
+"""Torch reference attention over the paged KV cache (the CPU default backend).
+
+For every sequence of a flat mixed batch, gather its blocks via the block table and run
+``F.scaled_dot_product_attention``: queries attend causally within their own chunk and fully to
+the context cached before it (PagedAttention, Kwon et al. 2023; the varlen layout of vLLM's
+flash-attn metadata). Decode rows (query length 1) are batched into one gather and one SDPA call
+with a key-padding mask, so a decode step costs O(1) Python calls per layer, not O(batch).
+
+GQA without copying K/V per query head: the ``g = n_heads // n_kv_heads`` query heads that share
+a KV head are laid out as extra query rows of that KV head (query head h reads KV head h // g).
+Softmax precision: float32 caches use float32 throughout; for bf16/fp16 torch's CPU SDPA
+kernels accumulate the softmax in float32 (opmath), and the math fallback upcasts likewise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from goodput.worker.model.attention.base import AttentionMetadata
+
+
+@dataclass
+class _PrefillSeq:
+    q_start: int
+    q_end: int
+    seq_len: int
+    context_len: int
+    blocks: torch.Tensor          # [ceil(seq_len / block_size)] physical block ids
+    mask: torch.Tensor | None     # [q_len, seq_len] bool, None = plain causal (no cached context)
+
+
+@dataclass
+class _Plan:
+    """Per-step gather indices and masks, shared by every layer of the step."""
+
+    dec_rows: torch.Tensor | None   # [Bd] query rows of decode sequences (None: rows 0..Bd-1)
+    num_dec: int
+    dec_blocks: torch.Tensor | None  # [Bd, nb] block ids
+    dec_mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] bool, True = attend
+    prefills: list[_PrefillSeq]
+
+
+class TorchReferenceBackend:
+    """Paged attention in plain torch; implements ``attention.base.AttentionBackend``."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan_block_size = 0
+        self._plan: _Plan | None = None
+
+    # -- KV write --------------------------------------------------------------------------
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter k, v [T, n_kv, d] into the caches at flat slots ``slot_mapping`` (< 0 skipped)."""
+        if slot_mapping.numel() == 0:
+            return
+        kc = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+        vc = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+        slots = slot_mapping
+        if bool((slots < 0).any()):
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        kc.index_copy_(0, slots, k.to(kc.dtype))
+        vc.index_copy_(0, slots, v.to(vc.dtype))
+
+    # -- attention -------------------------------------------------------------------------
+    def _make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+        qsl = meta.query_start_loc_list
+        if qsl is None:
+            qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens_list
+        if seq_lens is None:
+            seq_lens = meta.seq_lens.tolist()
+        dec, pre = [], []
+        for i in range(len(seq_lens)):
+            qlen = qsl[i + 1] - qsl[i]
+            if qlen == 1:
+                dec.append(i)
+            elif qlen > 1:
+                pre.append(i)
+        plan = _Plan(None, len(dec), None, None, [])
+        if dec:
+            rows = [qsl[i] for i in dec]
+            if rows != list(range(len(dec))):
+                plan.dec_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            lens = torch.tensor([seq_lens[i] for i in dec], dtype=torch.long, device=device)
+            nb = -(-max(seq_lens[i] for i in dec) // block_size)
+            idx = torch.tensor(dec, dtype=torch.long, device=device)
+            plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long()
+            pos = torch.arange(nb * block_size, device=device)
+            plan.dec_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        for i in pre:
+            s, e, sl = qsl[i], qsl[i + 1], seq_lens[i]
+            ctx = sl - (e - s)
+            nb = -(-sl // block_size)
+            blocks = meta.block_tables[i, :nb].long()
+            mask = None
+            if ctx > 0:
+                qpos = torch.arange(ctx, sl, device=device)
+                mask = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
+            plan.prefills.append(_PrefillSeq(s, e, sl, ctx, blocks, mask))
+        return plan
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, n_heads, d] -> [T, n_heads, d] (rows of zero-length sequences untouched: zeros)."""
+        T, H, D = q.shape
+        block_size, KV = k_cache.shape[1], k_cache.shape[2]
+        g = H // KV
+        if meta is not self._plan_meta or block_size != self._plan_block_size:
+            self._plan = self._make_plan(meta, block_size, q.device)
+            self._plan_meta, self._plan_block_size = meta, block_size
+        plan = self._plan
+        assert plan is not None
+        out = q.new_zeros(T, H, D) if plan.num_dec + sum(p.q_end - p.q_start for p in plan.prefills) < T \
+            else torch.empty_like(q)
+
+        if plan.num_dec:
+            B = plan.num_dec
+            qd = q[:B] if plan.dec_rows is None else q.index_select(0, plan.dec_rows)
+            qd = qd.view(B, KV, g, D)
+            S = plan.dec_blocks.shape[1] * block_size
+            kd = k_cache[plan.dec_blocks].view(B, S, KV, D).transpose(1, 2)
+            vd = v_cache[plan.dec_blocks].view(B, S, KV, D).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
+            od = od.reshape(B, H, D)
+            if plan.dec_rows is None:
+                out[:B] = od
+            else:
+                out.index_copy_(0, plan.dec_rows, od)
+
+        for p in plan.prefills:
+            n = p.q_end - p.q_start
+            qp = q[p.q_start:p.q_end].view(n, KV, g, D).permute(1, 2, 0, 3)          # [KV, g, n, D]
+            kp = k_cache[p.blocks].view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)      # [KV, S, D]
+            vp = v_cache[p.blocks].view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)
+            kp = kp.unsqueeze(1).expand(KV, g, p.seq_len, D)
+            vp = vp.unsqueeze(1).expand(KV, g, p.seq_len, D)
+            if p.mask is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
+            out[p.q_start:p.q_end] = op.permute(2, 0, 1, 3).reshape(n, H, D)
+        return out

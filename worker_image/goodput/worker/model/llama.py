@@ -1,0 +1,124 @@
+"""Llama forward pass over a flat mixed batch with a paged KV cache.
+
+Architecture (Touvron et al. 2023, "LLaMA"): token embedding; per layer
+``x += W_o · Attn(RoPE(W_q·n(x)), RoPE(W_k·n(x)), W_v·n(x))`` and
+``x += W_down · (SiLU(W_gate·n(x)) ⊙ W_up·n(x))`` with RMSNorm n (Zhang & Sennrich 2019);
+final RMSNorm and the LM head (tied to the embedding when the file has no ``output.weight``).
+RoPE (Su et al. 2021) in the rotate-half convention of Hugging Face's Llama, theta from the
+GGUF metadata. Grouped-query attention (Ainslie et al. 2023) through an attention backend
+(``attention/base.py``) over the paged cache.
+
+CPU speed: Q/K/V and gate/up projections are fused into one matmul each (weights concatenated
+at load), RoPE cos/sin are gathered once per step, and logits are computed only for the rows
+that sample. Numerics follow Hugging Face's LlamaForCausalLM: RMSNorm in float32 then cast,
+cos/sin computed in float32 and cast to the model dtype, residual stream in the model dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
+from goodput.worker.model.config import ModelConfig
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor   # [D]
+    w_qkv: torch.Tensor       # [(H + 2·KV)·d, D]
+    w_o: torch.Tensor         # [D, H·d]
+    ffn_norm: torch.Tensor    # [D]
+    w_gate_up: torch.Tensor   # [2·I, D]
+    w_down: torch.Tensor      # [D, I]
+
+
+class LlamaModel:
+    """Llama decoder for inference; weights are plain tensors in the serving dtype.
+
+    tensors: GGUF-named float tensors in torch ``[out, in]`` layout with Q/K rows already in
+    rotate-half order (see ``gguf_loader``); they are moved/cast to ``dtype`` on ``device`` and the
+    per-layer Q/K/V and gate/up weights are concatenated (the originals can then be freed).
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return tensors[name].to(device=self.device, dtype=dtype)
+
+        self.embed = w("token_embd.weight")
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            self.layers.append(_Layer(
+                attn_norm=w(p + "attn_norm.weight"),
+                w_qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
+                w_o=w(p + "attn_output.weight").contiguous(),
+                ffn_norm=w(p + "ffn_norm.weight"),
+                w_gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
+                w_down=w(p + "ffn_down.weight").contiguous(),
+            ))
+        self.norm = w("output_norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("output.weight")
+
+        # RoPE tables [max_pos, d/2] in float32 (cast per step, as HF casts cos/sin to x's dtype)
+        d = c.head_dim
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        pos = torch.arange(c.max_position_embeddings, dtype=torch.int64).float()
+        if c.rope_scaling_type == "linear":
+            pos = pos / c.rope_scaling_factor
+        freqs = torch.outer(pos, inv_freq)
+        self._cos = freqs.cos().to(self.device)
+        self._sin = freqs.sin().to(self.device)
+        self.scale = d ** -0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for the selected rows of a flat batch.
+
+        input_ids, positions: int64 [T]; meta: the batch's AttentionMetadata; kv_caches: per layer
+        (k_cache, v_cache) [num_blocks, block_size, n_kv, d] (written in place with the new
+        tokens' K/V); logits_indices: int64 [S] rows whose logits are wanted (None = all T).
+        Returns float32 [S, vocab_size].
+        """
+        c = self.config
+        H, KV, d = c.num_heads, c.num_kv_heads, c.head_dim
+        T = input_ids.shape[0]
+        half = d // 2
+        cos = self._cos.index_select(0, positions).to(self.dtype)[:, None, :]   # [T, 1, d/2]
+        sin = self._sin.index_select(0, positions).to(self.dtype)[:, None, :]
+        I = c.intermediate_size
+
+        x = self.embed.index_select(0, input_ids)                                # [T, D]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = self._rms_norm(x, layer.attn_norm)
+            qkv = F.linear(h, layer.w_qkv)                                       # [T, (H+2KV)·d]
+            qk = qkv[:, :(H + KV) * d].view(T, H + KV, d)
+            x1, x2 = qk[..., :half], qk[..., half:]
+            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)   # rotate-half RoPE
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + KV) * d:].view(T, KV, d)
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = backend.forward(q, k_cache, v_cache, meta, self.scale)             # [T, H, d]
+            x = x + F.linear(o.reshape(T, H * d), layer.w_o)
+            h = self._rms_norm(x, layer.ffn_norm)
+            gu = F.linear(h, layer.w_gate_up)                                    # [T, 2I]
+            x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], layer.w_down)
+
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        x = self._rms_norm(x, self.norm)
+        return F.linear(x, self.lm_head).float()

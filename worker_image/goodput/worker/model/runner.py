@@ -1,0 +1,194 @@
+"""Model runner: turns a SchedulerOutput into one flat forward pass and sampled tokens.
+
+A step's chunks (decodes first, then prefill chunks; see ``engine/outputs.py``) are laid out
+back to back: ``input_ids`` and ``positions`` [T], the flat KV ``slot_mapping`` [T]
+(``block_table[p // block_size] * block_size + p % block_size``), and per sequence
+``query_start_loc`` [B+1], ``seq_lens``, ``context_lens`` and a padded ``block_tables`` [B, nb]
+(the varlen layout of vLLM / flash-attn). Logits are computed only for chunks with
+``sample=True`` (the last row of each), then the sampler draws one token per such chunk.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
+from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
+from goodput.worker.model.gguf_loader import load_gguf, parse_dtype
+from goodput.worker.model.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_token,
+                                           num_blocks_for_budget)
+from goodput.worker.model.llama import LlamaModel
+from goodput.worker.model.sampler import Sampler
+from goodput.worker.model.tokenizer import GGUFTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` -> cuda when available else cpu; ValueError for an unavailable device."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
+    """An AttentionBackend from a name ("auto" | "torch" | "triton") or an instance."""
+    if not isinstance(name, str):
+        return name
+    try:
+        from goodput.worker.model.attention.selector import select_backend
+    except ImportError:
+        select_backend = None
+    if select_backend is not None:
+        return select_backend(name, device)
+    if name in ("torch", "auto"):
+        from goodput.worker.model.attention.torch_ref import TorchReferenceBackend
+        return TorchReferenceBackend()
+    raise ValueError(f"attention backend {name!r} is not available (have: torch)")
+
+
+class ModelRunner:
+    """Loads a GGUF model, allocates the paged KV cache and executes scheduler steps.
+
+    model: bundled name (e.g. "smollm2") or path to a llama-architecture ``.gguf``.
+    dtype: "float32" | "bfloat16" (| "float16"); weights, activations and KV cache.
+    device: "cpu" | "cuda" | "auto". kv_cache_memory_bytes: KV budget; the pool gets
+    ``floor(budget / (bytes_per_token · block_size))`` blocks (``num_blocks`` overrides it).
+    attention_backend: "auto" | "torch" | "triton" or an AttentionBackend instance.
+    weight_cache_dir: see ``gguf_loader.load_gguf`` (None = default, False = off).
+    seed: seed of the generator used by requests without their own seed.
+
+    Attributes: model_config, tokenizer, revision, block_size, num_blocks,
+    kv_bytes_per_token, kv_cache_bytes, max_model_len (the model's context length),
+    load_seconds.
+    """
+
+    def __init__(self, model: str = "smollm2", dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", kv_cache_memory_bytes: int = 256 << 20,
+                 block_size: int = 16, attention_backend: str | AttentionBackend = "auto",
+                 num_blocks: int | None = None, weight_cache_dir: Any = None,
+                 seed: int | None = None):
+        t0 = time.perf_counter()
+        self.dtype = parse_dtype(dtype)
+        self.device = resolve_device(device)
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        loaded = load_gguf(model, self.dtype, cache_dir=weight_cache_dir)
+        self.model_path = loaded.path
+        self.revision = loaded.revision
+        self.model_config = loaded.config
+        self.tokenizer = GGUFTokenizer(loaded.metadata)
+        self.model = LlamaModel(loaded.config, loaded.tensors, self.dtype, self.device)
+        del loaded
+        c = self.model_config
+        self.block_size = block_size
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                           dtype_bytes)
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(kv_cache_memory_bytes, c.num_layers, c.num_kv_heads,
+                                               c.head_dim, dtype_bytes, block_size)
+        elif num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = int(num_blocks)
+        self.kv_cache_bytes = self.num_blocks * block_size * self.kv_bytes_per_token
+        self.kv_caches = allocate_kv_caches(c.num_layers, self.num_blocks, block_size, c.num_kv_heads,
+                                            c.head_dim, self.dtype, self.device)
+        self.attention_backend = make_attention_backend(attention_backend, self.device)
+        self.max_model_len = c.max_position_embeddings
+        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id, seed=seed, device=self.device)
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s (%s, rev %s) in %.1fs: %d KV blocks x %d tokens = %d tokens, %d B/token",
+                 c.name, self.dtype, self.revision[:12], self.load_seconds, self.num_blocks, block_size,
+                 self.num_blocks * block_size, self.kv_bytes_per_token)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _build_inputs(self, sched_out: SchedulerOutput):
+        bs, V, max_len = self.block_size, self.model_config.vocab_size, self.max_model_len
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[tuple[int, ...]] = []
+        logits_rows: list[int] = []
+        sample_idx: list[int] = []
+        seen: set[str] = set()
+        for ci, ch in enumerate(sched_out.chunks):
+            if ch.request_id in seen:
+                raise ValueError(f"request {ch.request_id!r} appears twice in one step")
+            seen.add(ch.request_id)
+            n, start = len(ch.token_ids), ch.start_pos
+            if n == 0:
+                raise ValueError(f"request {ch.request_id!r}: empty chunk")
+            end = start + n
+            if start < 0 or end > max_len:
+                raise ValueError(f"request {ch.request_id!r}: positions [{start}, {end}) outside the "
+                                 f"model's context length {max_len}")
+            bt = ch.block_table
+            if len(bt) * bs < end:
+                raise ValueError(f"request {ch.request_id!r}: block table of {len(bt)} blocks covers "
+                                 f"{len(bt) * bs} positions, needs {end}")
+            if min(bt) < 0 or max(bt) >= self.num_blocks:
+                raise ValueError(f"request {ch.request_id!r}: block id outside [0, {self.num_blocks})")
+            if min(ch.token_ids) < 0 or max(ch.token_ids) >= V:
+                raise ValueError(f"request {ch.request_id!r}: token id outside the vocabulary [0, {V})")
+            input_ids.extend(ch.token_ids)
+            positions.extend(range(start, end))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            ctx_lens.append(start)
+            tables.append(bt)
+            if ch.sample:
+                logits_rows.append(qsl[-1] - 1)
+                sample_idx.append(ci)
+        nb = max(len(t) for t in tables)
+        dev = self.device
+        i32, i64 = torch.int32, torch.int64
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=i32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=i32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=i32, device=dev),
+            block_tables=torch.tensor([list(t) + [0] * (nb - len(t)) for t in tables], dtype=i32,
+                                      device=dev),
+            slot_mapping=torch.tensor(slots, dtype=i64, device=dev),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(seq_lens),
+            query_start_loc_list=qsl,
+            seq_lens_list=seq_lens,
+        )
+        return (torch.tensor(input_ids, dtype=i64, device=dev), torch.tensor(positions, dtype=i64, device=dev),
+                meta, torch.tensor(logits_rows, dtype=i64, device=dev), sample_idx)
+
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: write every chunk's KV, sample one token per ``sample=True`` chunk.
+
+        Raises ValueError (naming the request) for a malformed chunk: empty, positions past the
+        context length, a block table too short or with ids outside the pool, token ids outside
+        the vocabulary, or a request twice in one step. Nothing is written in that case.
+        """
+        if sched_out.is_empty:
+            return RunnerOutput()
+        input_ids, positions, meta, logits_rows, sample_idx = self._build_inputs(sched_out)
+        if not sample_idx:
+            logits_rows = logits_rows[:0]
+        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend,
+                                    logits_rows)
+        if not sample_idx:
+            return RunnerOutput()
+        chunks = [sched_out.chunks[i] for i in sample_idx]
+        tokens, logprobs = self.sampler.sample(logits, [c.sampling_params for c in chunks],
+                                               [c.num_output_tokens for c in chunks])
+        return RunnerOutput(sampled_token_ids={c.request_id: t for c, t in zip(chunks, tokens)},
+                            logprobs={c.request_id: lp for c, lp in zip(chunks, logprobs)})

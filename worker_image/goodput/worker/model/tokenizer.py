@@ -1,0 +1,183 @@
+"""Tokenizer built from GGUF metadata with Hugging Face ``tokenizers``; chat template via jinja2.
+
+Byte-level BPE (``tokenizer.ggml.model == "gpt2"``, GPT-2 style, Radford et al. 2019): the
+vocabulary (``tokenizer.ggml.tokens``) is already spelled in GPT-2's byte-to-unicode alphabet,
+``tokenizer.ggml.merges`` lists the merge rules best-first, ``tokenizer.ggml.token_type`` marks
+CONTROL (3) tokens such as ``<|im_start|>`` (added as special tokens, matched whole in text)
+and USER_DEFINED (4) tokens (matched whole, not special). The text is split before BPE the way
+llama.cpp does for the file's ``tokenizer.ggml.pre`` (e.g. digits one by one for "smollm").
+
+The chat template is the Jinja2 source in ``tokenizer.chat_template``, rendered in a sandbox with
+the variables Hugging Face's ``apply_chat_template`` provides (messages, add_generation_prompt,
+bos_token, eos_token, raise_exception, tojson).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from goodput.worker.model.config import UnsupportedModelError
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split regexes by ``tokenizer.ggml.pre`` (the rules llama.cpp applies).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_REGEX_SPLIT_PRES = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                     "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT}
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, raised an exception, or the messages are malformed."""
+
+
+class GGUFTokenizer:
+    """Encode/decode text and render chat prompts for a GGUF model.
+
+    Attributes: vocab_size, bos_token_id, eos_token_id, pad_token_id (None when absent),
+    add_bos_token (whether :meth:`encode` prepends BOS by default), chat_template (str or None),
+    backend (the ``tokenizers.Tokenizer``), special_token_ids (CONTROL tokens).
+    """
+
+    def __init__(self, metadata: Mapping[str, Any]):
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        merges = metadata.get("tokenizer.ggml.merges")
+        if not merges:
+            raise UnsupportedModelError("byte-level BPE GGUF has no tokenizer.ggml.merges")
+        types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        self.vocab_size = len(tokens)
+        self._tokens = tokens
+
+        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                  merges=[tuple(m.split(" ", 1)) for m in merges],
+                                  fuse_unk=False))
+        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in _REGEX_SPLIT_PRES:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_REGEX_SPLIT_PRES[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre in _DIGIT_SPLIT_PRES:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tk.pre_tokenizer = byte_level
+        tk.decoder = decoders.ByteLevel()
+        control = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        if user:
+            tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        self.backend = tk
+        self.special_token_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
+
+        def opt(key: str) -> int | None:
+            v = metadata.get(key)
+            return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+
+        self.bos_token_id = opt("tokenizer.ggml.bos_token_id")
+        self.eos_token_id = opt("tokenizer.ggml.eos_token_id")
+        self.pad_token_id = opt("tokenizer.ggml.padding_token_id")
+        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) \
+            and self.bos_token_id is not None
+        self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
+
+    # ---- tokens <-> ids -------------------------------------------------------------------
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._tokens[self.bos_token_id]
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self._tokens[self.eos_token_id]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in the text (e.g. ``<|im_start|>``) map to
+        their ids. With add_special_tokens, BOS is prepended when the GGUF asks for it
+        (``tokenizer.ggml.add_bos_token``). TypeError for non-str input."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token:
+            ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; ValueError naming the first id outside ``[0, vocab_size)``.
+
+        Bytes of an incomplete UTF-8 sequence at the end decode to U+FFFD (the incremental
+        detokenizer holds such tails back)."""
+        ids = list(ids)
+        for i in ids:
+            if not 0 <= int(i) < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary spellings (byte-level alphabet) of ``ids``."""
+        return [self._tokens[i] for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # ---- chat ----------------------------------------------------------------------------
+    @cached_property
+    def _compiled_template(self) -> Any:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not self.chat_template:
+            raise ChatTemplateError("the model has no chat template (tokenizer.chat_template)")
+
+        def raise_exception(message: str) -> None:
+            raise ChatTemplateError(f"chat template error: {message}")
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        # trim_blocks / lstrip_blocks as Hugging Face renders chat templates
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's template.
+
+        Returns the prompt text, or its token ids when ``tokenize`` (special tokens in the text
+        become their ids; no extra BOS is added — the template writes what it needs).
+        Raises ChatTemplateError for no template, malformed messages or a template error.
+        """
+        from jinja2 import TemplateError
+
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+            raise ChatTemplateError("messages must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
+        try:
+            text = self._compiled_template.render(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, TypeError, KeyError, AttributeError) as e:
+            raise ChatTemplateError(f"chat template failed to render: {e}") from e
+        return self.encode(text, add_special_tokens=False) if tokenize else text
