@@ -1,0 +1,1 @@
+"""FastAPI server of a worker: OpenAI routes, SSE streaming, metrics, admin."""

@@ -1,0 +1,80 @@
+"""Admin routes: runtime admission limits and engine state (used by the autoscaler).
+
+``GET /admin/limits`` and ``GET /admin/state`` are read-only and open (the same facts as
+``/metrics``). ``PUT /admin/limits`` needs ``Authorization: Bearer <GOODPUT_ADMIN_TOKEN>``: 401
+without it or with a wrong token; when the worker was started without ``GOODPUT_ADMIN_TOKEN`` all
+admin writes are refused with 403 (there is no way to authenticate them).
+"""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, Request
+
+from goodput.worker.server.errors import APIError
+from goodput.worker.server.protocol import AdminLimits
+
+router = APIRouter(prefix="/admin")
+
+
+def _require_admin(request: Request) -> None:
+    st = request.app.state.server
+    if st.admin_token is None:
+        raise APIError(403, "admin writes are disabled: start the worker with GOODPUT_ADMIN_TOKEN set "
+                            "and send it as 'Authorization: Bearer <token>'")
+    auth = request.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), st.admin_token.encode()):
+        raise APIError(401, "missing or wrong admin bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _limits(st) -> dict[str, int]:
+    s = st.llm.scheduler_stats()
+    return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting}
+
+
+@router.get("/limits")
+async def get_limits(request: Request) -> dict[str, int]:
+    st = request.app.state.server
+    st.require_engine()
+    return _limits(st)
+
+
+@router.put("/limits")
+async def put_limits(body: AdminLimits, request: Request) -> dict[str, int]:
+    """Set ``max_num_seqs`` and/or ``max_waiting`` (omitted = unchanged); returns the limits in force.
+    Lowering ``max_num_seqs`` preempts nothing: it only stops admitting until the running set shrinks."""
+    _require_admin(request)
+    st = request.app.state.server
+    st.require_engine()
+    try:
+        st.llm.set_limits(max_num_seqs=body.max_num_seqs, max_waiting=body.max_waiting)
+    except ValueError as e:
+        raise APIError(400, str(e))
+    return _limits(st)
+
+
+@router.get("/state")
+async def get_state(request: Request) -> dict:
+    """Engine state (running | waiting | rejecting | blocked), queue sizes, KV blocks, limits, counters."""
+    st = request.app.state.server
+    st.require_engine()
+    s = st.llm.stats()
+    return {
+        "model": st.model_name,
+        "engine_state": s.engine_state,
+        "running": s.running,
+        "waiting": s.waiting,
+        "kv_blocks_used": s.kv_blocks_used,
+        "kv_blocks_total": s.kv_blocks_total,
+        "kv_cache_usage_ratio": s.kv_cache_usage_ratio,
+        "block_size": st.llm.config.block_size,
+        "max_model_len": st.llm.config.max_model_len,
+        "limits": {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
+        "counters": {
+            "admitted": s.admitted, "rejected": s.rejected, "finished": s.finished,
+            "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens, "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits, "steps": st.llm.num_steps,
+        },
+    }

@@ -1,0 +1,139 @@
+"""The worker's FastAPI application: the model loads in the lifespan, in the background.
+
+While the model loads, ``GET /health`` answers 200 ``{"status": "loading"}`` (the process is
+alive and making progress) and ``GET /ready`` answers 503; inference routes answer 503. Once
+loaded, ``/health`` is the engine loop's heartbeat (503 when the loop died) and ``/ready`` is 200.
+A failed load makes both 503 (the error is in the body and the log).
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``
+(server/openai_routes.py); ``/admin/limits``, ``/admin/state`` (server/admin.py); ``/health``,
+``/ready``, ``/metrics`` (here).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from goodput.worker.llm_engine import AsyncLLMEngine, EngineArgs, LLMEngine
+from goodput.worker.server.errors import APIError, install_error_handlers
+
+log = logging.getLogger("goodput.worker.server")
+
+ADMIN_TOKEN_ENV = "GOODPUT_ADMIN_TOKEN"
+
+
+class ServerState:
+    """Everything the routes need; ``app.state.server``."""
+
+    def __init__(self, args: EngineArgs, admin_token: str | None):
+        self.args = args
+        self.model_name = args.model_name
+        self.admin_token = admin_token or None
+        self.created = int(time.time())
+        self.llm: LLMEngine | None = None
+        self.engine: AsyncLLMEngine | None = None
+        self.load_error: BaseException | None = None
+        self.loader: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_healthy()
+
+    def require_engine(self) -> AsyncLLMEngine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error!r}")
+            raise APIError(503, "the model is still loading; retry when GET /ready returns 200",
+                           headers={"Retry-After": "5"})
+        if not self.engine.is_healthy():
+            raise APIError(503, f"the engine loop is not running ({self.engine.error!r})")
+        return self.engine
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.llm.config.max_model_len if self.llm is not None else None
+
+
+def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngine] | None = None,
+               admin_token: str | None = None) -> FastAPI:
+    """Build the app. ``engine_factory`` (default :meth:`LLMEngine.from_args`) loads the model;
+    ``admin_token`` defaults to the ``GOODPUT_ADMIN_TOKEN`` environment variable."""
+    factory = engine_factory or LLMEngine.from_args
+    token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
+    state = ServerState(args, token)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+
+        def load() -> None:
+            t0 = time.monotonic()
+            try:
+                llm = factory(args)
+            except BaseException as exc:  # noqa: BLE001 - reported by /health and /ready
+                log.exception("model load failed")
+                state.load_error = exc
+                return
+            eng = AsyncLLMEngine(llm)
+            eng.start(loop)
+            state.llm, state.engine = llm, eng
+            log.info("model %s loaded in %.1f s; ready", args.model_name, time.monotonic() - t0)
+
+        state.loader = threading.Thread(target=load, name="goodput-model-load", daemon=True)
+        state.loader.start()
+        try:
+            yield
+        finally:
+            if state.engine is not None:
+                state.engine.shutdown()
+
+    app = FastAPI(title="goodput worker", lifespan=lifespan)
+    app.state.server = state
+
+    def count_invalid(request: Request) -> None:
+        if request.url.path in ("/v1/completions", "/v1/chat/completions") and state.llm is not None:
+            state.llm.count_invalid()
+
+    install_error_handlers(app, count_invalid)
+
+    from goodput.worker.server.admin import router as admin_router
+    from goodput.worker.server.openai_routes import router as openai_router
+    app.include_router(openai_router)
+    app.include_router(admin_router)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "error": repr(state.load_error)}, status_code=503)
+        if state.engine is None:
+            return JSONResponse({"status": "loading"})
+        if not state.engine.is_healthy():
+            return JSONResponse({"status": "dead", "error": repr(state.engine.error)}, status_code=503)
+        return JSONResponse({"status": "ok",
+                             "heartbeat_age_s": round(time.monotonic() - state.engine.heartbeat, 3)})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"status": "ready", "model": state.model_name})
+        body: dict[str, Any] = {"status": "loading" if state.load_error is None else "error"}
+        if state.load_error is not None:
+            body["error"] = repr(state.load_error)
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.llm is None or state.llm.metrics is None:
+            return Response("# model not loaded yet\n", status_code=503, media_type="text/plain")
+        return Response(state.llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,102 @@
+"""HTTP errors in the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+
+Status codes: 400 bad or unsupported input (including requests that can never fit: prompt +
+max_tokens > max_model_len, or more KV blocks than the pool), 401/403 admin auth, 404 unknown
+model or route, 429 waiting queue full (with ``Retry-After``), 503 model loading or engine dead.
+Validation errors use 400 (not FastAPI's default 422 shape) with a message naming the field.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from goodput.worker.engine.scheduler import AdmissionError
+from goodput.worker.server.protocol import UnsupportedParameter, error_body
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """Raise from a handler to answer ``status`` with the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+        self.type = type_ or _TYPES.get(status, "invalid_request_error")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+    @classmethod
+    def from_admission(cls, e: AdmissionError) -> APIError:
+        if e.reason == "queue_full":
+            retry = max(1, math.ceil(e.retry_after or 1))
+            return cls(429, f"Server is at capacity: {e.message}. Retry after {retry} s.",
+                       code="queue_full", headers={"Retry-After": str(retry)})
+        param = "max_tokens" if e.reason == "never_fits" and "max_tokens" in e.message else None
+        if e.reason == "invalid" and "prompt" in e.message:
+            param = "prompt"
+        return cls(400, e.message, param=param, code=e.reason)
+
+    @classmethod
+    def unsupported(cls, e: UnsupportedParameter) -> APIError:
+        return cls(400, str(e), param=e.param, code="unsupported_parameter")
+
+
+def _loc_name(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message naming the field(s), and the first field as ``param``."""
+    msgs, first = [], None
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        typ = err.get("type", "")
+        name = _loc_name(loc)
+        if typ == "json_invalid":
+            msgs.append(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip())
+            continue
+        if typ == "extra_forbidden":
+            msgs.append(f"Unsupported parameter: '{name}' is not recognized by this server")
+        elif typ == "missing":
+            msgs.append(f"'{name}' is a required parameter")
+        else:
+            msgs.append(f"'{name}': {err.get('msg', 'invalid value')}")
+        if first is None and name:
+            first = name
+    return "; ".join(dict.fromkeys(msgs)) or "invalid request", first
+
+
+def install_error_handlers(app, on_invalid=None) -> None:
+    """Make every error an OpenAI error body. ``on_invalid(request)`` is called for 400s that
+    come from request validation (so ``rejected{reason="invalid"}`` counts them)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        if on_invalid is not None:
+            on_invalid(request)
+        message, param = validation_message(exc)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"{request.method} {request.url.path} not found"
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None) or {}).response()

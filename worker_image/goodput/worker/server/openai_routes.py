@@ -1,0 +1,227 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/tokenize``.
+
+One request = one engine request (n=1). Streaming answers are server-sent events with one event
+per generated token (its text may be empty while a multi-byte character or a possible stop-string
+prefix is held back), the finish reason on the last token's event, an optional usage event
+(``stream_options.include_usage``) and ``data: [DONE]``. Chat streams start with one extra event
+carrying ``{"role": "assistant"}``. ``usage.completion_tokens`` counts generated token ids (never
+re-tokenized text). A client that disconnects aborts its request, freeing its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from goodput.worker.engine.scheduler import AdmissionError
+from goodput.worker.llm_engine import EngineDeadError, RequestDelta, RequestStream
+from goodput.worker.server import sse
+from goodput.worker.server.errors import APIError
+from goodput.worker.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                            ChatCompletionRequest, ChatCompletionResponse,
+                                            ChatMessageOut, CompletionChoice, CompletionRequest,
+                                            CompletionResponse, DeltaMessage, ModelCard, ModelList,
+                                            TokenizeRequest, UnsupportedParameter, UsageInfo,
+                                            error_body, new_id, now_s)
+
+router = APIRouter()
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+
+
+def _state(request: Request):
+    return request.app.state.server
+
+
+def _check_model(st, model: str | None) -> None:
+    if model is not None and model != st.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{st.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def _invalid(st, err: APIError) -> APIError:
+    if st.llm is not None:
+        st.llm.count_invalid()
+    return err
+
+
+def _chat_messages(body_messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.text()} for m in body_messages]
+
+
+def _render_chat(st, messages) -> list[int]:
+    from goodput.worker.model.tokenizer import ChatTemplateError
+    try:
+        return list(st.llm.tokenizer.apply_chat_template(_chat_messages(messages),
+                                                         add_generation_prompt=True, tokenize=True))
+    except ChatTemplateError as e:
+        raise _invalid(st, APIError(400, str(e), param="messages"))
+
+
+def _admit(st, body, prompt_ids: list[int], max_tokens: int, arrival: float) -> tuple[str, RequestStream]:
+    engine = st.require_engine()
+    try:
+        params = body.to_sampling_params(max_tokens)
+    except UnsupportedParameter as e:
+        raise _invalid(st, APIError.unsupported(e))
+    except ValueError as e:
+        raise _invalid(st, APIError(400, str(e)))
+    rid = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
+    try:
+        stream = engine.add_request(rid, prompt_ids, params, arrival_time=arrival,
+                                    priority=body.priority, cache_salt=body.cache_salt)
+    except AdmissionError as e:
+        raise APIError.from_admission(e)
+    except EngineDeadError as e:
+        raise APIError(503, str(e))
+    except (ValueError, TypeError) as e:
+        raise _invalid(st, APIError(400, str(e), param="prompt"))
+    return rid, stream
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, stream: RequestStream) -> tuple[str, list[int], RequestDelta]:
+    """Run a non-streamed request to the end; abort it if the client disconnects first."""
+    async def consume():
+        text, ids, last = [], [], None
+        async for d in stream:
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            last = d
+        return "".join(text), ids, last
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            stream.abort()
+            work.cancel()
+        gone.cancel()
+    if work.cancelled():
+        raise APIError(499, "client closed the request")
+    text, ids, last = work.result()
+    if last is not None and last.error:
+        raise APIError(500, last.error)
+    return text, ids, last
+
+
+async def _sse_stream(stream: RequestStream, first: list[bytes],
+                      chunk: Callable[[RequestDelta], Any], usage_chunk: Callable[[UsageInfo], Any] | None,
+                      prompt_tokens: int) -> AsyncIterator[bytes]:
+    n_out = 0
+    try:
+        for b in first:
+            yield b
+        async for d in stream:
+            if d.error:
+                yield sse.event(error_body(d.error, "internal_error"))
+                break
+            n_out = d.num_output_tokens
+            yield sse.event(chunk(d))
+        if usage_chunk is not None:
+            yield sse.event(usage_chunk(UsageInfo.of(prompt_tokens, n_out)))
+        yield sse.DONE
+    finally:
+        stream.abort()  # no-op when finished; a disconnect cancels us here and frees the blocks
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    st = _state(request)
+    return ModelList(data=[ModelCard(id=st.model_name, created=st.created, max_model_len=st.max_model_len)])
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request):
+    arrival = time.monotonic()
+    st = _state(request)
+    _check_model(st, body.model)
+    try:
+        body.check_supported()
+    except UnsupportedParameter as e:
+        raise _invalid(st, APIError.unsupported(e))
+    st.require_engine()
+    prompt = body.prompt_input()
+    prompt_ids = st.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    rid, stream = _admit(st, body, prompt_ids, max_tokens, arrival)
+    created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
+
+    if body.stream:
+        include_usage = body.include_usage
+
+        def chunk(d: RequestDelta) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=model, choices=[
+                CompletionChoice(text=d.text, finish_reason=d.finish_reason if d.finished else None)])
+
+        def usage_chunk(u: UsageInfo) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=u)
+
+        return StreamingResponse(_sse_stream(stream, [], chunk, usage_chunk if include_usage else None,
+                                             n_prompt), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+    text, ids, last = await _collect(request, stream)
+    return CompletionResponse(id=rid, created=created, model=model,
+                              choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+                              usage=UsageInfo.of(n_prompt, len(ids)))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    arrival = time.monotonic()
+    st = _state(request)
+    _check_model(st, body.model)
+    try:
+        body.check_supported()
+    except UnsupportedParameter as e:
+        raise _invalid(st, APIError.unsupported(e))
+    st.require_engine()
+    prompt_ids = _render_chat(st, body.messages)
+    max_tokens = body.requested_max_tokens
+    if max_tokens is None:  # as much as the context allows (admission names the numbers if none)
+        max_tokens = max(1, st.max_model_len - len(prompt_ids))
+    rid, stream = _admit(st, body, prompt_ids, max_tokens, arrival)
+    created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
+
+    if body.stream:
+        def chunk(d: RequestDelta) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
+                delta=DeltaMessage(content=d.text), finish_reason=d.finish_reason if d.finished else None)])
+
+        def usage_chunk(u: UsageInfo) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u)
+
+        first = [sse.event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]))]
+        return StreamingResponse(
+            _sse_stream(stream, first, chunk, usage_chunk if body.include_usage else None, n_prompt),
+            media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+    text, ids, last = await _collect(request, stream)
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=[
+        ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)],
+        usage=UsageInfo.of(n_prompt, len(ids)))
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    st = _state(request)
+    _check_model(st, body.model)
+    st.require_engine()
+    if body.messages is not None:
+        ids = _render_chat(st, body.messages)
+    else:
+        ids = st.llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})

@@ -1,0 +1,345 @@
+"""Pydantic models of the OpenAI-compatible HTTP API (requests, responses, errors).
+
+Request models are strict: an unknown field, or an OpenAI parameter this server does not
+implement (``n > 1``, ``best_of``, ``logit_bias``, ``logprobs``, presence/frequency penalties,
+``tools``, ``response_format`` other than text, ``echo``, ``suffix`` ...), is a 400 naming the
+parameter — never silently ignored. Extra (non-OpenAI) sampling parameters accepted as vLLM
+does: ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``cache_salt``,
+``priority``. Field semantics follow the OpenAI API reference for ``/v1/completions`` and
+``/v1/chat/completions``.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from goodput.worker.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class UnsupportedParameter(ValueError):
+    """An OpenAI parameter (or value) this server does not implement."""
+
+    def __init__(self, param: str, message: str | None = None):
+        self.param = param
+        super().__init__(message or f"Unsupported parameter: '{param}' is not supported by this server")
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+# -------------------------------------------------------------------------------------- requests
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for abuse tracking; it does not change generation
+    # Extra (non-OpenAI) parameters, as vLLM accepts them.
+    top_k: int = Field(default=0, ge=-1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v):
+        if v is None:
+            return v
+        items = [v] if isinstance(v, str) else v
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    def check_supported(self) -> None:
+        """Raise :class:`UnsupportedParameter` for OpenAI features not implemented here."""
+        if self.n != 1:
+            raise UnsupportedParameter("n", f"n={self.n} is not supported: only n=1")
+        if self.presence_penalty:
+            raise UnsupportedParameter("presence_penalty", "presence_penalty is not supported (must be 0)")
+        if self.frequency_penalty:
+            raise UnsupportedParameter("frequency_penalty", "frequency_penalty is not supported (must be 0)")
+        if self.logit_bias:
+            raise UnsupportedParameter("logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameter("stream_options", "stream_options is only allowed with stream=true")
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.min_tokens > max_tokens:
+            raise UnsupportedParameter(
+                "min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}")
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            max_tokens=max_tokens, stop=self.stop_list,
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element list
+    of either (batches of prompts need n>1-style fan-out and are refused)."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise UnsupportedParameter("echo")
+        if self.logprobs is not None:
+            raise UnsupportedParameter("logprobs")
+        if self.best_of not in (None, 1):
+            raise UnsupportedParameter("best_of", f"best_of={self.best_of} is not supported: only 1")
+        if self.suffix:
+            raise UnsupportedParameter("suffix")
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise UnsupportedParameter(
+                    "prompt", f"a batch of {len(self.prompt)} prompts is not supported: send one prompt")
+
+    def prompt_input(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            p = p[0]
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``; the prompt is the model's chat template over ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _one_max(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give max_tokens or max_completion_tokens, not both with different values")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise UnsupportedParameter("logprobs")
+        if self.top_logprobs is not None:
+            raise UnsupportedParameter("top_logprobs")
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                raise UnsupportedParameter(name, f"{name} is not supported (no tool calling)")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedParameter(
+                "response_format", f"response_format type {self.response_format.type!r} is not supported")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: ``prompt`` (raw text) or ``messages`` (rendered by the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class AdminLimits(BaseModel):
+    """``PUT /admin/limits``: runtime admission limits (omitted fields stay unchanged)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_waiting: int | None = Field(default=None, ge=0)
+
+
+# ------------------------------------------------------------------------------------- responses
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "goodput"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
