@@ -45,7 +45,7 @@ _BYTES_UNIT = {
 }
 
 
-def parse_bytes(value: Union[int, str]) -> int:
+def parse_bytes(value: int | str) -> int:
     """Parse a byte size: an int, or a string like ``"512Mi"``, ``"1GiB"``, ``"64M"``.
 
     Returns whole bytes. Raises ``ValueError`` naming the value when it is not a size.
@@ -75,7 +75,7 @@ class _Model(BaseModel):
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
 ByteSize = Annotated[
-    Union[int, str],
+    int | str,
     Field(description="bytes, or a string with a suffix: 512Mi, 1Gi, 64M"),
 ]
 
@@ -84,9 +84,9 @@ ByteSize = Annotated[
 class ModelVolume(_Model):
     """Where a ``.gguf`` file comes from: a PersistentVolumeClaim or a host path, mounted read-only."""
 
-    claim_name: Optional[str] = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
-    sub_path: Optional[str] = Field(None, description="subPath inside the volume")
-    host_path: Optional[str] = Field(None, min_length=1, description="directory on the node holding the model")
+    claim_name: str | None = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
+    sub_path: str | None = Field(None, description="subPath inside the volume")
+    host_path: str | None = Field(None, min_length=1, description="directory on the node holding the model")
     mount_path: str = Field("/models", pattern=r"^/", description="where the volume is mounted in the worker")
 
 
@@ -99,9 +99,9 @@ class ModelSource(_Model):
         description="a bundled model name (smollm2) or the path of a .gguf file inside the worker "
         "(usually under model.volume.mountPath)",
     )
-    revision: Optional[str] = Field(None, description="model revision; part of the prefix-cache identity")
-    served_model_name: Optional[str] = Field(None, min_length=1, description="name clients use in requests")
-    volume: Optional[ModelVolume] = None
+    revision: str | None = Field(None, description="model revision; part of the prefix-cache identity")
+    served_model_name: str | None = Field(None, min_length=1, description="name clients use in requests")
+    volume: ModelVolume | None = None
 
 
 class EngineSpec(_Model):
@@ -109,20 +109,20 @@ class EngineSpec(_Model):
 
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="worker container image")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    dtype: Optional[Literal["float32", "bfloat16"]] = Field(None, description="--dtype")
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="--dtype")
     block_size: int = Field(16, ge=1, le=256, description="--block-size: tokens per KV block")
-    max_num_seqs: Optional[int] = Field(None, ge=1, le=4096, description="--max-num-seqs: running-set cap")
-    max_num_batched_tokens: Optional[int] = Field(
+    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="--max-num-seqs: running-set cap")
+    max_num_batched_tokens: int | None = Field(
         None, ge=1, le=1048576, description="--max-num-batched-tokens: token budget per step"
     )
-    max_model_len: Optional[int] = Field(None, ge=1, le=1048576, description="--max-model-len (tokens)")
-    max_waiting: Optional[int] = Field(None, ge=0, le=1000000, description="--max-waiting: queue limit")
-    kv_cache_memory: Optional[ByteSize] = Field(None, description="--kv-cache-memory: KV pool size")
+    max_model_len: int | None = Field(None, ge=1, le=1048576, description="--max-model-len (tokens)")
+    max_waiting: int | None = Field(None, ge=0, le=1000000, description="--max-waiting: queue limit")
+    kv_cache_memory: ByteSize | None = Field(None, description="--kv-cache-memory: KV pool size")
     enable_prefix_caching: bool = Field(True, description="false adds --no-enable-prefix-caching")
     vllm_metric_aliases: bool = Field(False, description="--vllm-metric-aliases: also export vllm:* names")
     attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="--attention-backend")
-    scheduling_policy: Optional[Literal["continuous", "static"]] = Field(None, description="--scheduling-policy")
-    log_level: Optional[Literal["debug", "info", "warning", "error"]] = Field(None, description="--log-level")
+    scheduling_policy: Literal["continuous", "static"] | None = Field(None, description="--scheduling-policy")
+    log_level: Literal["debug", "info", "warning", "error"] | None = Field(None, description="--log-level")
     extra_args: list[str] = Field(default_factory=list, description="more worker flags, appended verbatim")
 
 
@@ -130,8 +130,8 @@ class ResourceSpec(_Model):
     """Per-worker resources. CPU and memory are requests (memory is also the limit)."""
 
     gpu: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per worker (requests = limits)")
-    cpu: Optional[Quantity] = Field(None, description="CPU request, e.g. 2 or 500m")
-    memory: Optional[Quantity] = Field(None, description="memory request and limit, e.g. 4Gi")
+    cpu: Quantity | None = Field(None, description="CPU request, e.g. 2 or 500m")
+    memory: Quantity | None = Field(None, description="memory request and limit, e.g. 4Gi")
 
 
 class SLOSpec(_Model):
@@ -163,11 +163,11 @@ class AutoscalingSpec(_Model):
 
 
 class Toleration(_Model):
-    key: Optional[str] = None
-    operator: Optional[Literal["Exists", "Equal"]] = None
-    value: Optional[str] = None
-    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
-    toleration_seconds: Optional[int] = None
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
 
 
 class SchedulingSpec(_Model):
@@ -175,14 +175,14 @@ class SchedulingSpec(_Model):
 
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
-    affinity: Optional[dict[str, Any]] = Field(None, description="a core/v1 Affinity, passed through")
-    priority_class_name: Optional[str] = None
+    affinity: dict[str, Any] | None = Field(None, description="a core/v1 Affinity, passed through")
+    priority_class_name: str | None = None
 
 
 class EnvVar(_Model):
     name: str = Field(min_length=1)
-    value: Optional[str] = None
-    value_from: Optional[dict[str, Any]] = Field(None, description="a core/v1 EnvVarSource, passed through")
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(None, description="a core/v1 EnvVarSource, passed through")
 
 
 class PodTemplateOverrides(_Model):
@@ -191,7 +191,7 @@ class PodTemplateOverrides(_Model):
     env: list[EnvVar] = Field(default_factory=list)
     annotations: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
-    service_account_name: Optional[str] = None
+    service_account_name: str | None = None
 
 
 class ProbeSpec(_Model):
@@ -239,22 +239,22 @@ class Condition(_StatusModel):
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase")
     message: str = ""
     last_transition_time: str = Field(description="RFC 3339, when status last changed")
-    observed_generation: Optional[int] = None
+    observed_generation: int | None = None
 
 
 class AdmissionStatus(_StatusModel):
     """Admission limits currently pushed to every ready worker."""
 
-    max_num_seqs: Optional[int] = None
-    max_waiting: Optional[int] = None
-    updated_at: Optional[str] = None
+    max_num_seqs: int | None = None
+    max_waiting: int | None = None
+    updated_at: str | None = None
 
 
 class AutoscalerDecision(_StatusModel):
     time: str
     replicas: int
-    max_num_seqs: Optional[int] = None
-    max_waiting: Optional[int] = None
+    max_num_seqs: int | None = None
+    max_waiting: int | None = None
     reason: str = ""
 
 
@@ -264,14 +264,14 @@ MAX_DECISIONS = 20
 class AutoscalerStatus(_StatusModel):
     """The autoscaler's recent decisions (newest last, at most MAX_DECISIONS)."""
 
-    last_scale_time: Optional[str] = None
+    last_scale_time: str | None = None
     decisions: list[AutoscalerDecision] = Field(default_factory=list, max_length=MAX_DECISIONS)
 
 
 class InferenceServiceStatus(_StatusModel):
     """Observed state, written by the operator (and ``autoscaler`` by the autoscaler)."""
 
-    observed_generation: Optional[int] = None
+    observed_generation: int | None = None
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -279,10 +279,10 @@ class InferenceServiceStatus(_StatusModel):
     replicas: int = Field(0, description="worker pods that exist (scale subresource statusReplicasPath)")
     ready_replicas: int = 0
     updated_replicas: int = 0
-    selector: Optional[str] = Field(None, description="label selector of the pods (scale subresource)")
-    url: Optional[str] = Field(None, description="in-cluster URL of the Service")
-    admission: Optional[AdmissionStatus] = None
-    autoscaler: Optional[AutoscalerStatus] = None
+    selector: str | None = Field(None, description="label selector of the pods (scale subresource)")
+    url: str | None = Field(None, description="in-cluster URL of the Service")
+    admission: AdmissionStatus | None = None
+    autoscaler: AutoscalerStatus | None = None
 
 
 class InferenceService(_Model):
@@ -295,7 +295,7 @@ class InferenceService(_Model):
     kind: Literal["InferenceService"] = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: InferenceServiceSpec = Field(default_factory=InferenceServiceSpec)
-    status: Optional[InferenceServiceStatus] = None
+    status: InferenceServiceStatus | None = None
 
 
 # ------------------------------------------------------------------------------- semantic validation

@@ -43,7 +43,7 @@ class _Cluster:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._dyn: Optional[DynamicClient] = None
+        self._dyn: DynamicClient | None = None
         self.pdb_api_version = "policy/v1"
         self._locks: dict[tuple[str, str], threading.Lock] = {}
 
@@ -76,7 +76,7 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _get(api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
+def _get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     try:
         return cluster.resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
     except ApiException as e:
@@ -89,7 +89,7 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
 
 
-def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger) -> tuple[Optional[dict[str, Any]], str]:
+def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger) -> tuple[dict[str, Any] | None, str]:
     """Create or update one child. Returns (object as on the server, action) — action is one of
     created, updated, unchanged, conflict (exists but owned by someone else; left alone)."""
     kind, ns, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
@@ -126,7 +126,7 @@ def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: log
             raise
 
 
-def reconcile(namespace: str, name: str, logger: Optional[logging.Logger] = None) -> Optional[dict[str, Any]]:
+def reconcile(namespace: str, name: str, logger: logging.Logger | None = None) -> dict[str, Any] | None:
     """Bring one InferenceService's children and status to the desired state; idempotent.
 
     Returns the new status dict, or None when the object is gone or being deleted.
@@ -148,7 +148,7 @@ def reconcile(namespace: str, name: str, logger: Optional[logging.Logger] = None
             problems = [api.Problem(reason="InvalidSpec", message=_short_validation_error(e))]
         problems += api.name_problems(name)
 
-        deployment: Optional[dict[str, Any]] = None
+        deployment: dict[str, Any] | None = None
         service_exists = False
         if problems:
             deployment = _get("apps/v1", "Deployment", namespace, name)

@@ -199,7 +199,7 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     return template
 
 
-def _meta(name: str, namespace: str, owner: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _meta(name: str, namespace: str, owner: dict[str, Any] | None) -> dict[str, Any]:
     m: dict[str, Any] = {"name": name, "namespace": namespace, "labels": common_labels(name)}
     if owner:
         m["ownerReferences"] = [owner]
@@ -215,7 +215,7 @@ def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def deployment(name: str, namespace: str, spec: InferenceServiceSpec,
-               owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+               owner: dict[str, Any] | None = None) -> dict[str, Any]:
     """apps/v1 Deployment of ``spec.replicas`` workers; rolls with maxSurge 1, maxUnavailable 0."""
     return _with_hash({
         "apiVersion": "apps/v1",
@@ -233,7 +233,7 @@ def deployment(name: str, namespace: str, spec: InferenceServiceSpec,
     })
 
 
-def service(name: str, namespace: str, owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def service(name: str, namespace: str, owner: dict[str, Any] | None = None) -> dict[str, Any]:
     """v1 Service (ClusterIP) named like the InferenceService, port ``http`` -> the workers' 8000."""
     return _with_hash({
         "apiVersion": "v1",
@@ -248,7 +248,7 @@ def service(name: str, namespace: str, owner: Optional[dict[str, Any]] = None) -
 
 
 def pod_disruption_budget(name: str, namespace: str, api_version: str = "policy/v1",
-                          owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                          owner: dict[str, Any] | None = None) -> dict[str, Any]:
     """PodDisruptionBudget allowing one voluntary disruption at a time.
 
     ``api_version``: "policy/v1" (Kubernetes >= 1.21) or "policy/v1beta1" — whichever the server offers.
@@ -264,7 +264,7 @@ def pod_disruption_budget(name: str, namespace: str, api_version: str = "policy/
 
 
 def admin_secret(name: str, namespace: str, token: str,
-                 owner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 owner: dict[str, Any] | None = None) -> dict[str, Any]:
     """Opaque Secret with the workers' admin bearer token (key ``token``). Created once; never compared."""
     if not token:
         raise ValueError("admin token must not be empty")
@@ -285,7 +285,7 @@ _QUANTITY_SUFFIX = {
 }
 
 
-def parse_quantity(q: str) -> Optional[Decimal]:
+def parse_quantity(q: str) -> Decimal | None:
     """A Kubernetes resource quantity as a Decimal, or None when ``q`` is not one."""
     m = _QUANTITY_RE.match(q)
     if not m:

@@ -18,7 +18,8 @@ observedGeneration; lastTransitionTime changes only when status flips):
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Sequence
 
 from goodput.operator import resources
 from goodput.operator.api import Problem
@@ -26,14 +27,14 @@ from goodput.operator.api import Problem
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
 
-def _cond(conditions: Sequence[dict[str, Any]], ctype: str) -> Optional[dict[str, Any]]:
+def _cond(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
     for c in conditions or ():
         if c.get("type") == ctype:
             return c
     return None
 
 
-def _make(ctype: str, status: bool, reason: str, message: str, generation: Optional[int],
+def _make(ctype: str, status: bool, reason: str, message: str, generation: int | None,
           previous: Sequence[dict[str, Any]], now: str) -> dict[str, Any]:
     s = "True" if status else "False"
     prev = _cond(previous, ctype)
@@ -49,9 +50,9 @@ def compute_status(
     *,
     name: str,
     namespace: str,
-    generation: Optional[int],
+    generation: int | None,
     desired_replicas: int,
-    deployment: Optional[dict[str, Any]],
+    deployment: dict[str, Any] | None,
     service_exists: bool,
     problems: Sequence[Problem] = (),
     previous_conditions: Sequence[dict[str, Any]] = (),
@@ -137,7 +138,7 @@ def compute_status(
     }
 
 
-def status_changed(current: Optional[dict[str, Any]], new: dict[str, Any]) -> bool:
+def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     """Whether writing ``new`` would change ``current`` (only the keys in ``new`` are compared)."""
     current = current or {}
     return any(current.get(k) != v for k, v in new.items())

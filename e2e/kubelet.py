@@ -1,0 +1,433 @@
+"""A test kubelet: registers one node and runs every pod bound to it as local processes.
+
+    python e2e/kubelet.py [--node goodput-e2e-node] [--log-dir DIR] [--gpus 8]
+
+Per pod it makes a network namespace with a veth into a host bridge (10.244.0.1/24), gives the pod
+the next free address from 10.244.0.0/24, and runs each container's command + args inside it with
+``ip netns exec`` and the container's env (values, Secret/ConfigMap keys and fieldRefs resolved as
+a kubelet would). It reports hostIP/podIP, phase Running, and Ready from the container's real HTTP
+readiness probe, so the Endpoints controller points Services at live processes. A container that
+exits is restarted with back-off. When a pod is deleted it stops the processes (SIGTERM, then SIGKILL
+after the grace period, at most 10 s), removes the namespace and veth, and deletes the pod object.
+On SIGTERM/SIGINT it stops everything it started and removes the bridge.
+
+The namespaces have no default route: a pod can talk only to 10.244.0.0/24 and the host bridge.
+Needs root (ip netns), the `ip` tool, and KUBECONFIG (or ~/.kube/config).
+Names it creates: netns ``gpe2e-N``, links ``gpe2e-hN`` (host side), bridge ``gpe2e-br0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+BRIDGE = "gpe2e-br0"
+PREFIX = "gpe2e"
+HOST_IP = "10.244.0.1"
+POD_NET = "10.244.0"
+log = logging.getLogger("e2e.kubelet")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+def ensure_bridge() -> None:
+    if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
+
+
+def remove_bridge() -> None:
+    sh("ip", "link", "del", BRIDGE, check=False)
+
+
+class PodNetwork:
+    """One network namespace + veth pair with address 10.244.0.<index>."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.netns = f"{PREFIX}-{index}"
+        self.host_if = f"{PREFIX}-h{index}"
+        self.ip = f"{POD_NET}.{index}"
+
+    def create(self) -> None:
+        self.delete()  # leftovers of a crashed run
+        sh("ip", "netns", "add", self.netns)
+        peer = f"{PREFIX}-p{self.index}"
+        sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", peer)
+        sh("ip", "link", "set", peer, "netns", self.netns)
+        sh("ip", "link", "set", self.host_if, "master", BRIDGE)
+        sh("ip", "link", "set", self.host_if, "up")
+        sh("ip", "-n", self.netns, "link", "set", peer, "name", "eth0")
+        sh("ip", "-n", self.netns, "addr", "add", f"{self.ip}/24", "dev", "eth0")
+        sh("ip", "-n", self.netns, "link", "set", "eth0", "up")
+        sh("ip", "-n", self.netns, "link", "set", "lo", "up")
+
+    def delete(self) -> None:
+        sh("ip", "netns", "del", self.netns, check=False)  # takes the veth pair with it
+        sh("ip", "link", "del", self.host_if, check=False)
+
+
+class Container:
+    """One container's process, restarted with back-off when it exits."""
+
+    def __init__(self, pod: PodRunner, spec: Any):
+        self.pod = pod
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.ready = False
+        self.started = False
+        self.last_exit: int | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        cmd = list(self.spec.command or []) + list(self.spec.args or [])
+        if not cmd:
+            raise RuntimeError(f"container {self.spec.name} has no command (images are not run here)")
+        logf = open(self.pod.log_path(self.spec.name), "ab")
+        logf.write(f"--- {now()} start #{self.restarts}: {' '.join(cmd)}\n".encode())
+        logf.flush()
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.pod.net.netns, *cmd], env=env, stdout=logf, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=self.pod.workdir, start_new_session=True)
+        logf.close()
+
+    def stop(self, grace: float) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+class PodRunner:
+    """Runs one pod: network, containers, probes, status."""
+
+    def __init__(self, kubelet: Kubelet, pod: Any, index: int):
+        self.kubelet = kubelet
+        self.namespace = pod.metadata.namespace
+        self.name = pod.metadata.name
+        self.uid = pod.metadata.uid
+        self.pod = pod
+        self.net = PodNetwork(index)
+        self.workdir = kubelet.log_dir
+        self.containers = [Container(self, c) for c in pod.spec.containers]
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"pod-{self.name}", daemon=True)
+        self.started_at = now()
+        self._last_status: dict | None = None
+
+    def log_path(self, container: str) -> Path:
+        return self.kubelet.log_dir / f"{self.namespace}_{self.name}_{container}.log"
+
+    # -- env, ports, probes
+    def _env(self, c: Any) -> dict[str, str]:
+        env = {"PATH": self.kubelet.path_env, "HOME": "/root", "HOSTNAME": self.name}
+        for e in c.env or []:
+            if e.value_from is None:
+                env[e.name] = e.value or ""
+                continue
+            vf = e.value_from
+            try:
+                if vf.secret_key_ref:
+                    s = self.kubelet.v1.read_namespaced_secret(vf.secret_key_ref.name, self.namespace)
+                    env[e.name] = base64.b64decode((s.data or {})[vf.secret_key_ref.key]).decode()
+                elif vf.config_map_key_ref:
+                    cm = self.kubelet.v1.read_namespaced_config_map(vf.config_map_key_ref.name, self.namespace)
+                    env[e.name] = (cm.data or {})[vf.config_map_key_ref.key]
+                elif vf.field_ref:
+                    env[e.name] = {"metadata.name": self.name, "metadata.namespace": self.namespace,
+                                   "status.podIP": self.net.ip, "spec.nodeName": self.kubelet.node,
+                                   "status.hostIP": "127.0.0.1"}.get(vf.field_ref.field_path, "")
+            except (ApiException, KeyError) as exc:
+                raise RuntimeError(f"env {e.name}: cannot resolve {vf}: {exc}") from exc
+        return env
+
+    @staticmethod
+    def _port(c: Any, port: Any) -> int:
+        if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
+            return int(port)
+        for p in c.ports or []:
+            if p.name == port:
+                return int(p.container_port)
+        raise RuntimeError(f"container {c.name}: no port named {port!r}")
+
+    def _probe(self, c: Any, probe: Any) -> bool:
+        if probe is None:
+            return True
+        if probe.http_get is None:
+            return True  # exec/tcp probes are not run here; treated as passing
+        url = f"http://{self.net.ip}:{self._port(c, probe.http_get.port)}{probe.http_get.path or '/'}"
+        try:
+            return httpx.get(url, timeout=probe.timeout_seconds or 1).status_code < 400
+        except httpx.HTTPError:
+            return False
+
+    # -- status
+    def _patch_status(self) -> None:
+        all_ready = all(c.ready for c in self.containers)
+        ts = now()
+        statuses = []
+        for ct in self.containers:
+            running = ct.proc is not None and ct.proc.poll() is None
+            st: dict[str, Any] = {"name": ct.spec.name, "image": ct.spec.image, "imageID": "local://" + ct.spec.image,
+                                  "ready": ct.ready, "started": ct.started, "restartCount": ct.restarts}
+            if running:
+                st["state"] = {"running": {"startedAt": self.started_at}}
+            else:
+                st["state"] = {"waiting": {"reason": "CrashLoopBackOff" if ct.restarts else "ContainerCreating",
+                                           "message": f"last exit code {ct.last_exit}"}}
+            statuses.append(st)
+        key = {"ready": all_ready, "statuses": [(s["ready"], s["started"], s["restartCount"], str(s["state"]))
+                                                for s in statuses]}
+        if key == self._last_status:
+            return
+        self._last_status = key
+        conds = [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
+                 {"type": "ContainersReady", "status": str(all_ready)}, {"type": "Ready", "status": str(all_ready)}]
+        for c in conds:
+            c["lastTransitionTime"] = ts
+        body = {"status": {"phase": "Running", "hostIP": "127.0.0.1", "podIP": self.net.ip,
+                           "podIPs": [{"ip": self.net.ip}], "startTime": self.started_at,
+                           "conditions": conds, "containerStatuses": statuses}}
+        try:
+            self.kubelet.v1.patch_namespaced_pod_status(self.name, self.namespace, body)
+        except ApiException as e:
+            if e.status != 404:
+                log.warning("status of %s/%s: %s %s", self.namespace, self.name, e.status, e.reason)
+
+    # -- lifecycle
+    def _run(self) -> None:
+        try:
+            self.net.create()
+            for ct in self.containers:
+                ct.start(self._env(ct.spec))
+        except Exception as exc:
+            log.error("pod %s/%s failed to start: %s", self.namespace, self.name, exc)
+            self._fail(str(exc))
+            return
+        log.info("pod %s/%s running at %s (pids %s)", self.namespace, self.name, self.net.ip,
+                 [c.proc.pid for c in self.containers if c.proc])
+        self._patch_status()
+        backoff_until = [0.0] * len(self.containers)
+        while not self.stopping.is_set():
+            for i, ct in enumerate(self.containers):
+                rc = ct.proc.poll() if ct.proc else 0
+                if rc is not None:
+                    if ct.ready or ct.last_exit is None:
+                        ct.last_exit = rc
+                    ct.ready = ct.started = False
+                    if backoff_until[i] == 0.0:
+                        backoff_until[i] = time.monotonic() + min(2 ** ct.restarts, 30)
+                        log.warning("container %s/%s/%s exited %s", self.namespace, self.name, ct.spec.name, rc)
+                    elif time.monotonic() >= backoff_until[i]:
+                        ct.restarts += 1
+                        backoff_until[i] = 0.0
+                        try:
+                            ct.start(self._env(ct.spec))
+                        except Exception as exc:
+                            log.error("restart of %s failed: %s", ct.spec.name, exc)
+                    continue
+                if not ct.started:
+                    ct.started = self._probe(ct.spec, ct.spec.startup_probe)
+                if ct.started:
+                    ct.ready = self._probe(ct.spec, ct.spec.readiness_probe)
+            self._patch_status()
+            self.stopping.wait(self.kubelet.probe_period)
+
+    def _fail(self, message: str) -> None:
+        try:
+            self.kubelet.v1.patch_namespaced_pod_status(self.name, self.namespace, {"status": {
+                "phase": "Failed", "reason": "StartError", "message": message[:1000]}})
+        except ApiException:
+            pass
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, grace: float) -> None:
+        self.stopping.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=15)
+        for ct in self.containers:
+            ct.stop(grace)
+        self.net.delete()
+        log.info("pod %s/%s stopped", self.namespace, self.name)
+
+
+class Kubelet:
+    def __init__(self, node: str, log_dir: Path, gpus: int, probe_period: float):
+        kubernetes.config.load_kube_config()
+        self.v1 = kubernetes.client.CoreV1Api()
+        self.node = node
+        self.log_dir = log_dir
+        self.gpus = gpus
+        self.probe_period = probe_period
+        self.pods: dict[str, PodRunner] = {}  # uid -> runner
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        # pods find the project's console scripts (goodput-worker) like an image's PATH would
+        bindir = str(Path(sys.executable).parent)
+        self.path_env = f"{bindir}:/usr/local/bin:/usr/bin:/bin"
+
+    def register_node(self) -> None:
+        try:
+            self.v1.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+                "name": self.node, "labels": {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux",
+                                              "nvidia.com/gpu.present": "true"}}})
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        # the not-ready taint from TaintNodesByCondition is normally lifted by the node-lifecycle controller,
+        # which is disabled here (it would evict pods of a node without real heartbeats)
+        self.v1.patch_node(self.node, {"spec": {"taints": None}})
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        res = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": str(self.gpus)}
+        ts = now()
+        self.v1.patch_node_status(self.node, {"status": {
+            "capacity": res, "allocatable": res,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node}],
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "goodput e2e test kubelet", "lastHeartbeatTime": ts,
+                            "lastTransitionTime": ts}],
+            "nodeInfo": {"kubeletVersion": "v1.20.2-goodput-e2e", "operatingSystem": "linux",
+                         "architecture": "amd64", "containerRuntimeVersion": "local://processes",
+                         "kernelVersion": os.uname().release, "osImage": "local", "kubeProxyVersion": "",
+                         "machineID": "", "systemUUID": "", "bootID": ""}}})
+
+    def _free_index(self) -> int:
+        used = {r.net.index for r in self.pods.values()}
+        for i in range(2, 255):
+            if i not in used:
+                return i
+        raise RuntimeError("no free pod IP in 10.244.0.0/24")
+
+    def on_pod(self, etype: str, pod: Any) -> None:
+        uid = pod.metadata.uid
+        with self.lock:
+            runner = self.pods.get(uid)
+            if etype == "DELETED" or pod.metadata.deletion_timestamp:
+                if runner is not None:
+                    del self.pods[uid]
+                threading.Thread(target=self._terminate, args=(runner, pod, etype), daemon=True).start()
+                return
+            if runner is None and pod.status.phase not in ("Succeeded", "Failed"):
+                runner = PodRunner(self, pod, self._free_index())
+                self.pods[uid] = runner
+                runner.start()
+
+    def _terminate(self, runner: PodRunner | None, pod: Any, etype: str) -> None:
+        if runner is not None:
+            grace = min(float(pod.spec.termination_grace_period_seconds or 30), 10.0)
+            runner.stop(grace)
+        if etype != "DELETED":
+            try:
+                self.v1.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0,
+                                              body={"preconditions": {"uid": pod.metadata.uid}})
+            except ApiException as e:
+                if e.status not in (404, 409):
+                    log.warning("final delete of %s: %s %s", pod.metadata.name, e.status, e.reason)
+
+    def run(self) -> None:
+        ensure_bridge()
+        self.register_node()
+        log.info("node %s registered (nvidia.com/gpu: %d)", self.node, self.gpus)
+        threading.Thread(target=self._heartbeats, daemon=True).start()
+        while not self.stopping.is_set():
+            w = kubernetes.watch.Watch()
+            try:
+                for ev in w.stream(self.v1.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={self.node}",
+                                   timeout_seconds=30):
+                    self.on_pod(ev["type"], ev["object"])
+                    if self.stopping.is_set():
+                        break
+            except ApiException as e:
+                log.warning("watch error %s %s", e.status, e.reason)
+                time.sleep(1)
+            except Exception as e:
+                if self.stopping.is_set():
+                    break
+                log.warning("watch failed: %s", e)
+                time.sleep(1)
+
+    def _heartbeats(self) -> None:
+        while not self.stopping.wait(20):
+            try:
+                self.heartbeat()
+            except Exception as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        with self.lock:
+            runners = list(self.pods.values())
+            self.pods.clear()
+        threads = [threading.Thread(target=r.stop, args=(5.0,)) for r in runners]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        remove_bridge()
+        log.info("kubelet stopped; %d pods' processes and namespaces removed", len(runners))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--node", default="goodput-e2e-node")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/goodput-e2e-pods"))
+    ap.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu the node advertises")
+    ap.add_argument("--probe-period", type=float, default=1.0, help="seconds between probe rounds")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kubelet %(levelname)s %(message)s")
+    a.log_dir.mkdir(parents=True, exist_ok=True)
+    k = Kubelet(a.node, a.log_dir, a.gpus, a.probe_period)
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        k.stopping.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        k.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        k.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""InferenceService pydantic API: aliases, refusal of bad input, byte sizes, semantic problems, examples."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from goodput.operator import api
+from goodput.operator.api import InferenceServiceSpec, parse_bytes, semantic_problems
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "crds" / "examples").glob("*.yaml"))
+
+
+def test_defaults_and_camel_case_round_trip():
+    s = InferenceServiceSpec.model_validate({"engine": {"maxNumSeqs": 8, "kvCacheMemory": "64Mi"}})
+    assert s.engine.max_num_seqs == 8 and s.engine.block_size == 16 and s.replicas == 1
+    assert s.model.name == "smollm2" and s.slo.attainment_target == 0.9
+    dumped = s.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["engine"]["maxNumSeqs"] == 8 and "max_num_seqs" not in dumped["engine"]
+    assert InferenceServiceSpec.model_validate(dumped) == s
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"replicas": -1}, "replicas"),
+    ({"engine": {"maxNumSeq": 4}}, "maxNumSeq"),           # unknown field (typo)
+    ({"engine": {"maxNumSeqs": "many"}}, "maxNumSeqs"),     # wrong type
+    ({"engine": {"dtype": "float64"}}, "dtype"),
+    ({"slo": {"attainmentTarget": 1.5}}, "attainmentTarget"),
+    ({"slo": {"ttftMs": 0}}, "ttftMs"),
+    ({"resources": {"cpu": "two"}}, "cpu"),
+    ({"resources": {"gpu": -1}}, "gpu"),
+    ({"model": {"name": ""}}, "name"),
+], ids=["negative-replicas", "unknown-engine-field", "wrong-type", "bad-enum", "ratio-above-1",
+        "zero-ttft", "bad-quantity", "negative-gpu", "empty-model"])
+def test_bad_spec_refused_naming_the_field(bad, field):
+    with pytest.raises(ValidationError) as ei:
+        InferenceServiceSpec.model_validate(bad)
+    assert field in str(ei.value)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (0, 0), (1024, 1024), ("1024", 1024), ("512Mi", 512 * 2**20), ("512MiB", 512 * 2**20),
+    ("1Gi", 2**30), ("1.5Gi", 3 * 2**29), ("64M", 64_000_000), ("2GB", 2_000_000_000), ("1k", 1000),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "1Xi", "-5", "1 G i", True])
+def test_parse_bytes_refuses(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+PROBLEM_CASES = {
+    "bundled-model-ok": ({}, []),
+    "gguf-path-ok": ({"model": {"name": "/models/x.gguf", "volume": {"hostPath": "/srv/m"}}}, []),
+    "not-gguf": ({"model": {"name": "/models/x.bin"}}, ["InvalidModel"]),
+    "relative-gguf": ({"model": {"name": "x.gguf"}}, ["InvalidModel"]),
+    "volume-needs-one-source": ({"model": {"name": "/models/x.gguf", "volume": {}}}, ["InvalidModelVolume"]),
+    "gguf-outside-mount": ({"model": {"name": "/data/x.gguf", "volume": {"claimName": "m"}}},
+                           ["InvalidModelVolume"]),
+    "batched-tokens-below-block": ({"engine": {"maxNumBatchedTokens": 8, "blockSize": 16}},
+                                   ["InvalidEngineConfig"]),
+    "model-len-below-block": ({"engine": {"maxModelLen": 8}}, ["InvalidEngineConfig"]),
+    "bad-kv-size": ({"engine": {"kvCacheMemory": "lots"}}, ["InvalidEngineConfig"]),
+    "zero-kv": ({"engine": {"kvCacheMemory": 0}}, ["InvalidEngineConfig"]),
+    "triton-without-gpu": ({"engine": {"attentionBackend": "triton"}}, ["InvalidEngineConfig"]),
+    "triton-with-gpu": ({"engine": {"attentionBackend": "triton"}, "resources": {"gpu": 1}}, []),
+    "min-above-max": ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, ["InvalidAutoscaling"]),
+    "admin-token-env": ({"podTemplate": {"env": [{"name": "GOODPUT_ADMIN_TOKEN", "value": "x"}]}},
+                        ["InvalidPodTemplate"]),
+    "env-both": ({"podTemplate": {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}},
+                 ["InvalidPodTemplate"]),
+    "two-problems": ({"model": {"name": "m.bin"}, "engine": {"maxNumBatchedTokens": 4}},
+                     ["InvalidModel", "InvalidEngineConfig"]),
+}
+
+
+@pytest.mark.parametrize("case", PROBLEM_CASES)
+def test_semantic_problems(case):
+    spec, reasons = PROBLEM_CASES[case]
+    got = semantic_problems(InferenceServiceSpec.model_validate(spec))
+    assert [p.reason for p in got] == reasons
+    assert all(p.message for p in got)
+
+
+def test_problem_message_names_the_numbers():
+    [p] = semantic_problems(InferenceServiceSpec.model_validate({"engine": {"maxNumBatchedTokens": 8}}))
+    assert "maxNumBatchedTokens (8)" in p.message and "blockSize (16)" in p.message
+
+
+@pytest.mark.parametrize("name, ok", [("smollm2", True), ("a", True), ("llama-3-8b", True), ("9lives", False),
+                                      ("Upper", False), ("dot.name", False), ("x" * 63, True), ("x" * 64, False)])
+def test_name_problems(name, ok):
+    assert (api.name_problems(name) == []) is ok
+
+
+def test_examples_exist():
+    assert len(EXAMPLES) >= 2
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_are_valid(path):
+    doc = yaml.safe_load(path.read_text())
+    obj = api.InferenceService.model_validate(doc)
+    assert doc["apiVersion"] == api.API_VERSION and doc["kind"] == api.KIND
+    assert semantic_problems(obj.spec) == []
+    assert api.name_problems(doc["metadata"]["name"]) == []
+    # the example's spec refuses unknown fields: validate the raw spec strictly too
+    InferenceServiceSpec.model_validate(doc["spec"])
+
+
+def test_status_tolerates_fields_written_by_newer_writers():
+    st = api.InferenceServiceStatus.model_validate({"replicas": 2, "somethingNew": 1, "conditions": [
+        {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "lastTransitionTime": "2026-01-01T00:00:00Z"}]})
+    assert st.replicas == 2 and st.conditions[0].status == "True"

@@ -1,0 +1,205 @@
+"""Pure builders: spec -> worker flags, Deployment, Service, PDB, Secret; the write-or-not comparison."""
+
+import base64
+import copy
+
+import pytest
+
+from goodput.operator import resources as r
+from goodput.operator.api import InferenceServiceSpec
+
+BASE = ["serve", "--model", "smollm2", "--host", "0.0.0.0", "--port", "8000"]
+TAIL = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--attention-backend", "auto"]
+
+ARGS_CASES = {
+    "defaults": ({}, BASE + ["--block-size", "16"] + TAIL),
+    "every-engine-flag": (
+        {"model": {"revision": "r1", "servedModelName": "tiny"},
+         "engine": {"dtype": "float32", "kvCacheMemory": "16Mi", "blockSize": 32, "maxNumSeqs": 4,
+                    "maxNumBatchedTokens": 256, "maxModelLen": 512, "maxWaiting": 10,
+                    "enablePrefixCaching": False, "vllmMetricAliases": True, "schedulingPolicy": "static",
+                    "attentionBackend": "torch", "logLevel": "warning", "extraArgs": ["--device", "cpu"]},
+         "slo": {"ttftMs": 250.5, "tpotMs": 20}},
+        BASE + ["--revision", "r1", "--served-model-name", "tiny", "--dtype", "float32",
+                "--kv-cache-memory", str(16 * 2**20), "--block-size", "32", "--max-num-seqs", "4",
+                "--max-num-batched-tokens", "256", "--max-model-len", "512", "--max-waiting", "10",
+                "--no-enable-prefix-caching", "--vllm-metric-aliases", "--scheduling-policy", "static",
+                "--slo-ttft-ms", "250.5", "--slo-tpot-ms", "20", "--attention-backend", "torch",
+                "--log-level", "warning", "--device", "cpu"]),
+    "kv-bytes-int": ({"engine": {"kvCacheMemory": 1000000}},
+                     BASE + ["--kv-cache-memory", "1000000", "--block-size", "16"] + TAIL),
+    "gguf-path": ({"model": {"name": "/models/m.gguf"}},
+                  ["serve", "--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8000",
+                   "--block-size", "16"] + TAIL),
+}
+
+
+@pytest.mark.parametrize("case", ARGS_CASES)
+def test_worker_args(case):
+    spec, want = ARGS_CASES[case]
+    assert r.worker_args(InferenceServiceSpec.model_validate(spec)) == want
+
+
+def _dep(spec=None, **kw):
+    owner = r.owner_reference("tiny", "uid-1")
+    return r.deployment("tiny", "ns1", InferenceServiceSpec.model_validate(spec or {}), owner)
+
+
+def test_deployment_shape():
+    d = _dep({"replicas": 3, "resources": {"gpu": 2, "cpu": "500m", "memory": "2Gi"},
+              "probes": {"startupTimeoutSeconds": 300, "periodSeconds": 5}})
+    assert d["metadata"]["ownerReferences"] == [{
+        "apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService", "name": "tiny",
+        "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+    spec = d["spec"]
+    assert spec["replicas"] == 3
+    tmpl = spec["template"]
+    # the selector must select the template's pods
+    assert spec["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
+    [c] = tmpl["spec"]["containers"]
+    assert c["command"] == ["goodput-worker"] and c["args"][:2] == ["serve", "--model"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    # startup: 300 s budget at 5 s period -> 60 failures allowed
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 300
+    assert c["resources"] == {"limits": {"memory": "2Gi", "nvidia.com/gpu": "2"},
+                              "requests": {"cpu": "500m", "memory": "2Gi", "nvidia.com/gpu": "2"}}
+    assert c["env"][0] == {"name": "GOODPUT_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "tiny-admin", "key": "token"}}}
+    ann = tmpl["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
+    assert ann["prometheus.io/path"] == "/metrics" and len(ann[r.ANNOTATION_SPEC_HASH]) == 16
+    assert spec["progressDeadlineSeconds"] == 360
+    assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_scheduling_volume_and_overrides_reach_the_pod():
+    d = _dep({"model": {"name": "/m/x.gguf", "volume": {"claimName": "models", "mountPath": "/m"}},
+              "scheduling": {"nodeSelector": {"gpu": "h100"},
+                             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                             "affinity": {"nodeAffinity": {"x": 1}}, "priorityClassName": "high"},
+              "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
+                              "labels": {"team": "a", r.LABEL_ISVC: "hijack"}, "annotations": {"a": "b"},
+                              "serviceAccountName": "sa"}})
+    pod = d["spec"]["template"]
+    ps = pod["spec"]
+    assert ps["nodeSelector"] == {"gpu": "h100"}
+    assert ps["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert ps["affinity"] == {"nodeAffinity": {"x": 1}} and ps["priorityClassName"] == "high"
+    assert ps["serviceAccountName"] == "sa"
+    assert ps["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}]
+    assert ps["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/m", "readOnly": True}]
+    assert {"name": "OMP_NUM_THREADS", "value": "1"} in ps["containers"][0]["env"]
+    assert pod["metadata"]["labels"]["team"] == "a"
+    assert pod["metadata"]["labels"][r.LABEL_ISVC] == "tiny"  # the selector label cannot be overridden
+    assert pod["metadata"]["annotations"]["a"] == "b"
+
+
+def test_spec_hash_moves_with_the_template_not_with_replicas():
+    a = _dep({"engine": {"maxNumSeqs": 4}})
+    b = _dep({"engine": {"maxNumSeqs": 8}})
+    c = _dep({"engine": {"maxNumSeqs": 4}, "replicas": 5})
+    h = lambda d: d["metadata"]["annotations"][r.ANNOTATION_SPEC_HASH]
+    th = lambda d: d["spec"]["template"]["metadata"]["annotations"][r.ANNOTATION_SPEC_HASH]
+    assert h(a) != h(b) and th(a) != th(b)
+    assert h(a) == h(c) and th(a) == th(c)
+    assert _dep({"engine": {"maxNumSeqs": 4}}) == a  # deterministic
+
+
+def test_service_pdb_secret():
+    s = r.service("tiny", "ns1")
+    assert s["spec"]["type"] == "ClusterIP"
+    assert s["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert s["spec"]["selector"] == r.selector_labels("tiny")
+    for v in ("policy/v1", "policy/v1beta1"):
+        p = r.pod_disruption_budget("tiny", "ns1", v)
+        assert p["apiVersion"] == v and p["spec"]["maxUnavailable"] == 1
+        assert p["spec"]["selector"]["matchLabels"] == r.selector_labels("tiny")
+    with pytest.raises(ValueError, match="policy/v2"):
+        r.pod_disruption_budget("tiny", "ns1", "policy/v2")
+    sec = r.admin_secret("tiny", "ns1", "s3cret")
+    assert sec["metadata"]["name"] == "tiny-admin"
+    assert base64.b64decode(sec["data"]["token"]) == b"s3cret"
+    with pytest.raises(ValueError):
+        r.admin_secret("tiny", "ns1", "")
+    assert r.selector_string("tiny") == "app.kubernetes.io/component=worker,serving.goodput.dev/inferenceservice=tiny"
+    assert r.service_url("tiny", "ns1") == "http://tiny.ns1.svc.cluster.local:8000"
+
+
+def test_children_are_all_owned():
+    kids = r.children("tiny", "ns1", "uid-9", InferenceServiceSpec(), "policy/v1beta1")
+    assert [k["kind"] for k in kids] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert all(k["metadata"]["ownerReferences"][0]["uid"] == "uid-9" for k in kids)
+
+
+def _as_server_returns(obj):
+    """What the API server hands back: our fields plus defaults, status and bookkeeping."""
+    o = copy.deepcopy(obj)
+    o["metadata"].update(resourceVersion="42", uid="child-uid", generation=1,
+                         creationTimestamp="2026-01-01T00:00:00Z")
+    o["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
+    if o["kind"] == "Deployment":
+        c = o["spec"]["template"]["spec"]["containers"][0]
+        c.update(terminationMessagePath="/dev/termination-log", terminationMessagePolicy="File")
+        c["readinessProbe"]["httpGet"]["scheme"] = "HTTP"
+        o["spec"]["template"]["spec"].update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="x")
+        o["status"] = {"replicas": 1}
+    if o["kind"] == "Service":
+        o["spec"].update(clusterIP="10.0.0.7", clusterIPs=["10.0.0.7"], sessionAffinity="None")
+    return o
+
+
+COMPARE_CASES = {
+    "server-defaults-only": (lambda o: None, False),
+    "replicas-scaled-by-hand": (lambda o: o["spec"].__setitem__("replicas", 7), True),
+    "image-edited-by-hand": (lambda o: o["spec"]["template"]["spec"]["containers"][0].__setitem__("image", "x"), True),
+    "arg-removed-by-hand": (lambda o: o["spec"]["template"]["spec"]["containers"][0]["args"].pop(), True),
+    "our-label-removed": (lambda o: o["metadata"]["labels"].pop("app.kubernetes.io/managed-by"), True),
+    "foreign-label-added": (lambda o: o["metadata"]["labels"].__setitem__("x", "y"), False),
+    "hash-annotation-stale": (lambda o: o["metadata"]["annotations"].__setitem__(r.ANNOTATION_SPEC_HASH, "0"), True),
+    "cpu-canonicalised": (lambda o: o["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+                          .__setitem__("cpu", "500m"), False),
+    "cpu-changed": (lambda o: o["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+                    .__setitem__("cpu", "600m"), True),
+}
+
+
+@pytest.mark.parametrize("case", COMPARE_CASES)
+def test_needs_update(case):
+    edit, want = COMPARE_CASES[case]
+    desired = _dep({"resources": {"cpu": "0.5"}})
+    actual = _as_server_returns(desired)
+    edit(actual)
+    assert r.needs_update(desired, actual) is want
+
+
+def test_spec_change_needs_update_even_when_a_field_is_removed():
+    with_sel = _dep({"scheduling": {"nodeSelector": {"a": "b"}}})
+    without = _dep({})
+    # the old object still has the nodeSelector: a subset test alone would call this up to date
+    assert r.is_subset(without["spec"]["template"]["spec"],
+                       _as_server_returns(with_sel)["spec"]["template"]["spec"])
+    assert r.needs_update(without, _as_server_returns(with_sel))
+
+
+def test_replacement_keeps_what_others_own():
+    desired = r.service("tiny", "ns1")
+    actual = _as_server_returns(desired)
+    actual["metadata"]["annotations"]["other"] = "keep"
+    body = r.replacement(desired, actual)
+    assert body["metadata"]["resourceVersion"] == "42"
+    assert body["metadata"]["annotations"]["other"] == "keep"
+    assert body["spec"]["clusterIP"] == "10.0.0.7" and body["spec"]["clusterIPs"] == ["10.0.0.7"]
+    assert body["metadata"]["annotations"][r.ANNOTATION_SPEC_HASH] == desired["metadata"]["annotations"][
+        r.ANNOTATION_SPEC_HASH]
+
+
+@pytest.mark.parametrize("q, v", [("500m", "0.5"), ("1Gi", str(2**30)), ("2", "2"), ("1e3", "1000"), ("1k", "1000")])
+def test_parse_quantity(q, v):
+    from decimal import Decimal
+    assert r.parse_quantity(q) == Decimal(v)
+
+
+def test_parse_quantity_refuses_words():
+    assert r.parse_quantity("http") is None and r.parse_quantity("") is None

@@ -1,0 +1,97 @@
+"""status.compute_status as a table of named cases (observed Deployment -> conditions, counts, url)."""
+
+import pytest
+
+from goodput.operator.api import Problem
+from goodput.operator.status import compute_status, status_changed
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def dep(gen=2, observed=2, replicas=1, ready=1, updated=1, conds=()):
+    return {"metadata": {"generation": gen},
+            "status": {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready,
+                       "updatedReplicas": updated, "conditions": list(conds)}}
+
+
+STUCK = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": 'ReplicaSet "x" has timed out progressing.'}
+QUOTA = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": "exceeded quota"}
+BAD = Problem(reason="InvalidModel", message="model.name 'x' is not a .gguf")
+
+# name: (desired replicas, deployment, service exists, problems,
+#        expected (Ready status, reason), (Progressing status, reason), (Degraded status, reason), counts)
+CASES = {
+    "no-deployment-yet": (1, None, False, [], ("False", "Creating"), ("True", "Creating"),
+                          ("False", "AsExpected"), (0, 0, 0)),
+    "pods-starting": (1, dep(ready=0), True, [], ("False", "NoReplicasReady"), ("True", "WaitingForReplicas"),
+                      ("False", "AsExpected"), (1, 0, 1)),
+    "all-ready": (2, dep(replicas=2, ready=2, updated=2), True, [], ("True", "AllReplicasReady"),
+                  ("False", "Complete"), ("False", "AsExpected"), (2, 2, 2)),
+    "scaling-up-one-serving": (2, dep(gen=3, observed=3, replicas=2, ready=1, updated=2), True, [],
+                               ("True", "MinimumReplicasReady"), ("True", "WaitingForReplicas"),
+                               ("False", "AsExpected"), (2, 1, 2)),
+    "deployment-not-observed-yet": (1, dep(gen=3, observed=2), True, [], ("True", "AllReplicasReady"),
+                                    ("True", "RollingOut"), ("False", "AsExpected"), (1, 1, 1)),
+    "rolling-old-pod-still-there": (1, dep(replicas=2, ready=1, updated=1), True, [],
+                                    ("True", "AllReplicasReady"), ("True", "RollingOut"),
+                                    ("False", "AsExpected"), (2, 1, 1)),
+    "scaling-down": (1, dep(replicas=2, ready=2, updated=2), True, [], ("True", "AllReplicasReady"),
+                     ("True", "ScalingDown"), ("False", "AsExpected"), (2, 2, 2)),
+    "scaled-to-zero": (0, dep(replicas=0, ready=0, updated=0), True, [], ("False", "ScaledToZero"),
+                       ("False", "Complete"), ("False", "AsExpected"), (0, 0, 0)),
+    "rollout-stuck": (1, dep(replicas=2, ready=1, updated=1, conds=[STUCK]), True, [],
+                      ("True", "AllReplicasReady"), ("False", "ProgressDeadlineExceeded"),
+                      ("True", "ProgressDeadlineExceeded"), (2, 1, 1)),
+    "replica-failure": (1, dep(replicas=0, ready=0, updated=0, conds=[QUOTA]), True, [],
+                        ("False", "NoReplicasReady"), ("True", "RollingOut"), ("True", "ReplicaFailure"),
+                        (0, 0, 0)),
+    "bad-spec-nothing-created": (1, None, False, [BAD], ("False", "InvalidModel"), ("False", "InvalidModel"),
+                                 ("True", "InvalidModel"), (0, 0, 0)),
+    "bad-spec-old-pods-serve": (1, dep(gen=1, observed=1), True, [BAD], ("True", "AllReplicasReady"),
+                                ("False", "InvalidModel"), ("True", "InvalidModel"), (1, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compute_status(case):
+    desired, d, svc, problems, ready, progressing, degraded, counts = CASES[case]
+    st = compute_status(name="tiny", namespace="ns1", generation=4, desired_replicas=desired, deployment=d,
+                        service_exists=svc, problems=problems, now=T0)
+    got = {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+    assert got == {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
+    assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"]) == counts
+    assert st["observedGeneration"] == 4
+    assert all(c["observedGeneration"] == 4 and c["lastTransitionTime"] == T0 for c in st["conditions"])
+    assert st["selector"] == "app.kubernetes.io/component=worker,serving.goodput.dev/inferenceservice=tiny"
+    assert st["url"] == ("http://tiny.ns1.svc.cluster.local:8000" if svc else None)
+
+
+def test_degraded_message_joins_all_problems():
+    p2 = Problem(reason="InvalidEngineConfig", message="maxNumBatchedTokens (8) < blockSize (16)")
+    st = compute_status(name="a", namespace="b", generation=1, desired_replicas=1, deployment=None,
+                        service_exists=False, problems=[BAD, p2], now=T0)
+    [deg] = [c for c in st["conditions"] if c["type"] == "Degraded"]
+    assert deg["message"] == "model.name 'x' is not a .gguf; maxNumBatchedTokens (8) < blockSize (16)"
+
+
+def test_last_transition_time_moves_only_when_status_flips():
+    first = compute_status(name="a", namespace="b", generation=1, desired_replicas=1, deployment=dep(ready=0),
+                           service_exists=True, now=T0)
+    # same statuses later (reason may change): times kept -> an identical status, nothing to write
+    again = compute_status(name="a", namespace="b", generation=1, desired_replicas=1, deployment=dep(ready=0),
+                           service_exists=True, previous_conditions=first["conditions"], now=T1)
+    assert again == first and not status_changed(first, again)
+    # the pod becomes ready: Ready and Progressing flip (new time); Degraded stays False (old time)
+    ready = compute_status(name="a", namespace="b", generation=1, desired_replicas=1, deployment=dep(),
+                           service_exists=True, previous_conditions=first["conditions"], now=T1)
+    times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
+    assert times == {"Ready": T1, "Progressing": T1, "Degraded": T0}
+    assert status_changed(first, ready)
+
+
+def test_status_changed_ignores_fields_owned_by_others():
+    new = {"replicas": 1, "url": None}
+    assert not status_changed({"replicas": 1, "admission": {"maxNumSeqs": 4}}, new)
+    assert status_changed(None, new)
+    assert status_changed({"replicas": 2}, new)
