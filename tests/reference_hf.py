@@ -73,12 +73,12 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = Tr
     model = hf_model()
     eos = model.config.eos_token_id
     out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
-    past, generated = out.past_key_values, []
+    cache, generated = out.cache, []
     for _ in range(max_new_tokens):
         nxt = int(out.logits[0, -1].argmax())
         generated.append(nxt)
         if stop_at_eos and nxt == eos:
             break
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
+        cache = out.cache
     return generated

@@ -38,19 +38,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
-    """An AttentionBackend from a name ("auto" | "torch" | "triton") or an instance."""
+    """An AttentionBackend from a name ("auto" | "torch" | "triton", see ``attention.selector``)
+    or an instance (returned as is)."""
     if not isinstance(name, str):
         return name
-    try:
-        from goodput.worker.model.attention.selector import select_backend
-    except ImportError:
-        select_backend = None
-    if select_backend is not None:
-        return select_backend(name, device)
-    if name in ("torch", "auto"):
-        from goodput.worker.model.attention.torch_ref import TorchReferenceBackend
-        return TorchReferenceBackend()
-    raise ValueError(f"attention backend {name!r} is not available (have: torch)")
+    from goodput.worker.model.attention.selector import select_backend
+
+    return select_backend(name, device)
 
 
 class ModelRunner:
@@ -170,6 +164,17 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=i64, device=dev), torch.tensor(positions, dtype=i64, device=dev),
                 meta, torch.tensor(logits_rows, dtype=i64, device=dev), sample_idx)
+
+    def forward_logits(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Run one step (KV written as by :meth:`execute`) and return float32 logits
+        [num_tokens, vocab] for every row of every chunk, keyed by request id; nothing is sampled.
+        For tests and prompt log-probabilities."""
+        if sched_out.is_empty:
+            return {}
+        input_ids, positions, meta, _, _ = self._build_inputs(sched_out)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend)
+        qsl = meta.query_start_loc_list
+        return {c.request_id: logits[qsl[i]:qsl[i + 1]] for i, c in enumerate(sched_out.chunks)}
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run one step: write every chunk's KV, sample one token per ``sample=True`` chunk.
