@@ -306,6 +306,7 @@ def test_stop_rules(name, params, tokens, want_len, want_reason):
     r = results[-1].request
     assert r.num_output_tokens == want_len and results[-1].finished
     assert results[-1].finish_reason == want_reason and r.finish_reason == want_reason
+    assert str(r.finish_reason) == f"{r.finish_reason}" == want_reason  # labels/JSON see the value
     assert [x.new_token_ids[0] for x in results] == tokens[:want_len]
     assert all(not x.finished for x in results[:-1])
 

@@ -26,6 +26,9 @@ class RequestStatus(str, enum.Enum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
 
+    def __str__(self) -> str:  # "running", not "RequestStatus.RUNNING" (labels, JSON, logs)
+        return self.value
+
 
 class FinishReason(str, enum.Enum):
     """OpenAI ``finish_reason`` values: EOS / stop token / stop string, token limit, abort."""
@@ -33,6 +36,9 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+    def __str__(self) -> str:  # "stop", not "FinishReason.STOP"
+        return self.value
 
 
 @dataclass(eq=False)

@@ -201,7 +201,11 @@ class Scheduler:
         with the largest ``priority`` value, then the newest, is preempted by recompute (blocks
         freed, ``num_computed_tokens = 0``, back to the front of the waiting queue); no waiting
         request is admitted in a step that preempted. Admission guarantees any single request
-        fits the pool alone, so this always makes progress.
+        fits the pool alone, so this always makes progress. When the token budget is smaller than
+        the number of running decodes, the oldest running requests go first.
+
+        Cost: O(running + scheduled blocks) per step plus hashing of newly admitted prompts; no
+        scan of the pool.
         """
         now = self.clock()
         out = SchedulerOutput()
