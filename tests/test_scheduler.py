@@ -378,6 +378,14 @@ def test_config_validation():
     assert EngineConfig(num_blocks=8, max_model_len=64, eos_token_ids=2).eos_token_ids == (2,)
     with pytest.raises(ValueError):
         Scheduler(EngineConfig(num_blocks=8, max_model_len=64), BlockManager(4, 16))
+    for bad in (dict(min_tokens=5, max_tokens=2), dict(min_tokens=-1), dict(stop_token_ids=(-3,)),
+                dict(max_tokens=0), dict(top_p=0.0), dict(temperature=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(TypeError):
+        Request("x", [1.5])
+    with pytest.raises(ValueError):
+        Request("", [1])
 
 
 # ---- random simulation against a fake runner ------------------------------------------------
@@ -470,7 +478,7 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
     while pending or s.has_unfinished():
         while pending and pending[0][1][5] <= step:
             i, (prompt, mt, ign, prio, salt, _, mn) = pending.pop(0)
-            r = Request(f"r{i}", prompt, SamplingParams(max_tokens=mt, ignore_eos=ign, min_tokens=mn,
+            r = Request(f"r{i}", prompt, SamplingParams(max_tokens=mt, ignore_eos=ign, min_tokens=min(mn, mt),
                                                         stop_token_ids=(6,)),
                         priority=prio, cache_salt=salt)
             try:
