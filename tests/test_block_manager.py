@@ -185,6 +185,8 @@ def test_fork_shares_full_blocks_and_recomputes_partial_tail():
     bm.check_invariants([child])
     with pytest.raises(ValueError):
         bm.fork(child, mkreq([5, 5, 5, 5, 5]))  # different tokens
+    with pytest.raises(ValueError):
+        bm.fork(child, mkreq(range(6), salt="other-tenant"))
 
 
 def test_check_invariants_detects_corruption():

@@ -305,6 +305,8 @@ class BlockManager:
             raise ValueError(f"fork target {child.request_id!r} already has KV")
         if child.request_id in self._tables or child.request_id == parent.request_id:
             raise ValueError(f"fork target id {child.request_id!r} is already in use")
+        if child.cache_salt != parent.cache_salt:
+            raise ValueError("fork across cache salts would share KV between tenants")
         if child.all_token_ids[:parent.num_computed_tokens] != \
                 parent.all_token_ids[:parent.num_computed_tokens]:
             raise ValueError("fork target's tokens differ from the parent's computed tokens")
