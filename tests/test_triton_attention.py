@@ -8,6 +8,7 @@ and do the softmax in float64.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -21,6 +22,10 @@ triton = pytest.importorskip("triton")
 
 from goodput.worker.model.attention import triton_ops
 from goodput.worker.model.attention.base import AttentionMetadata
+
+if DEVICE == "cpu" and not triton_ops.is_interpreted():
+    # Imported earlier in this process without TRITON_INTERPRET: rebuild the kernels interpreted.
+    triton_ops = importlib.reload(triton_ops)
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
