@@ -10,6 +10,8 @@ from __future__ import annotations
 import hmac
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.protocol import AdminLimits
@@ -41,11 +43,16 @@ async def get_limits(request: Request) -> dict[str, int]:
 
 
 @router.put("/limits")
-async def put_limits(body: AdminLimits, request: Request) -> dict[str, int]:
+async def put_limits(request: Request) -> dict[str, int]:
     """Set ``max_num_seqs`` and/or ``max_waiting`` (omitted = unchanged); returns the limits in force.
-    Lowering ``max_num_seqs`` preempts nothing: it only stops admitting until the running set shrinks."""
+    Lowering ``max_num_seqs`` preempts nothing: it only stops admitting until the running set shrinks.
+    Authentication is checked before the body is read (401/403 never leak validation details)."""
     _require_admin(request)
     st = request.app.state.server
+    try:
+        body = AdminLimits.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
     st.require_engine()
     try:
         st.llm.set_limits(max_num_seqs=body.max_num_seqs, max_waiting=body.max_waiting)

@@ -161,10 +161,12 @@ async def create_completion(body: CompletionRequest, request: Request):
 
     if body.stream:
         include_usage = body.include_usage
+        want_ids = body.return_token_ids
 
         def chunk(d: RequestDelta) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=model, choices=[
-                CompletionChoice(text=d.text, finish_reason=d.finish_reason if d.finished else None)])
+                CompletionChoice(text=d.text, finish_reason=d.finish_reason if d.finished else None,
+                                 token_ids=d.token_ids if want_ids else None)])
 
         def usage_chunk(u: UsageInfo) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=u)
@@ -174,7 +176,8 @@ async def create_completion(body: CompletionRequest, request: Request):
 
     text, ids, last = await _collect(request, stream)
     return CompletionResponse(id=rid, created=created, model=model,
-                              choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+                              choices=[CompletionChoice(text=text, finish_reason=last.finish_reason,
+                                                        token_ids=ids if body.return_token_ids else None)],
                               usage=UsageInfo.of(n_prompt, len(ids)))
 
 
@@ -196,9 +199,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
 
     if body.stream:
+        want_ids = body.return_token_ids
+
         def chunk(d: RequestDelta) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-                delta=DeltaMessage(content=d.text), finish_reason=d.finish_reason if d.finished else None)])
+                delta=DeltaMessage(content=d.text), finish_reason=d.finish_reason if d.finished else None,
+                token_ids=d.token_ids if want_ids else None)])
 
         def usage_chunk(u: UsageInfo) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u)
@@ -211,7 +217,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
     text, ids, last = await _collect(request, stream)
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=[
-        ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)],
+        ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason,
+                   token_ids=ids if body.return_token_ids else None)],
         usage=UsageInfo.of(n_prompt, len(ids)))
 
 

@@ -81,6 +81,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     priority: int = 0
+    return_token_ids: bool = False  # vLLM's extension: choices[].token_ids (generated ids)
 
     @field_validator("stop")
     @classmethod
@@ -266,11 +267,15 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+_OMIT_NONE = Field(default=None, exclude_if=lambda v: v is None)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -292,6 +297,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -304,7 +310,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: Literal["assistant"] | None = _OMIT_NONE
     content: str | None = None
 
 
@@ -313,6 +319,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
