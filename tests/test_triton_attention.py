@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 
 import pytest
 import torch
@@ -176,6 +177,27 @@ def test_kernels_match_reference(name, seqs, bs, n_kv, qpk, hd, dtype, kw):
     out = check(b, **kw)
     if pad_rows:
         assert torch.count_nonzero(out[-pad_rows:]) == 0, "padding rows must stay untouched"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches(seed):
+    """Seeded random batch compositions, shapes and tile sizes (kinds of sequence: decode,
+    prefill from 0, chunk after a cached context, no new tokens)."""
+    rng = random.Random(seed)
+    bs = rng.choice([16, 32])
+    seqs = []
+    for _ in range(rng.randint(1, 5)):
+        kind = rng.choice(["decode", "prefill", "chunk", "idle"])
+        ctx = 0 if kind == "prefill" else rng.randint(0 if kind != "decode" else 1, 3 * bs)
+        n = {"decode": 1, "idle": 0}.get(kind, rng.randint(1, 2 * bs))
+        seqs.append((ctx, n))
+    kw = {"block_m": rng.choice([16, 32, 64]), "tile_n": rng.choice([16, 32, 64])}
+    if all(n <= 1 for _, n in seqs):
+        kw["num_kv_splits"] = rng.choice([None, 1, 2, 3])
+    b = Batch(seqs, block_size=bs, n_kv=rng.choice([1, 2]), qpk=rng.choice([1, 2, 3]),
+              head_dim=rng.choice([16, 32, 64]), dtype=rng.choice([F32, BF16]), seed=seed,
+              pad_rows=rng.choice([0, 1]))
+    check(b, **kw)
 
 
 @pytest.mark.parametrize("dtype,splits,bs", [(F32, 3, 16), (BF16, 4, 32)])

@@ -46,7 +46,11 @@ class TritonAttentionBackend:
         num_kv_splits = self.num_kv_splits
         if num_kv_splits is not None and num_kv_splits > 1 and meta.max_query_len > 1:
             num_kv_splits = 1  # forced splitting only applies to decode-only batches
+        out = None
+        qsl = meta.query_start_loc_list
+        if qsl is not None and qsl[-1] == q.shape[0]:
+            out = torch.empty_like(q)  # every row is written: skip the zero fill
         return triton_ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             meta.max_query_len, meta.max_seq_len, scale,
-            num_kv_splits=num_kv_splits, block_m=self.block_m, tile_n=self.tile_n)
+            num_kv_splits=num_kv_splits, out=out, block_m=self.block_m, tile_n=self.tile_n)
