@@ -91,6 +91,13 @@ class GGUFTokenizer:
             and self.bos_token_id is not None
         self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
 
+    @classmethod
+    def from_model(cls, name_or_path: str) -> GGUFTokenizer:
+        """The tokenizer of a bundled model name or GGUF path (metadata via ``load_gguf``'s cache)."""
+        from goodput.worker.model.gguf_loader import load_gguf
+
+        return cls(load_gguf(name_or_path, "float32").metadata)
+
     # ---- tokens <-> ids -------------------------------------------------------------------
     @property
     def bos_token(self) -> str | None:
