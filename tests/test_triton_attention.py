@@ -272,6 +272,11 @@ def test_backend_interface(splits):
         out = be.forward(b.q, k_cache, v_cache, b.meta, b.scale)
         ref = naive_attention(b.q, k_cache, v_cache, b.tables, b.seqs, b.scale)
         assert (out.cpu().double() - ref).abs().max().item() < 1e-4
+    # Layers repeat validated calls without re-checking; a changed (bad) call is still checked.
+    with pytest.raises(ValueError, match="must match"):
+        be.forward(b.q.double(), k_cache, v_cache, b.meta, b.scale)
+    with pytest.raises(ValueError, match="differ from the cache"):
+        be.write_kv(b.k_new.double(), b.v_new.double(), k_cache, v_cache, b.slot_mapping)
 
 
 @pytest.mark.parametrize("seqs,dtype", [([(20, 1), (10, 13), (0, 5)], F32),

@@ -36,6 +36,8 @@ input dtype with fp32 accumulation (and ``ieee`` precision for fp32 inputs, not 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -311,20 +313,36 @@ def _check_cache(name: str, cache: torch.Tensor) -> None:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, check: bool = True) -> None:
     """Write new keys/values into the paged cache in place (PagedAttention "reshape and cache").
 
     k, v: [T, n_kv_heads, head_dim], the caches' dtype and device.
     k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim].
     slot_mapping: integer [T]; token t goes to block ``slot // block_size``, offset
         ``slot % block_size``; entries < 0 (padding) are skipped.
-    Raises ValueError on mismatched shapes, dtypes or devices. One program per token.
+    check: validate the arguments (callers repeating a validated call, e.g. the layers of one
+        step, pass False to save host time). One program per token.
+    Raises ValueError on mismatched shapes, dtypes or devices.
     """
+    if check:
+        _validate_write(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    _, block_size, n_kv, head_dim = k_cache.shape
+    _write_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        n_kv, head_dim, block_size,
+        BLOCK_H=triton.next_power_of_2(n_kv), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def _validate_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    _, block_size, n_kv, head_dim = k_cache.shape
+    _, _, n_kv, head_dim = k_cache.shape
     if k.dim() != 3 or k.shape[1:] != (n_kv, head_dim) or v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
                          f"[T, {n_kv}, {head_dim}] to match the cache")
@@ -337,14 +355,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"k, v, caches and slot_mapping must be on one device, got {devices}")
-    if k.shape[0] == 0:
-        return
-    _write_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        n_kv, head_dim, block_size,
-        BLOCK_H=triton.next_power_of_2(n_kv), BLOCK_D=triton.next_power_of_2(head_dim),
-    )
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
@@ -369,10 +381,39 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     return max(1, splits)
 
 
+@functools.cache
 def _device_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the CPU interpreter: never split unless asked to
+
+
+def _validate_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    _, _, n_kv, head_dim = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [T, n_heads, {head_dim}], got {tuple(q.shape)}")
+    n_heads = q.shape[1]
+    if n_heads % n_kv != 0:
+        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} must match")
+    num_seqs = seq_lens.shape[0]
+    if (block_tables.dim() != 2 or block_tables.shape[0] != num_seqs
+            or query_start_loc.shape != (num_seqs + 1,)):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, query_start_loc "
+                         f"{tuple(query_start_loc.shape)} and seq_lens {tuple(seq_lens.shape)} "
+                         "must be [B, max_blocks], [B + 1] and [B]")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype}")
 
 
 def paged_attention(
@@ -390,6 +431,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Paged attention for a flat mixed batch of prefill chunks and decodes.
 
@@ -405,39 +447,20 @@ def paged_attention(
     num_kv_splits: None = :func:`choose_num_kv_splits` with the device's SM count; 1 = never
         split; n > 1 = force the split-KV decode path (requires ``max_query_len <= 1``).
     block_m, tile_n: tile sizes (query rows per program, keys per inner step); powers of two >= 16.
+    check: validate shapes, dtypes and devices (False skips it for a repeat of a validated call).
     Returns out: [T, n_heads, head_dim] in q's dtype. Raises ValueError on bad shapes/dtypes.
     """
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if check:
+        _validate_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     _, block_size, n_kv, head_dim = k_cache.shape
-    if q.dim() != 3 or q.shape[2] != head_dim:
-        raise ValueError(f"q must be [T, n_heads, {head_dim}], got {tuple(q.shape)}")
     n_heads = q.shape[1]
-    if n_heads % n_kv != 0:
-        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} must match")
     num_seqs = seq_lens.shape[0]
-    if (block_tables.dim() != 2 or block_tables.shape[0] != num_seqs
-            or query_start_loc.shape != (num_seqs + 1,)):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)}, query_start_loc "
-                         f"{tuple(query_start_loc.shape)} and seq_lens {tuple(seq_lens.shape)} "
-                         "must be [B, max_blocks], [B + 1] and [B]")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
     if out is None:
         out = torch.zeros_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if num_seqs == 0 or q.shape[0] == 0:
         return out
-    block_tables = block_tables.to(torch.int32).contiguous()
-    query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-
     qpk = n_heads // n_kv
     block_d = max(16, triton.next_power_of_2(head_dim))
     dot_fp32, precision = _dot_config(q.dtype)
