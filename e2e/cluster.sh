@@ -206,6 +206,8 @@ cmd_stop() {
   for f in kube-scheduler kube-controller-manager kube-apiserver etcd; do
     [ -f "$RUN/$f.pid" ] || continue
     pid=$(cat "$RUN/$f.pid")
+    # only our binary: after a reboot the recorded PID may belong to something else
+    [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$f" ] || continue
     if kill "$pid" 2>/dev/null; then
       for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
       kill -9 "$pid" 2>/dev/null || true

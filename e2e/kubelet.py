@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import kubernetes
@@ -294,6 +294,8 @@ class Kubelet:
         self.gpus = gpus
         self.probe_period = probe_period
         self.pods: dict[str, PodRunner] = {}  # uid -> runner
+        self.releasing: set[int] = set()  # pod IP indexes whose namespace is still being torn down
+        self.terminating: set[str] = set()  # uids being stopped (one teardown per pod)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         # pods find the project's console scripts (goodput-worker) like an image's PATH would
@@ -328,7 +330,7 @@ class Kubelet:
                          "machineID": "", "systemUUID": "", "bootID": ""}}})
 
     def _free_index(self) -> int:
-        used = {r.net.index for r in self.pods.values()}
+        used = {r.net.index for r in self.pods.values()} | self.releasing
         for i in range(2, 255):
             if i not in used:
                 return i
@@ -339,8 +341,12 @@ class Kubelet:
         with self.lock:
             runner = self.pods.get(uid)
             if etype == "DELETED" or pod.metadata.deletion_timestamp:
+                if uid in self.terminating:
+                    return
+                self.terminating.add(uid)
                 if runner is not None:
                     del self.pods[uid]
+                    self.releasing.add(runner.net.index)
                 threading.Thread(target=self._terminate, args=(runner, pod, etype), daemon=True).start()
                 return
             if runner is None and pod.status.phase not in ("Succeeded", "Failed"):
@@ -352,13 +358,18 @@ class Kubelet:
         if runner is not None:
             grace = min(float(pod.spec.termination_grace_period_seconds or 30), 10.0)
             runner.stop(grace)
+            with self.lock:
+                self.releasing.discard(runner.net.index)
         if etype != "DELETED":
             try:
-                self.v1.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0,
-                                              body={"preconditions": {"uid": pod.metadata.uid}})
+                # with a body the API server reads DeleteOptions only from it, not from query parameters
+                self.v1.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body={
+                    "gracePeriodSeconds": 0, "preconditions": {"uid": pod.metadata.uid}})
             except ApiException as e:
                 if e.status not in (404, 409):
                     log.warning("final delete of %s: %s %s", pod.metadata.name, e.status, e.reason)
+                    with self.lock:
+                        self.terminating.discard(pod.metadata.uid)  # the next event retries
 
     def run(self) -> None:
         ensure_bridge()
@@ -411,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-period", type=float, default=1.0, help="seconds between probe rounds")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kubelet %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     a.log_dir.mkdir(parents=True, exist_ok=True)
     k = Kubelet(a.node, a.log_dir, a.gpus, a.probe_period)
 

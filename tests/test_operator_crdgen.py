@@ -1,6 +1,5 @@
 """The generated CRD: committed file up to date, structural-schema rules, subresources, columns."""
 
-from typing import Optional, Union
 
 import pytest
 import yaml
@@ -59,7 +58,7 @@ def test_schema_is_structural(version):
             assert node["type"] == "object" and "additionalProperties" not in node, path
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True, path
-        assert node.get("default", 0) is not None, path
+        assert node.get("default", 0) is not None and node.get("default") != "", path
 
 
 def test_schema_carries_defaults_bounds_enums_nullable(version):

@@ -81,6 +81,8 @@ def _finish(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, 
         node["exclusiveMaximum"] = True
     if node.get("default", 0) is None:
         del node["default"]
+    if node.get("default", 0) == "":
+        del node["default"]  # Kubernetes 1.20 reads an empty-string default as null and refuses the CRD
     if "properties" in node:
         node["type"] = "object"
         node.pop("additionalProperties", None)  # pruning drops unknown fields; `false` is not structural

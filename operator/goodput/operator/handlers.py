@@ -1,6 +1,6 @@
 """kopf handlers: the operator's only I/O. Start with ``python -m goodput.operator``.
 
-Level-triggered: every trigger (create, spec update, resume at operator start, a periodic timer, any
+Level-triggered: every trigger (create, spec update, resume at operator start, a periodic resync, any
 event of a child Deployment) runs the same ``reconcile(namespace, name)``, which reads the
 InferenceService, builds the desired children with the pure ``resources`` module, writes only what
 differs from the server's objects, and writes status only when ``status.compute_status`` changed it.
@@ -11,7 +11,7 @@ Ownership: ``spec.replicas`` of the InferenceService (also written through its s
 scaled by hand is set back. Children carry a controller owner reference, so deleting the
 InferenceService garbage-collects them.
 
-Env: GOODPUT_OPERATOR_RESYNC_SECONDS (timer period, default 60).
+Env: GOODPUT_OPERATOR_RESYNC_SECONDS (resync period, default 60).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import kopf
 import kubernetes
@@ -70,6 +70,9 @@ class _Cluster:
 
 
 cluster = _Cluster()
+_known: set[tuple[str, str]] = set()
+_known_lock = threading.Lock()
+_resync_stop = threading.Event()
 
 
 def _now() -> str:
@@ -183,13 +186,34 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None) -
 
 
 def _post_events(body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
-    """A Warning Event when Degraded turns True or changes reason/message; Normal when it clears."""
+    """A Warning Event when Degraded turns True or changes message; a Normal one when it clears."""
     old = status_mod._cond(before, "Degraded") or {}
     new = status_mod._cond(after, "Degraded") or {}
     if new.get("status") == "True" and (old.get("status") != "True" or old.get("message") != new.get("message")):
-        kopf.event(body, type="Warning", reason=new["reason"], message=new["message"][:1000])
+        post_event(body, "Warning", new["reason"], new.get("message") or new["reason"])
     elif new.get("status") == "False" and old.get("status") == "True":
-        kopf.event(body, type="Normal", reason="Recovered", message="the spec is valid and rolled out")
+        post_event(body, "Normal", "Recovered", "the spec is valid and rolled out")
+
+
+def post_event(body: dict[str, Any], etype: str, reason: str, message: str) -> None:
+    """Create a core/v1 Event about an InferenceService (works from any thread, unlike kopf.event)."""
+    meta = body["metadata"]
+    ts = _now()
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta["uid"],
+                           "resourceVersion": meta.get("resourceVersion")},
+        "type": etype, "reason": reason, "message": message[:1024],
+        "source": {"component": resources.MANAGED_BY},
+        "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
+        "reportingComponent": resources.MANAGED_BY, "reportingInstance": os.uname().nodename,
+    }
+    try:
+        cluster.resource("v1", "Event").create(body=event, namespace=meta["namespace"])
+    except ApiException as e:  # an event is best effort; the condition already says it
+        log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 
 
 def _short_validation_error(e: pydantic.ValidationError) -> str:
@@ -211,6 +235,8 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = int(os.environ.get("GOODPUT_OPERATOR_WORKERS", "8"))
     settings.watching.server_timeout = 300
     cluster.dyn()
+    _resync_stop.clear()
+    threading.Thread(target=_resync_loop, args=(_resync_stop,), name="resync", daemon=True).start()
 
 
 @kopf.on.resume(*RESOURCE)
@@ -226,13 +252,35 @@ def on_spec(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None
         raise
 
 
-@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, sharp=False)
-def resync(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-    """Periodic drift repair: a child deleted or edited by hand comes back."""
-    try:
-        reconcile(namespace, name, logger)
-    except ApiException as e:
-        logger.warning("resync of %s/%s failed: %s %s", namespace, name, e.status, e.reason)
+@kopf.on.event(*RESOURCE)
+def track(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
+    """Remember which InferenceServices exist, for the resync loop (no finalizer, unlike kopf.timer)."""
+    with _known_lock:
+        if type == "DELETED":
+            _known.discard((namespace, name))
+        else:
+            _known.add((namespace, name))
+
+
+def _resync_loop(stop: threading.Event) -> None:
+    """Periodic drift repair: a child deleted or edited by hand comes back within RESYNC_SECONDS.
+
+    A plain thread instead of ``kopf.timer``: kopf timers put a finalizer on every object, which would
+    block deleting InferenceServices whenever the operator is not running.
+    """
+    while not stop.wait(RESYNC_SECONDS):
+        with _known_lock:
+            todo = sorted(_known)
+        for namespace, name in todo:
+            try:
+                reconcile(namespace, name)
+            except Exception as e:  # noqa: BLE001 - keep resyncing the others
+                log.warning("resync of %s/%s failed: %s", namespace, name, e)
+
+
+@kopf.on.cleanup()
+def _stop_resync(**_: Any) -> None:
+    _resync_stop.set()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})

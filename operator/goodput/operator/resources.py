@@ -17,7 +17,7 @@ import json
 import math
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any, Optional
+from typing import Any
 
 from goodput.operator import api
 from goodput.operator.api import InferenceServiceSpec

@@ -18,7 +18,7 @@ observedGeneration; lastTransitionTime changes only when status flips):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 from collections.abc import Sequence
 
 from goodput.operator import resources
@@ -40,7 +40,9 @@ def _make(ctype: str, status: bool, reason: str, message: str, generation: int |
     prev = _cond(previous, ctype)
     ltt = prev["lastTransitionTime"] if prev and prev.get("status") == s and prev.get(
         "lastTransitionTime") else now
-    c = {"type": ctype, "status": s, "reason": reason, "message": message, "lastTransitionTime": ltt}
+    c = {"type": ctype, "status": s, "reason": reason, "lastTransitionTime": ltt}
+    if message:  # omitted when empty: the e2e API server build (1.20) reads "" in custom objects as null
+        c["message"] = message
     if generation is not None:
         c["observedGeneration"] = generation
     return c

@@ -1,0 +1,183 @@
+"""Fixtures for the operator e2e suite: a running cluster (e2e/cluster.sh), the CRD, the test kubelet,
+the operator as a subprocess, and a namespace per test module.
+
+Run through ``bash e2e/run.sh`` (it starts and stops the cluster). Run directly with a cluster already up:
+``eval "$(bash e2e/cluster.sh env)"; python -m pytest e2e``. Without KUBECONFIG the suite is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CRDS = ROOT / "crds"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.e2e)
+
+
+def wait_for(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.5,
+             on_timeout: Callable[[], str] | None = None) -> Any:
+    """Poll ``fn`` until it returns a truthy value; fail after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except Exception as e:  # noqa: BLE001 - transient API errors while things start
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    extra = on_timeout() if on_timeout else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}\n{extra}")
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: str):
+        self.kubeconfig = kubeconfig
+
+    def run(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run(["kubectl", "--kubeconfig", self.kubeconfig, *args], input=input,
+                           capture_output=True, text=True, timeout=60, check=False)
+        if check and r.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+        return r
+
+    def json(self, *args: str) -> dict[str, Any]:
+        return json.loads(self.run(*args, "-o", "json").stdout)
+
+
+class Proc:
+    """A background helper process (kubelet, operator) with its log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]):
+        self.name, self.argv, self.log_path, self.env = name, argv, log, env
+        self.p: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        with open(self.log_path, "ab") as f:
+            f.write(f"--- start {' '.join(self.argv)}\n".encode())
+            self.p = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                      start_new_session=True)
+        return self
+
+    def stop(self, timeout: float = 40) -> None:
+        if self.p is None or self.p.poll() is not None:
+            return
+        os.killpg(self.p.pid, signal.SIGTERM)
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait(timeout=10)
+
+    def log(self, tail: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return f"--- {self.name} log (last {tail} lines)\n" + "\n".join(lines[-tail:])
+
+
+@pytest.fixture(scope="session")
+def kubeconfig() -> str:
+    kc = os.environ.get("KUBECONFIG")
+    if not kc or not Path(kc).exists():
+        pytest.skip("no cluster: run `bash e2e/run.sh` (or start e2e/cluster.sh and export KUBECONFIG)")
+    return kc
+
+
+@pytest.fixture(scope="session")
+def kubectl(kubeconfig: str) -> Kubectl:
+    k = Kubectl(kubeconfig)
+    wait_for(lambda: k.run("get", "--raw", "/readyz", check=False).returncode == 0, 60, "the API server")
+    return k
+
+
+@pytest.fixture(scope="session")
+def k8s(kubeconfig: str):
+    import kubernetes
+
+    kubernetes.config.load_kube_config(config_file=kubeconfig)
+    return kubernetes.client
+
+
+@pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory) -> Path:
+    d = Path(os.environ.get("GOODPUT_E2E_LOGS") or tmp_path_factory.mktemp("e2e-logs"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def crd(kubectl: Kubectl) -> dict[str, Any]:
+    kubectl.run("apply", "-f", str(CRDS / "serving.goodput.dev_inferenceservices.yaml"))
+    kubectl.run("wait", "--for=condition=Established", "--timeout=60s",
+                "crd/inferenceservices.serving.goodput.dev")
+    # discovery (kubectl's cache, the operator's) must see the new kind before anyone uses it
+    wait_for(lambda: "gisvc" in kubectl.run("api-resources", "--api-group=serving.goodput.dev",
+                                            "--cached=false", check=False).stdout, 30, "gisvc in discovery")
+    return kubectl.json("get", "crd", "inferenceservices.serving.goodput.dev")
+
+
+def _child_env(kubeconfig: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["KUBECONFIG"] = kubeconfig
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session")
+def kubelet(kubeconfig: str, kubectl: Kubectl, logs_dir: Path) -> Iterator[Proc]:
+    if os.geteuid() != 0:
+        pytest.skip("the test kubelet needs root (network namespaces)")
+    proc = Proc("kubelet", [sys.executable, str(ROOT / "e2e" / "kubelet.py"), "--log-dir", str(logs_dir / "pods")],
+                logs_dir / "kubelet.log", _child_env(kubeconfig)).start()
+    try:
+        wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in kubectl.json(
+            "get", "node", "goodput-e2e-node").get("status", {}).get("conditions", [])),
+            30, "the test node Ready", on_timeout=proc.log)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def operator(kubeconfig: str, crd: dict, logs_dir: Path) -> Iterator[Proc]:
+    env = _child_env(kubeconfig)
+    env["GOODPUT_OPERATOR_RESYNC_SECONDS"] = env.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "10")
+    proc = Proc("operator", [sys.executable, "-m", "goodput.operator", "--all-namespaces"],
+                logs_dir / "operator.log", env).start()
+    try:
+        time.sleep(1)
+        assert proc.p is not None and proc.p.poll() is None, proc.log()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def namespace(kubectl: Kubectl) -> Iterator[str]:
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    kubectl.run("create", "namespace", ns)
+    wait_for(lambda: kubectl.run("-n", ns, "get", "serviceaccount", "default", check=False).returncode == 0,
+             30, f"default ServiceAccount in {ns}")
+    try:
+        yield ns
+    finally:
+        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
