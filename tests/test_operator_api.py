@@ -116,3 +116,14 @@ def test_status_tolerates_fields_written_by_newer_writers():
     st = api.InferenceServiceStatus.model_validate({"replicas": 2, "somethingNew": 1, "conditions": [
         {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "lastTransitionTime": "2026-01-01T00:00:00Z"}]})
     assert st.replicas == 2 and st.conditions[0].status == "True"
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], ["--all-namespaces", "--standalone"]),
+    (["--namespace", "ml"], ["--namespace", "ml", "--standalone"]),
+    (["-n", "a", "-n", "b", "--verbose"], ["-n", "a", "-n", "b", "--verbose", "--standalone"]),
+    (["--namespace=ml", "--peering=p"], ["--namespace=ml", "--peering=p"]),
+])
+def test_operator_command_line(argv, want):
+    from goodput.operator.__main__ import kopf_args
+    assert kopf_args(argv) == ["run", "-m", "goodput.operator.handlers", *want]

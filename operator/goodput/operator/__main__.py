@@ -11,19 +11,25 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
+def kopf_args(argv: list[str]) -> list[str]:
+    """The ``kopf`` command-line arguments for our own arguments ``argv``."""
+    args = list(argv)
     if not any(a in ("-n", "--namespace", "-A", "--all-namespaces") or a.startswith("--namespace=")
                for a in args):
         args.append("--all-namespaces")
     if "--peering" not in args and not any(a.startswith("--peering=") for a in args):
         args.append("--standalone")
+    return ["run", "-m", "goodput.operator.handlers", *args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     from kopf.cli import main as kopf_main  # kopf is the operator extra
 
-    return kopf_main(args=["run", "-m", "goodput.operator.handlers", *args], standalone_mode=True) or 0
+    return kopf_main(args=kopf_args(args), standalone_mode=True) or 0
 
 
 if __name__ == "__main__":
