@@ -15,7 +15,6 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
 from goodput.bench.loadgen import LoadConfig, run_load
 from goodput.bench.metrics import OK, REJECTED, check_consistency, summarize
 from goodput.bench.workloads import RequestSpec

@@ -2,9 +2,17 @@
 import math
 
 import pytest
-
-from goodput.bench.metrics import (CANCELLED, ERROR, OK, REJECTED, RequestRecord, check_consistency,
-                                   itl_timeline, percentile, summarize)
+from goodput.bench.metrics import (
+    CANCELLED,
+    ERROR,
+    OK,
+    REJECTED,
+    RequestRecord,
+    check_consistency,
+    itl_timeline,
+    percentile,
+    summarize,
+)
 from goodput.bench.workloads import gamma_times, parse_range, read_azure_trace
 
 
@@ -127,3 +135,17 @@ def test_azure_trace_reader(tmp_path):
     rows = read_azure_trace(str(p))
     assert [r.prompt_tokens for r in rows] == [4808, 3180, 110]
     assert [round(r.t, 4) for r in rows] == [0.0, 0.052, 1.5]
+
+
+def test_mean_active_and_window_itls():
+    from goodput.bench.metrics import mean_active, window_itls
+    # a decodes over [1, 3], b over [2, 6]; window [0, 4]: (2 + 2) / 4 = 1.0
+    a = rec("a", 0.0, [1.0, 2.0, 3.0], 3.0, cls="short")
+    b = rec("b", 0.5, [2.0, 5.0, 6.0], 6.0, cls="long")
+    assert mean_active([a, b], 0.0, 4.0) == pytest.approx(1.0)
+    # from send: a [0, 3], b [0.5, 4] -> (3 + 3.5) / 4
+    assert mean_active([a, b], 0.0, 4.0, from_first_token=False) == pytest.approx(6.5 / 4)
+    assert sorted(window_itls([a, b], 2.5, 5.5)) == pytest.approx([1.0, 3.0])
+    assert window_itls([a, b], 2.5, 5.5, cls="short") == pytest.approx([1.0])
+    with pytest.raises(ValueError):
+        mean_active([a], 1.0, 1.0)

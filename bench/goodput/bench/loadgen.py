@@ -41,6 +41,8 @@ class LoadConfig:
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
+    #: also send min_tokens = max_tokens (forces the length on servers without ignore_eos)
+    min_tokens_equal_max: bool = False
     progress: bool = True
     desc: str = ""
 
@@ -70,6 +72,8 @@ async def send_one(client: httpx.AsyncClient, cfg: LoadConfig, spec: RequestSpec
         body["model"] = model
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.min_tokens_equal_max:
+        body["min_tokens"] = spec.max_tokens
     body.update(cfg.extra_body)
     rec.send_time = now()
     try:
@@ -103,6 +107,8 @@ async def send_one(client: httpx.AsyncClient, cfg: LoadConfig, spec: RequestSpec
                         text = (ch.get("delta") or {}).get("content")
                     if text or (text == "" and ch.get("finish_reason") is None):
                         rec.token_times.append(t)
+                    if ch.get("finish_reason"):
+                        rec.finish_reason = ch["finish_reason"]
                 usage = obj.get("usage")
                 if usage:
                     rec.usage_prompt_tokens = usage.get("prompt_tokens")

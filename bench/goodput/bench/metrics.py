@@ -19,8 +19,8 @@ x[floor(r)] and x[ceil(r)].
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 #: record.status values
 OK = "ok"  # streamed to the end
@@ -54,6 +54,7 @@ class RequestRecord:
     error: str | None = None
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    finish_reason: str | None = None
 
     @property
     def n_out(self) -> int:
@@ -102,7 +103,7 @@ class RequestRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RequestRecord":
+    def from_dict(cls, d: dict) -> RequestRecord:
         return cls(**d)
 
 
@@ -229,3 +230,31 @@ def itl_timeline(records: Iterable[RequestRecord], t0: float = 0.0) -> list[tupl
         t = r.token_times
         pts.extend((t[i + 1] - t0, t[i + 1] - t[i]) for i in range(len(t) - 1))
     return sorted(pts)
+
+
+def mean_active(records: Iterable[RequestRecord], t0: float, t1: float, *, from_first_token: bool = True) -> float:
+    """Time-average number of requests in decode over [t0, t1]: a request counts from its first
+    token (or from its send when from_first_token=False) until its end. Divide by the max batch
+    to get slot utilization. Raises ValueError when t1 <= t0."""
+    if t1 <= t0:
+        raise ValueError(f"empty window [{t0}, {t1}]")
+    total = 0.0
+    for r in records:
+        if r.status != OK or not r.token_times or r.end_time is None:
+            continue
+        a = r.token_times[0] if from_first_token else r.send_time
+        lo, hi = max(a, t0), min(r.end_time, t1)
+        if hi > lo:
+            total += hi - lo
+    return total / (t1 - t0)
+
+
+def window_itls(records: Iterable[RequestRecord], t_lo: float, t_hi: float, cls: str | None = None) -> list[float]:
+    """ITL gaps (s) of OK records (of class cls, if given) whose later token arrived in [t_lo, t_hi]."""
+    out = []
+    for r in records:
+        if r.status != OK or (cls is not None and r.cls != cls):
+            continue
+        t = r.token_times
+        out.extend(t[i + 1] - t[i] for i in range(len(t) - 1) if t_lo <= t[i + 1] <= t_hi)
+    return out

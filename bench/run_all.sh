@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Reproduce all seven benchmark experiments (bench/README.md) on this machine:
+#   bash bench/run_all.sh                 # full scale (~30-40 min on 2 idle cores)
+#   bash bench/run_all.sh --quick         # half durations and fewer sweep points
+#   bash bench/run_all.sh --only 2,3      # a subset
+# Writes bench/results/<date>-cpu.md + bench/results/<date>-cpu/*.png (commit these) and raw
+# per-request timelines under bench/results/raw/ (ignored by git).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+. .venv/bin/activate
+# the llama.cpp baseline (cached wheel, separate venv); experiment 5 skips it when missing
+bash bench/setup_baselines.sh || echo "llama-cpp-python baseline unavailable; continuing without it" >&2
+python -m pip install -q "py-spy>=0.3" 2>/dev/null || true   # the profile in experiment 5
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec python -m goodput.bench experiments "$@"
