@@ -72,6 +72,8 @@ class _Cluster:
 cluster = _Cluster()
 _known: set[tuple[str, str]] = set()
 _known_lock = threading.Lock()
+# (namespace, name, uid) whose last full reconcile found or made every child
+_complete: set[tuple[str, str, str]] = set()
 _resync_stop = threading.Event()
 
 
@@ -129,9 +131,13 @@ def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: log
             raise
 
 
-def reconcile(namespace: str, name: str, logger: logging.Logger | None = None) -> dict[str, Any] | None:
+def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
+              observed_deployment: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Bring one InferenceService's children and status to the desired state; idempotent.
 
+    ``observed_deployment``: the child Deployment as a watch event delivered it. When it already
+    matches the desired one (and the children were complete at the last full pass), only the status
+    is refreshed from it: one GET instead of one per child, which matters in event storms.
     Returns the new status dict, or None when the object is gone or being deleted.
     Raises ApiException for API errors other than 404/409 (kopf retries the handler).
     """
@@ -156,10 +162,15 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None) -
         if problems:
             deployment = _get("apps/v1", "Deployment", namespace, name)
             service_exists = _get("v1", "Service", namespace, name) is not None
+        elif observed_deployment is not None and (namespace, name, uid) in _complete and not \
+                resources.needs_update(resources.deployment(name, namespace, spec, resources.owner_reference(
+                    name, uid)), observed_deployment):
+            deployment, service_exists = observed_deployment, True
         else:
             assert spec is not None
             owner = resources.owner_reference(name, uid)
             _ensure_secret(name, namespace, owner, logger)
+            _complete.discard((namespace, name, uid))
             for desired in resources.children(name, namespace, uid, spec, cluster.pdb_api_version):
                 obj, action = _ensure(desired, uid, logger)
                 if action == "conflict":
@@ -170,6 +181,8 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None) -
                     deployment = obj
                 if desired["kind"] == "Service" and action != "conflict":
                     service_exists = obj is not None
+            if not problems:
+                _complete.add((namespace, name, uid))
 
         prev_conditions = current.get("conditions") or []
         new = status_mod.compute_status(
@@ -214,6 +227,15 @@ def post_event(body: dict[str, Any], etype: str, reason: str, message: str) -> N
         cluster.resource("v1", "Event").create(body=event, namespace=meta["namespace"])
     except ApiException as e:  # an event is best effort; the condition already says it
         log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A kopf Body (read-only mapping views) as plain nested dicts and lists."""
+    if isinstance(body, dict) or hasattr(body, "keys"):
+        return {k: _plain(v) for k, v in body.items()}
+    if isinstance(body, (list, tuple)):
+        return [_plain(v) for v in body]
+    return body
 
 
 def _short_validation_error(e: pydantic.ValidationError) -> str:
@@ -284,13 +306,15 @@ def _stop_resync(**_: Any) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
-def on_deployment_event(body: kopf.Body, namespace: str, logger: logging.Logger, **_: Any) -> None:
+def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logger: logging.Logger,  # noqa: A002
+                        **_: Any) -> None:
     """A child Deployment changed (pods ready, rollout progress, deleted): refresh its owner."""
+    observed = None if type == "DELETED" else _plain(body)
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP + "/") \
                 and ref.get("controller"):
             try:
-                reconcile(namespace, ref["name"], logger)
+                reconcile(namespace, ref["name"], logger, observed_deployment=observed)
             except ApiException as e:
                 logger.warning("reconcile of %s/%s after a Deployment event failed: %s %s",
                                namespace, ref["name"], e.status, e.reason)
