@@ -98,6 +98,11 @@ install_helm() {
 
 cmd_install() {
   mkdir -p "$BIN"
+  local need=() t
+  for t in curl:curl ip:iproute2 openssl:openssl dpkg-deb:dpkg; do
+    command -v "${t%%:*}" >/dev/null || need+=("${t#*:}")
+  done
+  if [ ${#need[@]} -gt 0 ]; then apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; fi
   if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/kube-apiserver" ]; then
     apt-get update -q >/dev/null
   fi
