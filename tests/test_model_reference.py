@@ -140,3 +140,23 @@ def test_mixed_batch_equals_separate_runs(runner):
     out = runner.execute(SchedulerOutput(chunks(*mix_tabs, a1, b1)[:2]))
     assert [a1, out.sampled_token_ids["a"]] == hf_greedy(a_ids, 2, stop_at_eos=False)
     assert [b1, out.sampled_token_ids["b"]] == hf_greedy(b_ids, 2, stop_at_eos=False)
+
+
+def test_bfloat16_model_agrees_with_fp32_reference_on_top1():
+    """bf16 serving dtype: logits within bf16 rounding of HF fp32, same top-1 almost everywhere."""
+    r16 = ModelRunner("smollm2", dtype="bfloat16", block_size=BS, num_blocks=16, attention_backend="torch")
+    agree = total = 0
+    for prompt in PROMPTS:
+        ids = r16.tokenizer.encode(prompt)
+        ours = r16.forward_logits(SchedulerOutput([
+            ScheduledChunk("p", tuple(ids), 0, blocks_for(len(ids), 0), False, GREEDY)]))["p"]
+        ref = hf_logits(ids)
+        assert (ours - ref).abs().max() < 2.5  # logits span ~[-20, 30]; bf16 keeps 8 mantissa bits
+        assert ours[-1].argmax() == ref[-1].argmax()
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.9
+    ids = r16.tokenizer.encode(PROMPTS[0])
+    out = r16.execute(SchedulerOutput([ScheduledChunk("q", tuple(ids), 0, blocks_for(len(ids), 0), True,
+                                                      GREEDY)]))
+    assert r16.tokenizer.decode([out.sampled_token_ids["q"]]).strip() == "Paris"

@@ -161,14 +161,17 @@ def build_meta(seqs, block_size):
         max_seq_len=max(seq_lens), query_start_loc_list=qsl, seq_lens_list=seq_lens)
 
 
+@pytest.mark.parametrize("decodes_first", [True, False])
 @pytest.mark.parametrize("H, KV", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_torch_backend_matches_naive_reference(H, KV, dtype, tol):
+def test_torch_backend_matches_naive_reference(H, KV, dtype, tol, decodes_first):
     torch.manual_seed(0)
     bs, d, num_blocks = 4, 8, 24
     # (q_start, q_len, context_len, block_table): decodes (one at a block boundary, one with
     # context 0), then a pure prefill and a chunk continuing mid-block after cached context
     specs = [(1, 6, [3, 1]), (1, 8, [5, 7, 2]), (1, 0, [9]), (5, 0, [10, 11]), (6, 5, [12, 13, 14])]
+    if not decodes_first:  # decode rows interleaved with prefill rows (not at 0..B-1)
+        specs = [specs[3], specs[0], specs[4], specs[1], specs[2]]
     seqs, start = [], 0
     for q_len, ctx, table in specs:
         seqs.append((start, q_len, ctx, table))
