@@ -7,8 +7,8 @@ It applies the CRD, starts its own operator (``python -m goodput.operator --name
 ``--count`` InferenceServices with ``replicas: 0`` (no worker pods: this measures the control plane only)
 through the API, ``--interval`` seconds apart (0 = a burst), and watches Deployments in the namespace.
 Latency per object = monotonic time the watch saw its Deployment ADDED minus the time just before the
-create call was sent. Prints p50/p90/p99/max (nearest-rank) and the operator's resident memory (VmRSS)
-idle and after all objects settled, plus its peak (VmHWM). Cleans up its namespace and operator.
+create call was sent. Prints p50/p90/p99/max (nearest-rank), the operator's resident memory (VmRSS) idle and after all
+objects settled plus its peak (VmHWM), the operator's CPU seconds in the window and the machine's load. Cleans up its namespace and operator.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def rss_kib(pid: int) -> dict[str, int]:
             k, v = line.split(":", 1)
             out[k] = int(v.split()[0])
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (fields 14 and 15 of /proc/PID/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -98,6 +104,7 @@ def main() -> int:
             time.sleep(0.05)
         time.sleep(2)
         idle = rss_kib(op.pid)
+        cpu0, wall0 = cpu_seconds(op.pid), time.monotonic()
         sent: dict[str, float] = {}
         for i in range(a.count):
             name = f"svc-{i:03d}"
@@ -105,6 +112,7 @@ def main() -> int:
             crds.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body(name))
             if a.interval:
                 time.sleep(a.interval)
+        send_s = time.monotonic() - wall0
         deadline = time.monotonic() + a.timeout
         while not all(n in seen for n in sent) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -112,6 +120,8 @@ def main() -> int:
         lat = [(seen[n] - sent[n]) * 1000 for n in sent if n in seen]
         time.sleep(3)  # let status writes settle
         loaded = rss_kib(op.pid)
+        cpu = cpu_seconds(op.pid) - cpu0
+        wall = time.monotonic() - wall0
         result = {
             "count": a.count, "interval_s": a.interval, "missing": len(missing),
             "p50_ms": round(percentile(lat, 50), 1), "p90_ms": round(percentile(lat, 90), 1),
@@ -119,6 +129,8 @@ def main() -> int:
             "operator_rss_idle_mib": round(idle["VmRSS"] / 1024, 1),
             "operator_rss_loaded_mib": round(loaded["VmRSS"] / 1024, 1),
             "operator_rss_peak_mib": round(loaded["VmHWM"] / 1024, 1),
+            "operator_cpu_s": round(cpu, 2), "window_s": round(wall, 1), "send_s": round(send_s, 2),
+            "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0]),
         }
         if a.json:
             print(json.dumps(result))
@@ -128,7 +140,9 @@ def main() -> int:
             print(f"  p50 {result['p50_ms']} ms   p90 {result['p90_ms']} ms   p99 {result['p99_ms']} ms   "
                   f"max {result['max_ms']} ms   missing {len(missing)}")
             print(f"operator RSS: idle {result['operator_rss_idle_mib']} MiB, with {a.count + 1} objects "
-                  f"{result['operator_rss_loaded_mib']} MiB (peak {result['operator_rss_peak_mib']} MiB)")
+                  f"{result['operator_rss_loaded_mib']} MiB (peak {result['operator_rss_peak_mib']} MiB); "
+                  f"operator CPU {result['operator_cpu_s']} s over {result['window_s']} s "
+                  f"(machine load average {result['loadavg_1m']})")
             print(json.dumps(result))
         return 1 if missing else 0
     finally:

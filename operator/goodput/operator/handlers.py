@@ -11,7 +11,8 @@ Ownership: ``spec.replicas`` of the InferenceService (also written through its s
 scaled by hand is set back. Children carry a controller owner reference, so deleting the
 InferenceService garbage-collects them.
 
-Env: GOODPUT_OPERATOR_RESYNC_SECONDS (resync period, default 60).
+Env: GOODPUT_OPERATOR_RESYNC_SECONDS (resync period, default 60), GOODPUT_OPERATOR_WORKERS (threads
+for the synchronous handlers, default 16: reconciles mostly wait on the API server).
 """
 
 from __future__ import annotations
@@ -94,21 +95,29 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
 
 
-def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger) -> tuple[dict[str, Any] | None, str]:
+def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
+            fresh: bool = False) -> tuple[dict[str, Any] | None, str]:
     """Create or update one child. Returns (object as on the server, action) — action is one of
-    created, updated, unchanged, conflict (exists but owned by someone else; left alone)."""
+    created, updated, unchanged, conflict (exists but owned by someone else; left alone).
+
+    ``fresh``: the owner was never reconciled, so try the create first (one request, not two).
+    """
     kind, ns, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
     res = cluster.resource(desired["apiVersion"], kind)
-    actual = _get(desired["apiVersion"], kind, ns, name)
+    actual = None if fresh else _get(desired["apiVersion"], kind, ns, name)
     if actual is None:
         try:
             obj = res.create(body=desired, namespace=ns).to_dict()
         except ApiException as e:
-            if e.status == 409:  # made by a concurrent reconcile; the next trigger compares it
-                return _get(desired["apiVersion"], kind, ns, name), "unchanged"
-            raise
-        logger.info("created %s %s/%s", kind, ns, name)
-        return obj, "created"
+            if e.status != 409:
+                raise
+            # it exists (a concurrent reconcile, or `fresh` guessed wrong): compare it below
+            actual = _get(desired["apiVersion"], kind, ns, name)
+            if actual is None:
+                return None, "unchanged"
+        else:
+            logger.info("created %s %s/%s", kind, ns, name)
+            return obj, "created"
     if not _owned_by(actual, uid):
         return actual, "conflict"
     if not resources.needs_update(desired, actual):
@@ -118,9 +127,10 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger) -> tuple[
     return obj, "updated"
 
 
-def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: logging.Logger) -> None:
+def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: logging.Logger,
+                   fresh: bool = False) -> None:
     sname = resources.admin_secret_name(name)
-    if _get("v1", "Secret", namespace, sname) is not None:
+    if not fresh and _get("v1", "Secret", namespace, sname) is not None:
         return  # created once; the token is never rotated behind running workers' backs
     body = resources.admin_secret(name, namespace, secrets.token_urlsafe(32), owner)
     try:
@@ -169,10 +179,11 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
         else:
             assert spec is not None
             owner = resources.owner_reference(name, uid)
-            _ensure_secret(name, namespace, owner, logger)
+            fresh = not current  # no status yet: never reconciled, its children most likely do not exist
+            _ensure_secret(name, namespace, owner, logger, fresh)
             _complete.discard((namespace, name, uid))
             for desired in resources.children(name, namespace, uid, spec, cluster.pdb_api_version):
-                obj, action = _ensure(desired, uid, logger)
+                obj, action = _ensure(desired, uid, logger, fresh)
                 if action == "conflict":
                     problems.append(api.Problem(reason="ChildConflict", message=(
                         f"{desired['kind']} {namespace}/{desired['metadata']['name']} exists and is not "
@@ -254,7 +265,7 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=api.GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # only our own Warning events, not every handler log line
-    settings.execution.max_workers = int(os.environ.get("GOODPUT_OPERATOR_WORKERS", "8"))
+    settings.execution.max_workers = int(os.environ.get("GOODPUT_OPERATOR_WORKERS", "16"))
     settings.watching.server_timeout = 300
     cluster.dyn()
     _resync_stop.clear()
