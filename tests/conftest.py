@@ -76,6 +76,9 @@ def start_server(flags: list[str], admin_token: str | None = ADMIN_TOKEN,
     if admin_token is not None:
         env["GOODPUT_ADMIN_TOKEN"] = admin_token
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # One intra-op thread: test servers share 2 cores with pytest (and CI neighbours); OpenMP
+    # spin-waiting with 2 threads on an oversubscribed machine makes a decode step ~5x slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
     log = tempfile.NamedTemporaryFile(prefix="goodput-test-server-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "goodput.worker", "serve", "--model", "smollm2", "--host", "127.0.0.1",
            "--port", str(port), *flags]

@@ -29,6 +29,14 @@ PROMPTS = [
     "import numpy as np\nx = np.",
 ]
 
+# 9..24 tokens each: longer than the 8-token budget, short enough for max_model_len 32.
+CHUNKED_PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+    "Photosynthesis is the process by which green plants",
+]
+
 
 @functools.cache
 def ids_of(text: str) -> tuple[int, ...]:
@@ -38,8 +46,15 @@ def ids_of(text: str) -> tuple[int, ...]:
 
 @functools.cache
 def reference(prompt_ids: tuple[int, ...], n: int, ignore_eos: bool = False) -> list[int]:
+    import torch
     from reference_hf import hf_greedy
-    return hf_greedy(list(prompt_ids), n, stop_at_eos=not ignore_eos)
+    # The server subprocess computes at the same time; one thread each avoids OpenMP thrashing.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return hf_greedy(list(prompt_ids), n, stop_at_eos=not ignore_eos)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def served(url: str, prompt_ids, n: int, ignore_eos: bool = False) -> list[int]:
@@ -70,7 +85,7 @@ def test_eight_at_once(server_main):
 
 def test_chunked_prefill_budget_smaller_than_prompt(server_chunked):
     # server_chunked: --max-num-batched-tokens 8, --max-model-len 32
-    prompts = [ids_of(t) for t in PROMPTS[2:6]]
+    prompts = [ids_of(t) for t in CHUNKED_PROMPTS]
     assert all(8 < len(p) <= 24 for p in prompts), [len(p) for p in prompts]
     got = served_concurrently(server_chunked.url, prompts, 8)
     for p, g in zip(prompts, got):
