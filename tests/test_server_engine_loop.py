@@ -1,0 +1,126 @@
+"""LLMEngine / AsyncLLMEngine without a model: the real scheduler and block manager, a fake runner.
+
+The fake runner "counts": the token after t is t+1 (byte tokens, so the text is the alphabet),
+which makes every expected output computable by hand. Checks: stop strings finish the request
+through the scheduler (blocks freed at once, reason "stop", text cut before the stop string),
+stop tokens are not in the text, aborts free blocks, one delta per token, a failing runner
+kills the loop (health) and answers every waiting client.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from goodput.worker.engine.config import EngineConfig
+from goodput.worker.engine.outputs import RunnerOutput
+from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.scheduler import AdmissionError, Scheduler
+from goodput.worker.llm_engine import AsyncLLMEngine, LLMEngine
+from goodput.worker.metrics import WorkerMetrics
+
+EOS = 0
+
+
+class ByteTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i != EOS).decode("utf-8", errors="replace")
+
+
+class CountingRunner:
+    def __init__(self, fail_after: int | None = None):
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def execute(self, sched_out):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("device lost")
+        return RunnerOutput({c.request_id: c.token_ids[-1] + 1 for c in sched_out.chunks if c.sample})
+
+
+def make_engine(num_blocks=16, runner=None, **cfg) -> LLMEngine:
+    config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=4, eos_token_ids=(EOS,),
+                          max_num_batched_tokens=64, **cfg)
+    eng = LLMEngine(config, Scheduler(config), runner or CountingRunner(), ByteTokenizer())
+    eng.metrics = WorkerMetrics("fake", eng.stats)
+    return eng
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_generate_counts_and_length():
+    eng = make_engine()
+    [(ids, text, reason)] = eng.generate([[ord("a")]], greedy(5))
+    assert ids == [ord(c) for c in "bcdef"] and text == "bcdef" and reason == "length"
+    assert eng.stats().kv_blocks_used == 0
+
+
+def test_stop_string_finishes_through_the_scheduler_and_frees_blocks():
+    eng = make_engine()
+    eng.add_request("r", [ord("a")], greedy(20, stop=("efg",)))
+    deltas = []
+    while eng.has_unfinished():
+        deltas += eng.step()
+    assert "".join(d.text for d in deltas) == "bcd"
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    assert deltas[-1].num_output_tokens == 6  # b c d e f g were generated; "efg" is cut from the text
+    assert len(deltas) == 6  # one delta per generated token
+    s = eng.stats()
+    assert s.kv_blocks_used == 0 and s.finished["stop"] == 1 and s.running == 0
+
+
+def test_stop_token_is_not_part_of_the_text():
+    eng = make_engine()
+    [(ids, text, reason)] = eng.generate([[ord("a")]], greedy(10, stop_token_ids=(ord("d"),)))
+    assert ids == [ord("b"), ord("c"), ord("d")] and text == "bc" and reason == "stop"
+
+
+def test_admission_errors_pass_through():
+    eng = make_engine(num_blocks=2)
+    with pytest.raises(AdmissionError) as e:
+        eng.add_request("big", list(range(1, 20)), greedy(8))
+    assert e.value.reason == "never_fits"
+    with pytest.raises(AdmissionError) as e:
+        eng.add_request("empty", [], greedy(8))
+    assert e.value.reason == "invalid"
+    assert eng.stats().rejected == {"queue_full": 0, "never_fits": 1, "invalid": 1}
+
+
+def test_async_abort_frees_blocks_and_failure_marks_dead():
+    async def scenario():
+        eng = make_engine()
+        aeng = AsyncLLMEngine(eng, idle_tick_s=0.05)
+        aeng.start()
+        try:
+            stream = aeng.add_request("long", [ord("a")], greedy(40, ignore_eos=True))
+            got = [await stream.__anext__() for _ in range(3)]
+            assert [d.text for d in got] == ["b", "c", "d"]
+            assert eng.stats().kv_blocks_used > 0
+            stream.abort()
+            for _ in range(200):
+                if not eng.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            s = eng.stats()
+            assert s.kv_blocks_used == 0 and s.finished["abort"] == 1
+            assert aeng.is_healthy()
+
+            done = [d async for d in aeng.generate("short", [ord("x")], greedy(2))]
+            assert [d.text for d in done] == ["y", "z"] and done[-1].finish_reason == "length"
+        finally:
+            aeng.shutdown()
+
+        bad = AsyncLLMEngine(make_engine(runner=CountingRunner(fail_after=2)), idle_tick_s=0.05)
+        bad.start()
+        try:
+            deltas = [d async for d in bad.generate("r", [ord("a")], greedy(50))]
+            assert deltas[-1].finished and deltas[-1].finish_reason == "abort" and "device lost" in deltas[-1].error
+            await asyncio.sleep(0.05)
+            assert not bad.is_healthy()
+        finally:
+            bad.shutdown()
+
+    asyncio.run(scenario())
