@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from goodput.worker.engine.outputs import ScheduledChunk, SchedulerOutput
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.model.runner import ModelRunner
-
 from reference_hf import hf_greedy, hf_logits, hf_model
 
 pytestmark = pytest.mark.slow

@@ -11,16 +11,13 @@ import struct
 import numpy as np
 import pytest
 import torch
-
 from goodput.worker.engine.outputs import ScheduledChunk, SchedulerOutput
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.model.attention.base import AttentionMetadata
 from goodput.worker.model.attention.torch_ref import TorchReferenceBackend
 from goodput.worker.model.config import ModelConfig, UnsupportedModelError
-from goodput.worker.model.gguf_loader import (gguf_revision, parse_dtype, resolve_model_path,
-                                              unpermute_qk)
-from goodput.worker.model.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_token,
-                                           num_blocks_for_budget)
+from goodput.worker.model.gguf_loader import gguf_revision, parse_dtype, resolve_model_path, unpermute_qk
+from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.model.sampler import Sampler, apply_top_k_top_p, mix_seed
 

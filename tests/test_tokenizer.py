@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import pytest
-
 from goodput.worker.model.tokenizer import ChatTemplateError, GGUFTokenizer
-
 from reference_hf import hf_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from goodput.worker.model.config import ModelConfig, UnsupportedModelError
 
 log = logging.getLogger(__name__)

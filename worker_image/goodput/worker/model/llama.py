@@ -19,19 +19,41 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
 from goodput.worker.model.config import ModelConfig
+
+
+def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class _Linear:
+    """``y = x @ W.T``; on CPU in bf16 the weight is pre-packed once into oneDNN's blocked
+    layout (AMX/AVX-512 VNNI), instead of being re-laid-out by every matmul call."""
+
+    def __init__(self, weight: torch.Tensor, prepack: bool):
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.packed = None
+        if prepack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+            self.weight = None  # the packed copy replaces it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
 
 
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor   # [D]
-    w_qkv: torch.Tensor       # [(H + 2·KV)·d, D]
-    w_o: torch.Tensor         # [D, H·d]
+    qkv: _Linear              # [(H + 2·KV)·d, D]
+    o: _Linear                # [D, H·d]
     ffn_norm: torch.Tensor    # [D]
-    w_gate_up: torch.Tensor   # [2·I, D]
-    w_down: torch.Tensor      # [D, I]
+    gate_up: _Linear          # [2·I, D]
+    down: _Linear             # [D, I]
 
 
 class LlamaModel:
@@ -43,7 +65,8 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 prepack: bool | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -52,20 +75,25 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype)
 
+        self.prepacked = _can_prepack(dtype, self.device) if prepack is None else bool(prepack)
+
+        def lin(t: torch.Tensor) -> _Linear:
+            return _Linear(t, self.prepacked)
+
         self.embed = w("token_embd.weight")
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"blk.{i}."
             self.layers.append(_Layer(
                 attn_norm=w(p + "attn_norm.weight"),
-                w_qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
-                w_o=w(p + "attn_output.weight").contiguous(),
+                qkv=lin(torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")])),
+                o=lin(w(p + "attn_output.weight").contiguous()),
                 ffn_norm=w(p + "ffn_norm.weight"),
-                w_gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
-                w_down=w(p + "ffn_down.weight").contiguous(),
+                gate_up=lin(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])),
+                down=lin(w(p + "ffn_down.weight").contiguous()),
             ))
         self.norm = w("output_norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("output.weight")
+        self.lm_head = lin(self.embed if c.tie_word_embeddings else w("output.weight"))
 
         # RoPE tables [max_pos, d/2] in float32 (cast per step, as HF casts cos/sin to x's dtype)
         d = c.head_dim
@@ -105,7 +133,7 @@ class LlamaModel:
         x = self.embed.index_select(0, input_ids)                                # [T, D]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms_norm(x, layer.attn_norm)
-            qkv = F.linear(h, layer.w_qkv)                                       # [T, (H+2KV)·d]
+            qkv = layer.qkv(h)                                                    # [T, (H+2KV)·d]
             qk = qkv[:, :(H + KV) * d].view(T, H + KV, d)
             x1, x2 = qk[..., :half], qk[..., half:]
             qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)   # rotate-half RoPE
@@ -113,12 +141,12 @@ class LlamaModel:
             v = qkv[:, (H + KV) * d:].view(T, KV, d)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)             # [T, H, d]
-            x = x + F.linear(o.reshape(T, H * d), layer.w_o)
+            x = x + layer.o(o.reshape(T, H * d))
             h = self._rms_norm(x, layer.ffn_norm)
-            gu = F.linear(h, layer.w_gate_up)                                    # [T, 2I]
-            x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], layer.w_down)
+            gu = layer.gate_up(h)                                               # [T, 2I]
+            x = x + layer.down(F.silu(gu[:, :I]) * gu[:, I:])
 
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self._rms_norm(x, self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

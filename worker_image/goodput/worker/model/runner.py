@@ -14,12 +14,10 @@ import time
 from typing import Any
 
 import torch
-
 from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
 from goodput.worker.model.gguf_loader import load_gguf, parse_dtype
-from goodput.worker.model.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_token,
-                                           num_blocks_for_budget)
+from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.llama import LlamaModel
 from goodput.worker.model.sampler import Sampler
 from goodput.worker.model.tokenizer import GGUFTokenizer

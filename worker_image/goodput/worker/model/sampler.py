@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from goodput.worker.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

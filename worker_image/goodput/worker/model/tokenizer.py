@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
 from goodput.worker.model.config import UnsupportedModelError
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 _CONTROL, _USER_DEFINED = 3, 4
 
