@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-
 from server_utils import completion, post, stream
 
 pytestmark = pytest.mark.slow

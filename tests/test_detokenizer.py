@@ -7,10 +7,9 @@ string operations on the source text, independent of the code under test.
 from __future__ import annotations
 
 import pytest
+from goodput.worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from goodput.worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 EOS = 256
 

@@ -12,7 +12,6 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import TINY_POOL_BLOCKS
 from server_utils import completion, metric, metrics
 
@@ -99,7 +98,6 @@ def test_warm_prefix_cache(server_main):
     a, b = ids_of(system + "Question: Where is Lyon?"), ids_of(system + "Question: Who was Ada?")
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert common >= 32, "the shared prefix must cover at least two full 16-token blocks"
-    before = metric(metrics(server_main.url), "goodput_prefix_cache_hits_total")
     assert served(server_main.url, a, 8) == reference(a, 8)
     mid = metric(metrics(server_main.url), "goodput_prefix_cache_hits_total")
     assert served(server_main.url, b, 8) == reference(b, 8)      # hits a's full blocks

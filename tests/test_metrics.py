@@ -5,9 +5,8 @@ the exposition is read back with prometheus_client's own text parser.
 """
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from goodput.worker.metrics import EngineStats, WorkerMetrics, slo_met
+from prometheus_client.parser import text_string_to_metric_families
 
 # DESIGN.md: name (as the parser reports it, i.e. counters without _total) -> (type, extra labels)
 DESIGN_TABLE = {

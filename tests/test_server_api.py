@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import ADMIN_TOKEN
 from server_utils import TIMEOUT, completion, metric, metrics, post, stream
 

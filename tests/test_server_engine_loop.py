@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.sampling_params import SamplingParams

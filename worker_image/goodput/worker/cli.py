@@ -124,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     args = engine_args_from(ns)
 
     import uvicorn
-
     from goodput.worker.server.app import create_app
 
     app = create_app(args)

@@ -19,8 +19,9 @@ Invariant (tested): ``"".join(deltas) == final text``, for streamed and non-stre
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded in front of the first output token, so a context-dependent first piece

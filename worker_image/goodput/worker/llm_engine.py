@@ -34,7 +34,7 @@ from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
-from goodput.worker.engine.scheduler import AdmissionError, Scheduler, SchedulerStats
+from goodput.worker.engine.scheduler import Scheduler, SchedulerStats
 from goodput.worker.metrics import EngineStats, WorkerMetrics
 
 log = logging.getLogger("goodput.worker.engine")
@@ -102,7 +102,7 @@ class EngineArgs:
             return self.served_model_name
         import os
         base = os.path.basename(self.model)
-        return base[:-5] if base.endswith(".gguf") else base
+        return base.removesuffix(".gguf")
 
 
 class LLMEngine:
@@ -380,7 +380,7 @@ class AsyncLLMEngine:
                 continue
             try:
                 deltas = eng.step()
-            except BaseException as exc:  # noqa: BLE001 - report to every client, then stop
+            except BaseException as exc:
                 log.exception("engine step failed; the engine is now dead")
                 self.error = exc
                 self._deliver(eng.fail_all(f"engine error: {exc!r}"))

@@ -20,11 +20,10 @@ vLLM work unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -230,7 +229,7 @@ class WorkerMetrics:
         self._slo_met = Counter(REQUESTS_SLO_MET,
                                 "Finished requests (stop or length) meeting both the TTFT and TPOT SLOs.",
                                 ["model_name"], registry=self.registry).labels(model_name)
-        h = lambda name, doc, b: _Hist(self.registry, name, doc, b, model_name, vllm_aliases)  # noqa: E731
+        h = lambda name, doc, b: _Hist(self.registry, name, doc, b, model_name, vllm_aliases)
         self.ttft = h(TIME_TO_FIRST_TOKEN, "Time to first token: first token - arrival.", TTFT_BUCKETS)
         self.itl = h(INTER_TOKEN_LATENCY, "Every gap between consecutive output tokens.",
                      TOKEN_LATENCY_BUCKETS)

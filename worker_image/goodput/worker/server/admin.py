@@ -11,10 +11,9 @@ import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.protocol import AdminLimits
+from pydantic import ValidationError
 
 router = APIRouter(prefix="/admin")
 

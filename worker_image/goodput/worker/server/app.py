@@ -16,15 +16,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-
 from goodput.worker.llm_engine import AsyncLLMEngine, EngineArgs, LLMEngine
 from goodput.worker.server.errors import APIError, install_error_handlers
+from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("goodput.worker.server")
 
@@ -79,7 +79,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
             t0 = time.monotonic()
             try:
                 llm = factory(args)
-            except BaseException as exc:  # noqa: BLE001 - reported by /health and /ready
+            except BaseException as exc:
                 log.exception("model load failed")
                 state.load_error = exc
                 return

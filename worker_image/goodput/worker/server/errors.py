@@ -13,10 +13,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.server.protocol import UnsupportedParameter, error_body
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",

@@ -12,21 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
 from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.llm_engine import EngineDeadError, RequestDelta, RequestStream
 from goodput.worker.server import sse
 from goodput.worker.server.errors import APIError
-from goodput.worker.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                            ChatCompletionRequest, ChatCompletionResponse,
-                                            ChatMessageOut, CompletionChoice, CompletionRequest,
-                                            CompletionResponse, DeltaMessage, ModelCard, ModelList,
-                                            TokenizeRequest, UnsupportedParameter, UsageInfo,
-                                            error_body, new_id, now_s)
+from goodput.worker.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    UnsupportedParameter,
+    UsageInfo,
+    error_body,
+    new_id,
+    now_s,
+)
 
 router = APIRouter()
 

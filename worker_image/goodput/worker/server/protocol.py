@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Any, Literal
 
 from goodput.worker.engine.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -68,7 +67,7 @@ class _SamplingRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -138,7 +137,7 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element list
     of either (batches of prompts need n>1-style fan-out and are refused)."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -175,7 +174,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
