@@ -95,8 +95,8 @@ class Sampler:
             raise ValueError(f"{B} logit rows but {len(params)} params / {len(num_output_tokens)} counts")
         if B == 0:
             return [], []
-        logits = logits.float()
-        logprobs_all = torch.log_softmax(logits, dim=-1)
+        logits = raw = logits.float()
+        log_z = torch.logsumexp(logits, dim=-1)  # raw-distribution normaliser, before any masking
 
         bans = [(i, self._min_tokens_ban(p, n)) for i, (p, n) in enumerate(zip(params, num_output_tokens))]
         bans = [(i, b) for i, b in bans if b]
@@ -131,5 +131,5 @@ class Sampler:
             pick = torch.minimum(pick, kept)
             tokens[idx] = order.gather(1, pick).squeeze(1)
 
-        lp = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+        lp = raw.gather(1, tokens[:, None]).squeeze(1) - log_z
         return tokens.tolist(), lp.tolist()

@@ -20,6 +20,12 @@ import torch.nn.functional as F
 from goodput.worker.model.attention.base import AttentionMetadata
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = attend) -> additive 0 / -inf mask in the query dtype (SDPA would
+    otherwise convert the bool mask on every layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 @dataclass
 class _PrefillSeq:
     q_start: int
@@ -27,7 +33,7 @@ class _PrefillSeq:
     seq_len: int
     context_len: int
     blocks: torch.Tensor          # [ceil(seq_len / block_size)] physical block ids
-    mask: torch.Tensor | None     # [q_len, seq_len] bool, None = plain causal (no cached context)
+    mask: torch.Tensor | None     # [q_len, seq_len] additive, None = plain causal (no cached context)
 
 
 @dataclass
@@ -37,7 +43,7 @@ class _Plan:
     dec_rows: torch.Tensor | None   # [Bd] query rows of decode sequences (None: rows 0..Bd-1)
     num_dec: int
     dec_blocks: torch.Tensor | None  # [Bd, nb] block ids
-    dec_mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] bool, True = attend
+    dec_mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] additive: 0 attend, -inf padding
     prefills: list[_PrefillSeq]
 
 
@@ -67,7 +73,8 @@ class TorchReferenceBackend:
         vc.index_copy_(0, slots, v.to(vc.dtype))
 
     # -- attention -------------------------------------------------------------------------
-    def _make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    def _make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device,
+                   dtype: torch.dtype) -> _Plan:
         qsl = meta.query_start_loc_list
         if qsl is None:
             qsl = meta.query_start_loc.tolist()
@@ -91,7 +98,7 @@ class TorchReferenceBackend:
             idx = torch.tensor(dec, dtype=torch.long, device=device)
             plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long()
             pos = torch.arange(nb * block_size, device=device)
-            plan.dec_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+            plan.dec_mask = _additive((pos[None, :] < lens[:, None])[:, None, None, :], dtype)
         for i in pre:
             s, e, sl = qsl[i], qsl[i + 1], seq_lens[i]
             ctx = sl - (e - s)
@@ -100,7 +107,7 @@ class TorchReferenceBackend:
             mask = None
             if ctx > 0:
                 qpos = torch.arange(ctx, sl, device=device)
-                mask = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
+                mask = _additive(torch.arange(sl, device=device)[None, :] <= qpos[:, None], dtype)
             plan.prefills.append(_PrefillSeq(s, e, sl, ctx, blocks, mask))
         return plan
 
@@ -111,7 +118,7 @@ class TorchReferenceBackend:
         block_size, KV = k_cache.shape[1], k_cache.shape[2]
         g = H // KV
         if meta is not self._plan_meta or block_size != self._plan_block_size:
-            self._plan = self._make_plan(meta, block_size, q.device)
+            self._plan = self._make_plan(meta, block_size, q.device, q.dtype)
             self._plan_meta, self._plan_block_size = meta, block_size
         plan = self._plan
         assert plan is not None
