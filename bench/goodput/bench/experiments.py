@@ -95,7 +95,8 @@ class Ctx:
         s = Server(cmd, port, log, ready_path=ready, ready_timeout=600)
         s.__enter__()
         self.server, self.server_key = s, key
-        self.commands.append(" ".join(shlex.quote(c) for c in cmd).replace(str(port), "$PORT"))
+        shown = [os.path.basename(cmd[0]) if os.path.isabs(cmd[0]) else cmd[0]] + cmd[1:]
+        self.commands.append(" ".join(shlex.quote(c) for c in shown).replace(str(port), "$PORT"))
         print(f"[server up in {time.time() - t:.1f}s] {' '.join(cmd)}", file=sys.stderr)
         return s
 
@@ -130,7 +131,7 @@ class Ctx:
         return max(lo, int(round(x * self.scale)))
 
     def d(self, x: float) -> float:
-        return x * max(self.scale, 0.4)
+        return x * self.scale
 
     def write(self) -> None:
         parts = [f"# goodput benchmarks on this machine — {self.a.date} (CPU)\n",
@@ -262,6 +263,8 @@ def exp4_static(ctx: Ctx) -> None:
         r = ctx.load(srv, specs, label=f"batching {name}", concurrency=c, duration=ctx.d(40), drain=120)
         recs, s = r["records"], r["summary"]
         ok = [x for x in recs if x.status == OK]
+        if not ok:
+            raise RuntimeError(f"{name}: no request succeeded: {recs[0].error if recs else 'none sent'}")
         t0, t1 = min(x.send_time for x in ok), max(x.end_time for x in ok)
         util = mean_active(recs, t0, t1) / c
         res[name] = {"output_token_throughput": s["output_token_throughput"], "slot_utilization": util,
@@ -300,9 +303,9 @@ def exp5_side_by_side(ctx: Ctx) -> None:
             r = ctx.load(srv, specs_for[(w, c)], label=f"ours {w[:7]} C={c}", concurrency=c)
             table[w][c]["ours"] = r["summary"]["output_token_throughput"]
             table[w][c]["ours_itl_p50"] = r["summary"]["itl_s"]["p50"]
-            if w.startswith("equal"):
-                ours_step[c] = r["summary"]["itl_s"]["p50"]
-    ctx.summary["ours_equal_itl_p50"] = ours_step
+            if w.startswith("equal"):  # TPOT p50: the mean step per request, robust to coalesced events
+                ours_step[c] = r["summary"]["tpot_s"]["p50"]
+    ctx.summary["ours_equal_tpot_p50"] = ours_step
     # profile our server at 32 streams (where the step time goes), then stop it
     prof = profile_server(ctx, srv, specs_for[(list(loads)[1], 32)], 32)
     ctx.stop()
@@ -326,26 +329,25 @@ def exp5_side_by_side(ctx: Ctx) -> None:
     else:
         llama_note = "llama-cpp-python is not built (run bench/setup_baselines.sh): no llama.cpp column.\n"
 
-    # HF transformers static batching, in a subprocess (same prompts, same dtype as ours: bf16)
+    # HF transformers static batching, in one subprocess per workload (same prompts, bf16 like ours)
     hf_note = ""
-    for w in loads:
-        for c in conc:
-            path = os.path.join(ctx.raw_dir, f"specs-{w[:5]}-{c}.json")
-            with open(path, "w") as f:
-                json.dump([{"prompt": s.prompt, "max_tokens": s.max_tokens} for s in specs_for[(w, c)]], f)
-    for w in loads:
-        for c in conc:
-            out = os.path.join(ctx.raw_dir, f"hf-{w[:5]}-{c}.json")
-            cmd = [sys.executable, "-m", "goodput.bench", "hf-static", "--specs",
-                   os.path.join(ctx.raw_dir, f"specs-{w[:5]}-{c}.json"), "--batch-sizes", str(c),
-                   "--dtype", "bfloat16", "--out", out]
-            ctx.commands.append(" ".join(cmd[1:]))
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                hf_note += f"HF run {w} C={c} failed: {p.stderr[-500:]}\n"
-                continue
-            with open(out) as f:
-                hp = json.load(f)["points"][0]
+    for wi, w in enumerate(loads):
+        path = os.path.join(ctx.raw_dir, f"hf-specs-{wi}.json")
+        out = os.path.join(ctx.raw_dir, f"hf-{wi}.json")
+        with open(path, "w") as f:
+            json.dump({"jobs": [{"batch": c, "specs": [{"prompt": s.prompt, "max_tokens": s.max_tokens}
+                                                       for s in specs_for[(w, c)]]} for c in conc]}, f)
+        cmd = [sys.executable, "-m", "goodput.bench", "hf-static", "--specs", path, "--dtype", "bfloat16",
+               "--out", out]
+        ctx.commands.append("python " + " ".join(cmd[1:]).replace(ctx.raw_dir, "bench/results/raw/<date>"))
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            hf_note += f"HF run ({w}) failed: {p.stderr[-500:]}\n"
+            continue
+        with open(out) as f:
+            hpoints = json.load(f)["points"]
+        for hp in hpoints:
+            c = hp["batch"]
             table[w][c]["HF static"] = hp["output_token_throughput"]
             table[w][c]["HF slot util"] = hp["slot_utilization"]
             print(f"  HF {w[:7]} C={c}: {hp['output_token_throughput']:.1f} tok/s", file=sys.stderr)
@@ -440,6 +442,8 @@ def exp6_trace(ctx: Ctx) -> None:
         s.at = None
     r = ctx.load(srv, probe[: ctx.n(48, 16)], label="trace knee probe C=16", concurrency=16, duration=ctx.d(30))
     knee = r["summary"]["request_throughput_rps"]
+    if not knee or knee != knee:
+        raise RuntimeError(f"knee probe completed no request: {r['records'][0].error if r['records'] else ''}")
     window = ctx.d(40)  # wall seconds per rate point
     res, points = {}, []
     for mult in (0.5, 1.0, 2.0):
@@ -479,13 +483,13 @@ def exp7_roofline(ctx: Ctx) -> None:
     ctx.stop()
     shape = model_shape(bundled_model_path())
     machine = measure_machine()
-    steps = ctx.summary.get("ours_equal_itl_p50")
+    steps = ctx.summary.get("ours_equal_tpot_p50")
     if not steps:
         srv = ctx.ours()
         steps = {}
         for c in (1, 8, 32):
             specs = workloads.fixed(PromptFactory("smollm2", seed=70 + c), ctx.n(c, c), 128, 128)
-            steps[c] = ctx.load(srv, specs, label=f"roofline ours C={c}", concurrency=c)["summary"]["itl_s"]["p50"]
+            steps[c] = ctx.load(srv, specs, label=f"roofline ours C={c}", concurrency=c)["summary"]["tpot_s"]["p50"]
         ctx.stop()
     measured = {("bfloat16", int(c)): v for c, v in steps.items() if v}
     md, rows = table(machine, shape, [1, 8, 32], 128 + 64, measured)
@@ -500,8 +504,8 @@ def exp7_roofline(ctx: Ctx) -> None:
         f"read, {machine['bandwidth']['copy_gbs']:.1f} GB/s copy. Model from GGUF metadata: {shape['layers']} layers, "
         f"d={shape['d_model']}, {shape['heads']}/{shape['kv_heads']} heads, {shape['matmul_params'] / 1e6:.1f}M matmul "
         "params (tied lm_head read every step). Context per sequence 192 tokens (128-token prompt, middle of 128 "
-        "outputs). Measured step = our ITL p50 at C=B with equal lengths (experiment 5), which includes "
-        "the server, sampling and the client on the same cores.\n\n" + md +
+        "outputs). Measured step = our TPOT p50 at C=B with equal lengths (experiment 5: all B streams "
+        "decode together), which includes the server, sampling and the client on the same cores.\n\n" + md +
         f"\n\n**Achieved fraction of the bf16 bound at B=32: {_pct(ach32)}** (target >= 50%)\n")
 
 

@@ -17,7 +17,9 @@ import time
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--specs", required=True, help="JSON file: list of {prompt, max_tokens} (same prompts as the load generator)")
+    p.add_argument("--specs", required=True,
+                   help="JSON file: a list of {prompt, max_tokens} (run at every --batch-sizes), or "
+                        "{\"jobs\": [{\"batch\": B, \"specs\": [...]}, ...]} (one model load for all)")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--max-requests", type=int, default=None, help="per batch size (default: all)")
@@ -75,8 +77,12 @@ def main(a: argparse.Namespace) -> None:
     res = {"dtype": a.dtype, "threads": torch.get_num_threads(), "load_seconds": time.perf_counter() - t,
            "points": []}
     run_static(m, tok, [{"prompt": "warm up", "max_tokens": 4}], 1)
-    for b in [int(x) for x in a.batch_sizes.split(",")]:
-        sp = specs if a.max_requests is None else specs[: a.max_requests]
+    if isinstance(specs, dict):
+        jobs = [(j["batch"], j["specs"]) for j in specs["jobs"]]
+    else:
+        jobs = [(int(x), specs) for x in a.batch_sizes.split(",")]
+    for b, sp in jobs:
+        sp = sp if a.max_requests is None else sp[: a.max_requests]
         r = run_static(m, tok, sp, b)
         print(f"HF static B={b}: {r['output_token_throughput']:.1f} out tok/s, "
               f"slot utilization {r['slot_utilization']:.2f}", file=sys.stderr)
