@@ -71,6 +71,14 @@ class Ctx:
         self.commands: list[str] = []
         self.started = time.time()
         self.slo = (a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
+        argv = sys.argv[sys.argv.index("experiments") + 1:] if "experiments" in sys.argv else []
+        shown, skip = [], False
+        for x in argv:  # the results dir is machine-specific: leave it out of the shown command
+            if skip or x.startswith("--results-dir"):
+                skip = x == "--results-dir"
+                continue
+            shown.append(shlex.quote(x))
+        self.argv = " ".join(shown)
 
     # -- servers -----------------------------------------------------------------------------
     def ours(self, **flags) -> Server:
@@ -138,9 +146,8 @@ class Ctx:
                  _machine_blurb(), "",
                  f"Scale: {self.scale:g} (durations and request counts are scaled to fit a 2-core machine; "
                  f"bigger scales give tighter percentiles). SLOs for goodput: TTFT <= {self.a.slo_ttft_ms:g} ms, "
-                 f"TPOT <= {self.a.slo_tpot_ms:g} ms. Reproduce: `bash bench/run_all.sh` "
-                 f"(= `python -m goodput.bench experiments{' --quick' if self.a.quick else ''}"
-                 f"{f' --scale {self.a.scale:g}' if self.a.scale != 1 else ''}`).\n",
+                 f"TPOT <= {self.a.slo_tpot_ms:g} ms. Reproduce: `bash bench/run_all.sh {self.argv}` "
+                 f"(= `python -m goodput.bench experiments {self.argv}`).\n",
                  "The load generator runs on the same 2 cores as the server under test, so every "
                  "figure includes the client's own CPU use.\n"]
         for k in sorted(self.sections):
@@ -538,8 +545,12 @@ def main(a: argparse.Namespace) -> None:
         for k in only:
             t = time.time()
             print(f"== experiment {k}: {EXPERIMENTS[k].__name__}", file=sys.stderr)
+            load, started = os.getloadavg(), time.strftime("%H:%M:%S %Z")
             try:
                 EXPERIMENTS[k](ctx)
+                ctx.sections[k] += (f"\n_Started {started}, took {time.time() - t:.0f} s; "
+                                    f"1/5/15-min load average at start: {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} "
+                                    f"on {os.cpu_count()} cores._\n")
             except Exception as e:  # one failing experiment must not lose the others' results
                 import traceback
                 traceback.print_exc()
