@@ -489,7 +489,7 @@ def exp7_roofline(ctx: Ctx) -> None:
     from .roofline import measure_machine, model_shape, table
     ctx.stop()
     shape = model_shape(bundled_model_path())
-    machine = measure_machine()
+    machine = measure_machine(seconds=min(3.0, max(0.3, 3.0 * ctx.scale)))
     steps = ctx.summary.get("ours_equal_tpot_p50")
     if not steps:
         srv = ctx.ours()

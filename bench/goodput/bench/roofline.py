@@ -103,12 +103,14 @@ def measure_bandwidth_gbs(mib: int = 512, seconds: float = 1.5) -> dict:
     return {"read_gbs": read / 1e9, "copy_gbs": copy / 1e9}
 
 
-def measure_machine() -> dict:
+def measure_machine(seconds: float = 1.5) -> dict:
+    """Peaks on the current torch thread count; `seconds` per measurement (best of the repeats)."""
     import torch
-    bw = measure_bandwidth_gbs()
+    bw = measure_bandwidth_gbs(seconds=seconds)
     return {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "matmul_gflops": {d: measure_matmul_gflops(d) for d in ("float32", "bfloat16")},
-            "decode_linear_gflops_b32": {d: measure_matvec_gflops(d) for d in ("float32", "bfloat16")},
+            "matmul_gflops": {d: measure_matmul_gflops(d, seconds=seconds) for d in ("float32", "bfloat16")},
+            "decode_linear_gflops_b32": {d: measure_matvec_gflops(d, seconds=seconds * 2 / 3)
+                                         for d in ("float32", "bfloat16")},
             "bandwidth": bw}
 
 
