@@ -7,6 +7,11 @@ CONTROL (3) tokens such as ``<|im_start|>`` (added as special tokens, matched wh
 and USER_DEFINED (4) tokens (matched whole, not special). The text is split before BPE the way
 llama.cpp does for the file's ``tokenizer.ggml.pre`` (e.g. digits one by one for "smollm").
 
+SentencePiece BPE (``tokenizer.ggml.model == "llama"``: Llama 1/2, Mistral, TinyLlama): words
+carry a U+2581 prefix, characters outside the vocabulary fall back to ``<0xNN>`` byte tokens, and
+the merge rules come from ``tokenizer.ggml.merges`` or, as llama.cpp's converter usually writes
+none, are recovered from ``tokenizer.ggml.scores`` (:func:`merges_from_scores`).
+
 The chat template is the Jinja2 source in ``tokenizer.chat_template``, rendered in a sandbox with
 the variables Hugging Face's ``apply_chat_template`` provides (messages, add_generation_prompt,
 bos_token, eos_token, raise_exception, tojson).
@@ -31,6 +36,24 @@ _REGEX_SPLIT_PRES = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-
                      "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT}
 
 
+def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """BPE merge rules implied by a scored SentencePiece vocabulary.
+
+    Each piece contributes every (left, right) split whose halves are both pieces; rules are
+    ordered by the merged piece's score (higher first), then longer left, then longer right,
+    ties in vocabulary order (the order Hugging Face's converter uses, so both tokenize alike).
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rules = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        rules.extend((score, left, right) for left, right in local)
+    rules.sort(key=lambda r: (-r[0], -len(r[1]), -len(r[2])))
+    return [(left, right) for _, left, right in rules]
+
+
 class ChatTemplateError(ValueError):
     """The chat template is missing, raised an exception, or the messages are malformed."""
 
@@ -45,32 +68,18 @@ class GGUFTokenizer:
 
     def __init__(self, metadata: Mapping[str, Any]):
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(
-                f"tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE 'gpt2')")
+        if kind not in ("gpt2", "llama"):
+            raise UnsupportedModelError(f"tokenizer.ggml.model={kind!r} is not supported "
+                                        "(byte-level BPE 'gpt2' or SentencePiece BPE 'llama')")
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        merges = metadata.get("tokenizer.ggml.merges")
-        if not merges:
-            raise UnsupportedModelError("byte-level BPE GGUF has no tokenizer.ggml.merges")
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         self.vocab_size = len(tokens)
         self._tokens = tokens
-
-        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                  merges=[tuple(m.split(" ", 1)) for m in merges],
-                                  fuse_unk=False))
-        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in _REGEX_SPLIT_PRES:
-            tk.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_REGEX_SPLIT_PRES[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif pre in _DIGIT_SPLIT_PRES:
-            tk.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True), byte_level])
+        self.kind = kind
+        if kind == "gpt2":
+            tk = self._byte_level_bpe(metadata, tokens)
         else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
+            tk = self._sentencepiece_bpe(metadata, tokens)
         control = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
         user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
@@ -89,6 +98,54 @@ class GGUFTokenizer:
         self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) \
             and self.bos_token_id is not None
         self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
+
+    @staticmethod
+    def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+        merges = metadata.get("tokenizer.ggml.merges")
+        if not merges:
+            raise UnsupportedModelError("byte-level BPE GGUF has no tokenizer.ggml.merges")
+        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                  merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in _REGEX_SPLIT_PRES:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_REGEX_SPLIT_PRES[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre in _DIGIT_SPLIT_PRES:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tk.pre_tokenizer = byte_level
+        tk.decoder = decoders.ByteLevel()
+        return tk
+
+    @staticmethod
+    def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+        """SentencePiece BPE (Llama 1/2, Mistral, TinyLlama): words start with U+2581, unknown
+        characters fall back to ``<0xNN>`` byte tokens. llama.cpp's converter stores scores but
+        usually no merges; then the merges are recovered from the vocabulary: every split of a
+        piece into two pieces of the vocabulary, higher-scoring pieces merged first."""
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = metadata.get("tokenizer.ggml.merges")
+        if merges:
+            pairs = [tuple(m.split(" ", 1)) for m in merges]
+        else:
+            scores = metadata.get("tokenizer.ggml.scores")
+            if scores is None or len(scores) != len(tokens):
+                raise UnsupportedModelError("SentencePiece GGUF has neither merges nor one score per token")
+            pairs = merges_from_scores(tokens, [float(x) for x in scores])
+        unk = metadata.get("tokenizer.ggml.unknown_token_id")
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                  unk_token=tokens[int(unk)] if unk is not None else None))
+        prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                    prepend_scheme="first" if prefix else "never")
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
+        tk.decoder = decoders.Sequence(steps)
+        return tk
 
     @classmethod
     def from_model(cls, name_or_path: str) -> GGUFTokenizer:
