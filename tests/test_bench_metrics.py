@@ -76,7 +76,7 @@ def test_summary_counts_throughput_goodput():
     assert s["goodput_rps"] == pytest.approx(1 / 4)
     assert s["slo_attainment"] == pytest.approx(1 / 6)
     assert s["rates"]["rejection_rate"] == pytest.approx(1 / 6)
-    assert s["offered_rps"] == pytest.approx(6 / 4)
+    assert s["offered_rps"] == pytest.approx(5 / 3)  # sends at 0, 0, 1, 2, 3, 3
     # TTFTs of ok requests: 0.1, 0.2, 1.0
     assert s["ttft_s"]["p50"] == pytest.approx(0.2)
     assert s["ttft_s"]["p90"] == pytest.approx(0.2 + 0.8 * 0.8)

@@ -143,7 +143,7 @@ def summarize(
     duration_s: the wall time to divide by; default = last end_time - first send_time over all
     records that were sent. Returns a dict with keys: counts (sent, ok, rejected, errors,
     cancelled, admitted = sent - rejected), rates (rejection_rate, error_rate as 0-1 of sent),
-    duration_s, offered_rps (sent / duration), request_throughput_rps (ok / duration),
+    duration_s, offered_rps ((sent - 1) / (last send - first send)), request_throughput_rps (ok / duration),
     output_token_throughput (sum n_out of ok / duration, tokens/s), total_token_throughput
     (prompt + output), goodput_rps, slo_attainment (met / sent), and ttft/itl/tpot/e2e
     distributions (seconds; ITL pooled over every gap of every ok request), plus "classes": the
@@ -170,7 +170,7 @@ def summarize(
         "rates": {"rejection_rate": n_rej / n_sent if n_sent else 0.0,
                   "error_rate": n_err / n_sent if n_sent else 0.0},
         "duration_s": duration_s,
-        "offered_rps": n_sent / dur,
+        "offered_rps": _arrival_rate([r.send_time for r in sent], n_sent / dur),
         "request_throughput_rps": len(ok) / dur,
         "output_token_throughput": out_tok / dur,
         "total_token_throughput": (out_tok + prompt_tok) / dur,
@@ -192,6 +192,14 @@ def summarize(
             for c in classes
         } if len(classes) > 1 else {}
     return res
+
+
+def _arrival_rate(send_times: list[float], fallback: float) -> float:
+    """(n - 1) / (last send - first send): the rate the requests were offered at; the fallback when
+    all were sent at one instant."""
+    if len(send_times) < 2 or max(send_times) <= min(send_times):
+        return fallback
+    return (len(send_times) - 1) / (max(send_times) - min(send_times))
 
 
 def check_consistency(rec: RequestRecord, *, tol: float = 1e-9) -> list[str]:

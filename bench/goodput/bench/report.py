@@ -27,16 +27,18 @@ def _f(x, nd=1) -> str:
     return "–" if x is None or x != x else f"{x:.{nd}f}"
 
 
-ROW_HEADER = ("| point | sent | ok | 429 | err | req/s | out tok/s | goodput req/s | SLO att. | "
-              "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p50/p99 ms | E2E p50/p99 s |")
-ROW_SEP = "|" + "---|" * 13
+ROW_HEADER = ("| point | sent | offered req/s | admitted | 429 (rate) | err | ok | req/s | out tok/s | "
+              "goodput req/s | SLO att. | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p50/p99 ms | "
+              "E2E p50/p99 s |")
+ROW_SEP = "|" + "---|" * 15
 
 
 def summary_row(label: str, s: dict) -> str:
     c = s["counts"]
     t, i, p, e = s["ttft_s"], s["itl_s"], s["tpot_s"], s["e2e_s"]
     att = s.get("slo_attainment")
-    return (f"| {label} | {c['sent']} | {c['ok']} | {c['rejected']} | {c['errors']} | "
+    return (f"| {label} | {c['sent']} | {_f(s['offered_rps'], 2)} | {c['admitted']} | {c['rejected']} "
+            f"({_f(s['rates']['rejection_rate'] * 100, 0)}%) | {c['errors']} | {c['ok']} | "
             f"{_f(s['request_throughput_rps'], 2)} | {_f(s['output_token_throughput'])} | "
             f"{_f(s['goodput_rps'], 2)} | {_f(att * 100 if att is not None else None, 0)}% | "
             f"{_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} | {_ms(i['p50'])}/{_ms(i['p90'])}/{_ms(i['p99'])} | "
