@@ -267,3 +267,25 @@ def test_seeded_sampling_through_runner_is_reproducible(runner):
         ScheduledChunk("z", ids[:2], 0, (6,), True, SamplingParams(temperature=1.0)),
         ScheduledChunk("b", ids, 0, (7, 8), True, p)]))
     assert a.sampled_token_ids["a"] == b.sampled_token_ids["b"]
+
+
+def test_rope_tables_follow_theta_and_frequency_factors():
+    """cos/sin tables = cos/sin(pos · theta^(-2i/d) / factor_i), computed here in float64."""
+    from goodput.worker.model.llama import LlamaModel
+
+    c = ModelConfig(architecture="llama", name="t", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1,
+                    head_dim=4, intermediate_size=4, vocab_size=3, max_position_embeddings=16,
+                    rope_theta=100.0, rope_dim=4, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    t = {"token_embd.weight": torch.zeros(3, 8), "output_norm.weight": torch.ones(8),
+         "blk.0.attn_norm.weight": torch.ones(8), "blk.0.ffn_norm.weight": torch.ones(8),
+         "blk.0.attn_q.weight": torch.zeros(8, 8), "blk.0.attn_k.weight": torch.zeros(4, 8),
+         "blk.0.attn_v.weight": torch.zeros(4, 8), "blk.0.attn_output.weight": torch.zeros(8, 8),
+         "blk.0.ffn_gate.weight": torch.zeros(4, 8), "blk.0.ffn_up.weight": torch.zeros(4, 8),
+         "blk.0.ffn_down.weight": torch.zeros(8, 4)}
+    pos = torch.arange(16, dtype=torch.float64)[:, None]
+    inv = torch.tensor([1.0, 100.0 ** -0.5], dtype=torch.float64)
+    plain = LlamaModel(c, t)
+    torch.testing.assert_close(plain._cos.double(), torch.cos(pos * inv), atol=1e-6, rtol=0)
+    scaled = LlamaModel(c, {**t, "rope_freqs.weight": torch.tensor([1.0, 8.0])})
+    torch.testing.assert_close(scaled._sin.double(), torch.sin(pos * inv / torch.tensor([1.0, 8.0]).double()),
+                               atol=1e-6, rtol=0)

@@ -181,7 +181,9 @@ def _dequantize_all(reader: Any, config: ModelConfig, dtype: torch.dtype) -> dic
         elif t.name.endswith("attn_k.weight"):
             a = unpermute_qk(a, config.num_kv_heads)
         # np.array copies: F32 tensors come back as read-only views of the memory-mapped file
-        out[t.name] = torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(dtype)
+        keep_fp32 = t.name == "rope_freqs.weight"  # frequency factors, not weights
+        out[t.name] = torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(
+            torch.float32 if keep_fp32 else dtype)
     return out
 
 
@@ -245,6 +247,9 @@ def _check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> N
             raise UnsupportedModelError(f"GGUF file lacks tensor {name!r}")
         if tuple(shapes[name]) != shape:
             raise UnsupportedModelError(f"tensor {name!r} has shape {shapes[name]}, expected {shape}")
+    if "rope_freqs.weight" in shapes and tuple(shapes["rope_freqs.weight"]) != (c.head_dim // 2,):
+        raise UnsupportedModelError(f"rope_freqs.weight has shape {shapes['rope_freqs.weight']}, "
+                                    f"expected ({c.head_dim // 2},)")
     extra = [n for n in shapes if n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias"))]
     if extra:
         raise UnsupportedModelError(f"attention biases are not supported ({extra[0]})")

@@ -98,6 +98,10 @@ class LlamaModel:
         # RoPE tables [max_pos, d/2] in float32 (cast per step, as HF casts cos/sin to x's dtype)
         d = c.head_dim
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if "rope_freqs.weight" in tensors:
+            # Llama 3.1-style frequency scaling baked into the file (llama.cpp divides each
+            # rotation frequency by its factor)
+            inv_freq = inv_freq / tensors["rope_freqs.weight"].float().reshape(-1)
         pos = torch.arange(c.max_position_embeddings, dtype=torch.int64).float()
         if c.rope_scaling_type == "linear":
             pos = pos / c.rope_scaling_factor
