@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "crds"
@@ -157,9 +158,30 @@ def kubelet(kubeconfig: str, kubectl: Kubectl, logs_dir: Path) -> Iterator[Proc]
         proc.stop()
 
 
+def _service_account_kubeconfig(kubectl: Kubectl, kubeconfig: str, out: Path) -> str:
+    """A kubeconfig for the goodput-operator ServiceAccount of e2e/operator-rbac.yaml."""
+    kubectl.run("apply", "-f", str(ROOT / "e2e" / "operator-rbac.yaml"))
+    ns, sa = "goodput-system", "goodput-operator"
+    secret = wait_for(lambda: (kubectl.json("-n", ns, "get", "serviceaccount", sa).get("secrets") or [{}])[0]
+                      .get("name"), 30, "the operator's token Secret")
+    token = wait_for(lambda: kubectl.json("-n", ns, "get", "secret", secret).get("data", {}).get("token"),
+                     30, "the token")
+    import base64
+
+    cfg = yaml.safe_load(Path(kubeconfig).read_text())
+    cluster = cfg["clusters"][0]
+    out.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": [cluster],
+        "users": [{"name": sa, "user": {"token": base64.b64decode(token).decode()}}],
+        "contexts": [{"name": sa, "context": {"cluster": cluster["name"], "user": sa}}],
+        "current-context": sa}))
+    return str(out)
+
+
 @pytest.fixture(scope="session")
-def operator(kubeconfig: str, crd: dict, logs_dir: Path) -> Iterator[Proc]:
-    env = _child_env(kubeconfig)
+def operator(kubeconfig: str, kubectl: Kubectl, crd: dict, logs_dir: Path) -> Iterator[Proc]:
+    """The operator, running with only the rules of e2e/operator-rbac.yaml."""
+    env = _child_env(_service_account_kubeconfig(kubectl, kubeconfig, logs_dir / "operator.kubeconfig"))
     env["GOODPUT_OPERATOR_RESYNC_SECONDS"] = env.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "10")
     proc = Proc("operator", [sys.executable, "-m", "goodput.operator", "--all-namespaces"],
                 logs_dir / "operator.log", env).start()
