@@ -211,8 +211,8 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
 
 def _post_events(body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
     """A Warning Event when Degraded turns True or changes message; a Normal one when it clears."""
-    old = status_mod._cond(before, "Degraded") or {}
-    new = status_mod._cond(after, "Degraded") or {}
+    old = status_mod.find_condition(before, "Degraded") or {}
+    new = status_mod.find_condition(after, "Degraded") or {}
     if new.get("status") == "True" and (old.get("status") != "True" or old.get("message") != new.get("message")):
         post_event(body, "Warning", new["reason"], new.get("message") or new["reason"])
     elif new.get("status") == "False" and old.get("status") == "True":
@@ -291,6 +291,8 @@ def track(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noq
     with _known_lock:
         if type == "DELETED":
             _known.discard((namespace, name))
+            for key in [k for k in list(_complete) if k[:2] == (namespace, name)]:
+                _complete.discard(key)
         else:
             _known.add((namespace, name))
 

@@ -27,7 +27,8 @@ from goodput.operator.api import Problem
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
 
-def _cond(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
+def find_condition(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
+    """The condition of type ``ctype`` in a conditions list, or None."""
     for c in conditions or ():
         if c.get("type") == ctype:
             return c
@@ -37,7 +38,7 @@ def _cond(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str, Any] | 
 def _make(ctype: str, status: bool, reason: str, message: str, generation: int | None,
           previous: Sequence[dict[str, Any]], now: str) -> dict[str, Any]:
     s = "True" if status else "False"
-    prev = _cond(previous, ctype)
+    prev = find_condition(previous, ctype)
     ltt = prev["lastTransitionTime"] if prev and prev.get("status") == s and prev.get(
         "lastTransitionTime") else now
     c = {"type": ctype, "status": s, "reason": reason, "lastTransitionTime": ltt}
@@ -74,8 +75,8 @@ def compute_status(
     updated = int(dstat.get("updatedReplicas") or 0)
     dconds = dstat.get("conditions") or []
     rolled = deployment is not None and dgen is not None and int(dstat.get("observedGeneration") or 0) >= dgen
-    dprog = _cond(dconds, "Progressing")
-    dfail = _cond(dconds, "ReplicaFailure")
+    dprog = find_condition(dconds, "Progressing")
+    dfail = find_condition(dconds, "ReplicaFailure")
     stuck = bool(dprog and dprog.get("status") == "False" and dprog.get("reason") == "ProgressDeadlineExceeded")
     failing = bool(dfail and dfail.get("status") == "True")
     prev = previous_conditions
