@@ -9,6 +9,7 @@ kills the loop (health) and answers every waiting client.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from goodput.worker.engine.config import EngineConfig
@@ -27,11 +28,16 @@ class ByteTokenizer:
 
 
 class CountingRunner:
-    def __init__(self, fail_after: int | None = None):
+    """gate: optional threading.Semaphore; each step takes one permit (the test sets the pace)."""
+
+    def __init__(self, fail_after: int | None = None, gate: threading.Semaphore | None = None):
         self.calls = 0
         self.fail_after = fail_after
+        self.gate = gate
 
     def execute(self, sched_out):
+        if self.gate is not None:
+            self.gate.acquire()
         self.calls += 1
         if self.fail_after is not None and self.calls > self.fail_after:
             raise RuntimeError("device lost")
@@ -90,15 +96,18 @@ def test_admission_errors_pass_through():
 
 def test_async_abort_frees_blocks_and_failure_marks_dead():
     async def scenario():
-        eng = make_engine()
+        gate = threading.Semaphore(3)
+        eng = make_engine(runner=CountingRunner(gate=gate))
         aeng = AsyncLLMEngine(eng, idle_tick_s=0.05)
         aeng.start()
         try:
             stream = aeng.add_request("long", [ord("a")], greedy(40, ignore_eos=True))
             got = [await stream.__anext__() for _ in range(3)]
             assert [d.text for d in got] == ["b", "c", "d"]
-            assert eng.stats().kv_blocks_used > 0
+            assert eng.stats().kv_blocks_used > 0  # the loop now waits in step 4 for a permit
             stream.abort()
+            for _ in range(100):
+                gate.release()
             for _ in range(200):
                 if not eng.has_unfinished():
                     break
