@@ -63,6 +63,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    p.add_argument("--min-tokens-equal-max", action="store_true",
+                   help="also send min_tokens = max_tokens (servers without ignore_eos, e.g. llama-cpp-python)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--out", default=None, help="directory for <tag>.json / .md / .png")
@@ -94,7 +96,8 @@ def run_point(a: argparse.Namespace, specs, *, mode: str, concurrency: int, labe
     """Warm up, run one load point, summarize; returns {label, config, summary, records}."""
     cfg = LoadConfig(base_url=a.base_url.rstrip("/"), model=a.model, mode=mode, concurrency=concurrency,
                      duration_s=a.duration, drain_timeout_s=a.drain_timeout, ignore_eos=a.ignore_eos,
-                     extra_body=json.loads(a.extra_body), progress=not a.no_progress, desc=label)
+                     extra_body=json.loads(a.extra_body), progress=not a.no_progress, desc=label,
+                     min_tokens_equal_max=a.min_tokens_equal_max)
     if a.warmup:
         pf = PromptFactory(a.tokenizer_model, seed=10_000 + a.seed)
         wcfg = LoadConfig(**{**cfg.__dict__, "mode": "closed", "concurrency": 1, "duration_s": None,

@@ -105,10 +105,14 @@ def llama_cpp_available() -> bool:
 def llama_cpp_cmd(port: int, gguf_path: str, n_ctx: int = 4096, n_threads: int | None = None) -> list[str]:
     """llama-cpp-python's OpenAI server (built by bench/setup_baselines.sh) on the GGUF file.
 
+    Started through llama_cpp_launcher.py (extra buffer types off: the AMX path crashes here).
     Note: that server handles one request at a time (a global lock around its one llama context);
     it has no parallel slots, so concurrent clients queue.
     """
     n_threads = n_threads or os.cpu_count() or 1
-    return [LLAMA_VENV_PY, "-m", "llama_cpp.server", "--model", gguf_path, "--host", "127.0.0.1",
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_launcher.py")
+    return [LLAMA_VENV_PY, launcher, "--model", gguf_path, "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(n_threads),
-            "--n_threads_batch", str(n_threads), "--n_batch", "512", "--verbose", "False"]
+            "--n_threads_batch", str(n_threads), "--n_batch", "512", "--verbose", "False",
+            # its default aborts the streaming request whenever another arrives; a benchmark queues them
+            "--interrupt_requests", "False"]
