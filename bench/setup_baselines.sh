@@ -2,6 +2,8 @@
 # Build llama-cpp-python[server] from its sdist (CPU, cmake) once, cache the wheel outside the repo,
 # and install it into its own venv so it never touches the project's .venv.
 #   bench/setup_baselines.sh            # idempotent; ~10-20 min the first time on 2 cores
+# The server is started through bench/goodput/bench/llama_cpp_launcher.py, which turns off
+# llama.cpp's extra CPU buffer types: the -march=native build's AMX matmul segfaults in this VM.
 # Env: GOODPUT_BENCH_CACHE (default ~/.cache/goodput-bench), LLAMA_CPP_VERSION (default 0.3.36),
 #      BUILD_JOBS (default 1: the machine is shared; raise it on an idle box).
 set -euo pipefail
