@@ -49,6 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=250.0)
     p.add_argument("--worker-flags", default="", help="extra flags for every goodput-worker (e.g. '--dtype bfloat16')")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side-by-side-conc", default="1,8,32", help="experiment 5's concurrency points")
 
 
 class Ctx:
@@ -150,12 +151,48 @@ class Ctx:
                  f"(= `python -m goodput.bench experiments {self.argv}`).\n",
                  "The load generator runs on the same 2 cores as the server under test, so every "
                  "figure includes the client's own CPU use.\n"]
+        parts.append(targets_section(self.summary))
         for k in sorted(self.sections):
             parts.append(self.sections[k])
         parts.append("## Exact server commands\n\n```\n" + "\n".join(dict.fromkeys(self.commands)) + "\n```\n")
         with open(self.md_path, "w") as f:
             f.write("\n".join(parts))
         report.save_json(os.path.join(self.fig_dir, "summary.json"), self.summary)
+
+
+def targets_section(summary: dict) -> str:
+    """The issue's targets as measured ratios (printed, never asserted)."""
+    rows = []
+
+    def add(name, value, target, fmt):
+        if value is None:
+            rows.append(f"| {name} | not measured | {target:g}{'x' if fmt == 'x' else '%'} | – |")
+            return
+        shown = _x(value) if fmt == "x" else _pct(value)
+        goal = target if fmt == "x" else target / 100
+        rows.append(f"| {name} | {shown} | >= {target:g}{'x' if fmt == 'x' else '%'} | "
+                    f"{'met' if value >= goal else '**missed**'} |")
+
+    sbs = summary.get("side_by_side") or {}
+    var = next((v for k, v in sbs.items() if k.startswith("varying")), {})
+    eq = next((v for k, v in sbs.items() if k.startswith("equal")), {})
+
+    def ratio(d, c, other):
+        p = d.get(str(c)) or d.get(c) or {}
+        return p["ours"] / p[other] if p.get("ours") and p.get(other) else None
+
+    add("C=32 ours / llama.cpp (varying lengths)", ratio(var, 32, "llama.cpp"), 2, "x")
+    add("C=32 ours / HF static (varying lengths)", ratio(var, 32, "HF static"), 1.5, "x")
+    add("C=32 ours / HF static (equal lengths)", ratio(eq, 32, "HF static"), 1.5, "x")
+    add("C=1 ours / llama.cpp", ratio(var, 1, "llama.cpp"), 0.5, "x")
+    roof = summary.get("roofline", {}).get("rows") or []
+    r32 = next((r["achieved_fraction"] for r in roof if r["dtype"] == "bfloat16" and r["batch"] == 32), None)
+    add("achieved fraction of the bf16 roofline bound, B=32", r32, 50, "%")
+    add("HOL: short p99 ITL during injection, chunking off / on", (summary.get("hol") or {}).get("ratio_off_over_on"), 5, "x")
+    add("prefix cache: TTFT p50 off / on", (summary.get("prefix") or {}).get("ratio_off_over_on"), 5, "x")
+    add("continuous / static batching throughput (no target; > 1 expected)", (summary.get("static") or {}).get("ratio_cont_over_static"), 1, "x")
+    return ("## Targets (measured ratios; no timed asserts)\n\n| target | measured | goal | |\n|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
 
 
 def _ms(x) -> str:
@@ -298,9 +335,9 @@ def exp4_static(ctx: Ctx) -> None:
 
 
 def exp5_side_by_side(ctx: Ctx) -> None:
-    conc = [1, 8, 32]
+    conc = [int(x) for x in ctx.a.side_by_side_conc.split(",")]
     loads = {"varying (in 32-256, out 16-256)": ((32, 256), (16, 256)), "equal (in 128, out 128)": ((128, 128), (128, 128))}
-    n_for = {1: ctx.n(4, 2), 8: ctx.n(16, 8), 32: ctx.n(64, 32)}
+    n_for = {c: ctx.n(4, 2) if c == 1 else ctx.n(2 * c, c) for c in conc}
     # identical prompts for every system: build once per (workload, C)
     specs_for = {(w, c): workloads.uniform(PromptFactory("smollm2", seed=ctx.a.seed + 50), n_for[c], *lens,
                                            seed=ctx.a.seed + 50 + c)
@@ -319,7 +356,7 @@ def exp5_side_by_side(ctx: Ctx) -> None:
                 ours_step[c] = r["summary"]["tpot_s"]["p50"]
     ctx.summary["ours_equal_tpot_p50"] = ours_step
     # profile our server at 32 streams (where the step time goes), then stop it
-    prof = profile_server(ctx, srv, specs_for[(list(loads)[1], 32)], 32)
+    prof = profile_server(ctx, srv, specs_for[(list(loads)[1], conc[-1])], conc[-1])
     ctx.stop()
 
     # llama.cpp (llama-cpp-python server)
@@ -402,13 +439,14 @@ def profile_server(ctx: Ctx, srv: Server, specs, c: int) -> str:
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy) or srv.proc is None:
         return "(py-spy not installed: no profile)\n"
-    out = os.path.join(ctx.raw_dir, "pyspy-ours-c32.txt")
+    out = os.path.join(ctx.raw_dir, f"pyspy-ours-c{c}.txt")
     secs = max(6, int(ctx.d(12)))
     p = subprocess.Popen([spy, "record", "--pid", str(srv.proc.pid), "--duration", str(secs), "--rate", "50",
                           "--format", "raw", "--output", out, "--nonblocking"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        ctx.load(srv, specs, label="profiled ours C=32", concurrency=c, duration=secs + 2, warmup=0)
+        ctx.load(srv, specs, label=f"profiled ours C={c}", concurrency=c, duration=secs + 2, drain=30,
+                 warmup=0)
     finally:
         try:
             p.wait(secs + 30)
@@ -416,7 +454,7 @@ def profile_server(ctx: Ctx, srv: Server, specs, c: int) -> str:
             p.kill()
     if not os.path.exists(out):
         return "(py-spy produced no profile)\n"
-    return "### Profile of our server at 32 streams (py-spy, Python frames)\n\n" + summarize_pyspy(out) + "\n"
+    return f"### Profile of our server at {c} streams (py-spy, Python frames)\n\n" + summarize_pyspy(out) + "\n"
 
 
 def summarize_pyspy(path: str, top: int = 15) -> str:
