@@ -55,6 +55,9 @@ class ModelRunner:
     attention_backend: "auto" | "torch" | "triton" or an AttentionBackend instance.
     weight_cache_dir: see ``gguf_loader.load_gguf`` (None = default, False = off).
     seed: seed of the generator used by requests without their own seed.
+    num_threads: torch intra-op CPU threads for this process (None = torch's default, one per
+    core). On a CPU shared with other busy processes, fewer threads (or OMP_WAIT_POLICY=PASSIVE
+    set before torch is imported) avoid OpenMP spin-waiting that can slow steps down ~10x.
 
     Attributes: model_config, tokenizer, revision, block_size, num_blocks,
     kv_bytes_per_token, kv_cache_bytes, max_model_len (the model's context length),
@@ -65,8 +68,12 @@ class ModelRunner:
                  device: str | torch.device = "cpu", kv_cache_memory_bytes: int = 256 << 20,
                  block_size: int = 16, attention_backend: str | AttentionBackend = "auto",
                  num_blocks: int | None = None, weight_cache_dir: Any = None,
-                 seed: int | None = None):
+                 seed: int | None = None, num_threads: int | None = None):
         t0 = time.perf_counter()
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
         self.dtype = parse_dtype(dtype)
         self.device = resolve_device(device)
         if block_size <= 0:
