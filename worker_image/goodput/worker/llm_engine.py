@@ -126,6 +126,9 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
         self._rejected_invalid_here = 0   # 400s found before the scheduler saw the request
+        # Requests the scheduler finished by length on the very token that completed a stop
+        # string: the client is told "stop" (as OpenAI does), and the counters say the same.
+        self._length_reported_as_stop = 0
         self._eos = frozenset(config.eos_token_ids)
         self.num_steps = 0
         self.kv_bytes_per_token: int | None = None
@@ -241,8 +244,9 @@ class LLMEngine:
         if out.finished:
             reason = str(getattr(out.finish_reason, "value", out.finish_reason))
             delta = t.detok.add_tokens(text_ids, final=True)
-            if delta.stopped:
+            if delta.stopped and reason != "stop":
                 reason = "stop"
+                self._length_reported_as_stop += 1
             return self._finish(t, reason, delta.text, new_ids)
         delta = t.detok.add_tokens(text_ids)
         if delta.stopped:
@@ -291,7 +295,7 @@ class LLMEngine:
         """A consistent snapshot for /metrics and /admin/state."""
         with self._lock:
             s = self.scheduler.stats()
-        return stats_from_scheduler(s, self._rejected_invalid_here)
+        return stats_from_scheduler(s, self._rejected_invalid_here, self._length_reported_as_stop)
 
     def scheduler_stats(self) -> SchedulerStats:
         with self._lock:
@@ -318,15 +322,22 @@ class LLMEngine:
         return [(results[r][0], results[r][1], results[r][2]) for r in ids]
 
 
-def stats_from_scheduler(s: SchedulerStats, extra_invalid: int = 0) -> EngineStats:
-    """Map the scheduler's :class:`SchedulerStats` onto the metrics' :class:`EngineStats`."""
+def stats_from_scheduler(s: SchedulerStats, extra_invalid: int = 0,
+                         length_as_stop: int = 0) -> EngineStats:
+    """Map the scheduler's :class:`SchedulerStats` onto the metrics' :class:`EngineStats`.
+
+    extra_invalid: requests the server refused before the scheduler saw them (reason invalid).
+    length_as_stop: finishes the scheduler counted as "length" that the client saw as "stop"."""
     rejected = dict(s.rejected_total)
     rejected["invalid"] = rejected.get("invalid", 0) + extra_invalid
+    finished = dict(s.finished_total)
+    finished["length"] = finished.get("length", 0) - length_as_stop
+    finished["stop"] = finished.get("stop", 0) + length_as_stop
     return EngineStats(
         engine_state=s.engine_state, running=s.num_running, waiting=s.num_waiting,
         kv_blocks_used=s.num_used_blocks, kv_blocks_total=s.num_blocks,
         max_num_seqs=s.max_num_seqs, max_waiting=s.max_waiting, admitted=s.admitted_total,
-        rejected=rejected, finished=dict(s.finished_total), prompt_tokens=s.prompt_tokens_total,
+        rejected=rejected, finished=finished, prompt_tokens=s.prompt_tokens_total,
         generation_tokens=s.generation_tokens_total, prefix_cache_queries=s.prefix_cache_queries_total,
         prefix_cache_hits=s.prefix_cache_hits_total, preemptions=s.preemptions_total)
 
