@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also export vLLM's metric names (vllm:num_requests_running, ...)")
     s.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
                    help="auto: triton on CUDA, the torch reference on CPU")
+    s.add_argument("--num-threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -113,7 +115,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_model_len=ns.max_model_len, max_waiting=ns.max_waiting,
         enable_prefix_caching=ns.enable_prefix_caching, scheduling_policy=ns.scheduling_policy,
         slo_ttft_ms=ns.slo_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms,
-        vllm_metric_aliases=ns.vllm_metric_aliases, attention_backend=ns.attention_backend)
+        vllm_metric_aliases=ns.vllm_metric_aliases, attention_backend=ns.attention_backend,
+        num_threads=ns.num_threads)
 
 
 def main(argv: list[str] | None = None) -> int:

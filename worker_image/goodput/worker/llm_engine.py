@@ -94,6 +94,7 @@ class EngineArgs:
     slo_tpot_ms: float | None = None
     vllm_metric_aliases: bool = False
     attention_backend: str = "auto"
+    num_threads: int | None = None  # torch intra-op CPU threads (None: torch's default)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -139,6 +140,9 @@ class LLMEngine:
         scheduler, runner, tokenizer and metrics together. Logs the KV capacity."""
         from goodput.worker.model.runner import ModelRunner
 
+        if args.num_threads is not None:
+            import torch
+            torch.set_num_threads(args.num_threads)
         runner = ModelRunner(args.model, dtype=args.dtype, device=args.device,
                              kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
                              attention_backend=args.attention_backend)
