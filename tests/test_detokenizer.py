@@ -118,3 +118,39 @@ def test_stream_equals_batch_text(text, stop, use_stop):
         acc += x
         assert expected.startswith(acc)
         assert REPLACEMENT_CHAR not in x
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from goodput.worker.model.gguf_loader import read_metadata, resolve_model_path
+    from goodput.worker.model.tokenizer import GGUFTokenizer
+
+    meta, _ = read_metadata(resolve_model_path("smollm2"))
+    return GGUFTokenizer(meta)
+
+
+@pytest.mark.parametrize("text", [
+    "naïve café — déjà vu",
+    "emoji 😀🎉 and 世界 and Ελληνικά",
+    "tabs\tand\nnewlines  and   spaces",
+])
+def test_real_tokenizer_stream_equals_full_decode(real_tokenizer, text):
+    ids = real_tokenizer.encode(text, add_special_tokens=False)
+    prompt = real_tokenizer.encode("Say:", add_special_tokens=False)
+    d = IncrementalDetokenizer(real_tokenizer, prompt)
+    deltas = [d.add_tokens([i]).text for i in ids] + [d.flush().text]
+    assert all(REPLACEMENT_CHAR not in x for x in deltas)
+    assert "".join(deltas) == real_tokenizer.decode(ids) == text
+
+
+def test_real_tokenizer_stop_string_across_tokens(real_tokenizer):
+    ids = real_tokenizer.encode("The answer is 42. END OF ANSWER and more", add_special_tokens=False)
+    d = IncrementalDetokenizer(real_tokenizer, stop=["END OF ANSWER"])
+    out = ""
+    for i in ids:
+        r = d.add_tokens([i])
+        out += r.text
+        assert "The answer is 42. ".startswith(out)  # never any of "END OF ANSWER"
+        if r.stopped:
+            break
+    assert out == "The answer is 42. " and d.stopped
