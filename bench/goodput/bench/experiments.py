@@ -49,6 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=250.0)
     p.add_argument("--worker-flags", default="", help="extra flags for every goodput-worker (e.g. '--dtype bfloat16')")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="start no new experiment after this many minutes (the rest are listed as skipped)")
     p.add_argument("--side-by-side-conc", default="1,8,32", help="experiment 5's concurrency points")
 
 
@@ -587,6 +589,10 @@ def main(a: argparse.Namespace) -> None:
     try:
         for k in only:
             t = time.time()
+            if a.budget_min is not None and t - ctx.started > a.budget_min * 60:
+                ctx.sections[k] = (f"## {k}. {EXPERIMENTS[k].__name__}: skipped (time budget of "
+                                   f"{a.budget_min:g} min spent; run `--only {k}`)\n")
+                continue
             print(f"== experiment {k}: {EXPERIMENTS[k].__name__}", file=sys.stderr)
             load, started = os.getloadavg(), time.strftime("%H:%M:%S %Z")
             try:
