@@ -489,7 +489,7 @@ def exp6_trace(ctx: Ctx) -> None:
     srv = ctx.ours()
     # the knee: saturated request throughput of this length mix (closed loop, 16 streams)
     probe = workloads.trace_workload(ctx.pf, rows_all[:400], token_scale=token_scale, max_prompt=max_prompt,
-                                     max_output=max_out)
+                                     max_output=max_out, output_scale=1.0)
     for s in probe:
         s.at = None
     r = ctx.load(srv, probe[: ctx.n(48, 16)], label="trace knee probe C=16", concurrency=16, duration=ctx.d(30))
@@ -506,7 +506,7 @@ def exp6_trace(ctx: Ctx) -> None:
         span = (sub[-1].t - sub[0].t) or 1.0
         rate_scale = rate * span / n_req  # trace's own rate n_req/span -> the target rate
         specs = workloads.trace_workload(ctx.pf, sub, rate_scale=rate_scale, token_scale=token_scale,
-                                         max_prompt=max_prompt, max_output=max_out)
+                                         max_prompt=max_prompt, max_output=max_out, output_scale=1.0)
         rr = ctx.load(srv, specs, label=f"trace {mult}x knee", mode="open", drain=60)
         s = rr["summary"]
         res[f"{mult}x"] = {"rate_rps": rate, "time_scale": rate_scale, **_small(s)}
@@ -515,7 +515,8 @@ def exp6_trace(ctx: Ctx) -> None:
     ctx.sections[6] = (
         "## 6. Azure LLM inference trace (code completion), replayed\n\n"
         f"`{os.path.relpath(_trace_path(), REPO)}`: arrivals and token counts of the first N requests, "
-        f"token counts x{token_scale} (clipped to {max_prompt} prompt / {max_out} output tokens: a 135M model "
+        f"prompt lengths x{token_scale}, output lengths as recorded (clipped to {max_prompt} prompt / {max_out} "
+        "output tokens: a 135M model "
         "on 2 cores cannot prefill 1.5k-token prompts at the trace's 2.6 req/s), arrival times rescaled so "
         f"the mean rate is 0.5x/1x/2x the knee. Knee = saturated throughput of this length mix, closed "
         f"loop at 16 streams: **{knee:.2f} req/s**. Each point replays ~{window:.0f} s.\n\n"

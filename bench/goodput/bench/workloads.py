@@ -142,10 +142,12 @@ def read_azure_trace(path: str) -> list[TraceRow]:
 
 def trace_workload(pf: PromptFactory, rows: list[TraceRow], *, rate_scale: float = 1.0,
                    token_scale: float = 1.0, max_prompt: int = 2048, max_output: int = 256,
-                   start: float = 0.0, duration: float | None = None, cls: str = "trace") -> list[RequestSpec]:
+                   start: float = 0.0, duration: float | None = None, cls: str = "trace",
+                   output_scale: float | None = None) -> list[RequestSpec]:
     """Replay a window of the trace: arrivals from `start` for `duration` trace-seconds, sent at
     (t - start) / rate_scale (rate_scale > 1 compresses time = higher rate); token counts
-    multiplied by token_scale then clipped to [1, max_prompt] / [1, max_output]."""
+    multiplied by token_scale (outputs by output_scale when given) then clipped to
+    [1, max_prompt] / [1, max_output]."""
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     out = []
@@ -153,6 +155,6 @@ def trace_workload(pf: PromptFactory, rows: list[TraceRow], *, rate_scale: float
         if r.t < start or (duration is not None and r.t >= start + duration):
             continue
         p = min(max(1, round(r.prompt_tokens * token_scale)), max_prompt)
-        o = min(max(1, round(r.output_tokens * token_scale)), max_output)
+        o = min(max(1, round(r.output_tokens * (token_scale if output_scale is None else output_scale))), max_output)
         out.append(RequestSpec(pf.make(p), p, o, cls, at=(r.t - start) / rate_scale))
     return out
