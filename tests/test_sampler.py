@@ -122,3 +122,14 @@ def test_bad_input():
     with pytest.raises(ValueError, match="params"):
         Sampler().sample(torch.zeros(2, 4), [SamplingParams()], [0, 0])
     assert Sampler().sample(torch.zeros(0, 4), [], []) == ([], [])
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_tiny_temperature_is_the_greedy_limit(temperature):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 49152, generator=g) * 5
+    params = [SamplingParams(temperature=temperature, seed=7), SamplingParams(temperature=temperature),
+              SamplingParams(temperature=temperature, top_p=0.5, top_k=3)]
+    tokens, lps = Sampler(seed=0).sample(logits, params, [0, 3, 1])
+    assert tokens == logits.argmax(-1).tolist()
+    assert all(math.isfinite(x) for x in lps)

@@ -1,5 +1,6 @@
 """Batched token sampling: greedy, temperature, top-k, top-p (nucleus), per-request seeds.
 
+Temperature 0 (and any temperature below 1e-5, its limit) is greedy: the argmax.
 Order of operations (as in Hugging Face's and vLLM's samplers): min_tokens masking of EOS and
 stop token ids, temperature scaling, top-k (keep the k highest logits), top-p (keep the smallest
 set of highest-probability tokens whose total probability is >= top_p; Holtzman et al. 2020,
@@ -21,6 +22,9 @@ import torch
 from goodput.worker.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Temperatures below this are the T -> 0 limit, greedy: logits / T would overflow float32 to inf
+# (vLLM uses the same threshold).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _splitmix64(x: int) -> int:
@@ -106,7 +110,7 @@ class Sampler:
                 logits[i, [t for t in b if 0 <= t < V]] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
-        rand_rows = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
+        rand_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE and p.top_k != 1]
         if rand_rows:
             idx = torch.tensor(rand_rows, dtype=torch.long, device=logits.device)
             temp = torch.tensor([params[i].temperature for i in rand_rows], dtype=torch.float32,
