@@ -133,3 +133,11 @@ def test_tiny_temperature_is_the_greedy_limit(temperature):
     tokens, lps = Sampler(seed=0).sample(logits, params, [0, 3, 1])
     assert tokens == logits.argmax(-1).tolist()
     assert all(math.isfinite(x) for x in lps)
+
+
+def test_random_draws_never_pick_a_banned_token():
+    eos = 0
+    logits = torch.tensor([[8.0, 1.0, 0.5, 0.0]]).expand(500, -1)  # eos holds ~99.8% of the mass
+    params = [SamplingParams(temperature=1.0, seed=s, min_tokens=1) for s in range(500)]
+    tokens, _ = Sampler(eos_token_id=eos, seed=0).sample(logits, params, [0] * 500)
+    assert eos not in tokens and set(tokens) == {1, 2, 3}

@@ -47,7 +47,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     top_p: float32 [B] in (0, 1]. Returns (sorted logits with removed entries = -inf,
     the sorted-to-vocab index [B, V]). The highest logit is always kept.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    # stable: equal logits (common in bf16) keep vocabulary order, whatever the batch
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     V = logits.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
@@ -57,6 +58,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # drop a token when the tokens ranked above it already hold top_p of the mass
     drop = (mass_before >= top_p[:, None]) & (rank > 0)
     return sorted_logits.masked_fill(drop, float("-inf")), order
+
+
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index i of each row with cdf[i-1] <= u · total < cdf[i] under softmax(logits); never an
+    index whose logit is -inf. logits: float32 [B, V]; u: float32 [B] in [0, 1)."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=logits.shape[-1] - 1)
+    # float rounding can land the target on a zero-probability tail: step back to a kept token
+    bad = ~torch.isfinite(logits.gather(1, pick[:, None]).squeeze(1))
+    if bool(bad.any()):
+        last_kept = (torch.isfinite(logits) * torch.arange(1, logits.shape[-1] + 1, device=logits.device)).argmax(-1)
+        pick = torch.where(bad, last_kept, pick)
+    return pick
 
 
 class Sampler:
@@ -119,8 +133,6 @@ class Sampler:
             top_p = torch.tensor([params[i].top_p for i in rand_rows], dtype=torch.float32,
                                  device=logits.device)
             scaled = logits.index_select(0, idx) / temp[:, None]
-            sorted_logits, order = apply_top_k_top_p(scaled, top_k, top_p)
-            cdf = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             u = torch.empty(len(rand_rows), dtype=torch.float32)
             for j, i in enumerate(rand_rows):
                 seed = params[i].seed
@@ -128,12 +140,20 @@ class Sampler:
                     torch.Generator(device="cpu").manual_seed(mix_seed(seed, num_output_tokens[i]))
                 u[j] = torch.rand((), generator=gen)
             u = u.to(logits.device)
-            target = (u * cdf[:, -1])[:, None]
-            pick = torch.searchsorted(cdf, target).clamp(max=V - 1)
-            # rounding can put the target past the last kept token; never pick a removed one
-            kept = torch.isfinite(sorted_logits).sum(dim=-1, keepdim=True) - 1
-            pick = torch.minimum(pick, kept)
-            tokens[idx] = order.gather(1, pick).squeeze(1)
+            # rows without top-k/top-p draw in vocabulary order (no O(V log V) sort)
+            trunc = [(0 < params[i].top_k < V) or params[i].top_p < 1.0 for i in rand_rows]
+            for want_trunc in (False, True):
+                sel = [j for j, t in enumerate(trunc) if t == want_trunc]
+                if not sel:
+                    continue
+                js = torch.tensor(sel, dtype=torch.long, device=logits.device)
+                rows = scaled.index_select(0, js)
+                if want_trunc:
+                    rows, order = apply_top_k_top_p(rows, top_k.index_select(0, js), top_p.index_select(0, js))
+                pick = _inverse_cdf(rows, u.index_select(0, js))
+                if want_trunc:
+                    pick = order.gather(1, pick[:, None]).squeeze(1)
+                tokens[idx.index_select(0, js)] = pick
 
         lp = raw.gather(1, tokens[:, None]).squeeze(1) - log_z
         return tokens.tolist(), lp.tolist()
