@@ -91,9 +91,6 @@ def test_tiny_temperature_request_does_not_kill_the_engine(server_disposable):
 SMOLLM2_CONTEXT_LENGTH = 8192  # llama.context_length in the bundled GGUF's metadata
 
 
-@pytest.mark.xfail(strict=True, reason="F9: --max-model-len 100000 is accepted for an 8192-context "
-                   "model and advertised in /v1/models; the first request that crosses position 8192 "
-                   "raises inside the engine step and kills the engine. " + FIXED_WHEN)
 def test_max_model_len_beyond_model_context_is_refused_or_clamped():
     """Repro of the crash (about 100 s on CPU, so not run here): serve with --max-model-len 100000,
     POST {"prompt": [28120] * 8188, "max_tokens": 10} -> 500 "positions [8192, 8193) outside the
@@ -147,8 +144,6 @@ def test_max_model_len_beyond_model_context_is_refused_or_clamped():
 
 # ------------------------------------------------------------- finding 2: null optional params
 
-@pytest.mark.xfail(strict=True, reason="F2: OpenAI parameters documented as 'or null' are refused when "
-                   "null; the openai client sends null for a parameter passed as None. " + FIXED_WHEN)
 @pytest.mark.parametrize("param", ["temperature", "top_p", "n", "presence_penalty",
                                    "frequency_penalty", "stream", "logprobs"])
 def test_openai_client_none_parameter_means_default(server_main, param):
@@ -167,8 +162,6 @@ def test_openai_client_none_parameter_means_default(server_main, param):
 
 # -------------------------------------------------------------- finding 3: lone surrogate -> 500
 
-@pytest.mark.xfail(strict=True, reason="F3: a JSON string with an unpaired surrogate escape (valid "
-                   "JSON) reaches the tokenizer and answers a plain-text 500. " + FIXED_WHEN)
 @pytest.mark.parametrize("path,raw", [
     ("/v1/completions", '{"prompt": "abc \\ud800 def", "max_tokens": 1}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}'),
@@ -183,8 +176,6 @@ def test_unpaired_surrogate_is_a_400_not_a_500(server_main, path, raw):
 
 # --------------------------------------------------- finding 4: a huge prompt blocks everyone
 
-@pytest.mark.xfail(strict=True, reason="F4: tokenization runs on the asyncio loop; a multi-MB prompt "
-                   "stalls /health and every stream until it is tokenized. " + FIXED_WHEN)
 def test_huge_prompt_does_not_stall_the_event_loop(server_main):
     """While one client's ~3.6 MB prompt is being handled, ``/health`` must keep answering. The
     check is a ratio (machine-independent): the worst /health latency seen during the big request
@@ -215,9 +206,6 @@ def test_huge_prompt_does_not_stall_the_event_loop(server_main):
 
 # -------------------------------------- finding 5: chat without max_tokens on a small KV pool
 
-@pytest.mark.xfail(strict=True, reason="F5: the chat default max_tokens is max_model_len - prompt even "
-                   "when the KV pool is smaller, so every chat request without max_tokens is a 400 "
-                   "'never fits' on such a worker (it starts without a warning). " + FIXED_WHEN)
 def test_chat_without_max_tokens_fits_the_pool(server_tiny):
     """server_tiny: 4 blocks x 16 = 64 tokens of KV, max_model_len 128. A user who sets no
     max_tokens asked for nothing that cannot fit; the default must be bounded by what the pool
@@ -231,8 +219,6 @@ def test_chat_without_max_tokens_fits_the_pool(server_tiny):
 
 # --------------------------------------------------- finding 7: the error names the wrong param
 
-@pytest.mark.xfail(strict=True, reason="F7: a prompt longer than max_model_len by itself is reported "
-                   "with param='max_tokens' (max_tokens=1 is not the problem). " + FIXED_WHEN)
 def test_prompt_longer_than_context_names_prompt(server_chunked):
     """server_chunked has max_model_len 32; a 40+ token prompt with max_tokens=1."""
     r = post(server_chunked.url, "/v1/completions", {"prompt": "one two three four five " * 8,
@@ -244,9 +230,6 @@ def test_prompt_longer_than_context_names_prompt(server_chunked):
 
 # ------------------------------------------- finding 8: unreadable messages for a wrong body
 
-@pytest.mark.xfail(strict=True, reason="F8: a body that is not a JSON object (empty, [], form-encoded) "
-                   "gets \"'' is a required parameter\" / \"'': Input should be a valid dictionary\". "
-                   + FIXED_WHEN)
 @pytest.mark.parametrize("raw,ctype", [(b"", None), (b"[]", "application/json"),
                                        (b"prompt=hi", "application/x-www-form-urlencoded")])
 def test_non_object_body_message_says_what_is_wrong(server_main, raw, ctype):
@@ -259,9 +242,6 @@ def test_non_object_body_message_says_what_is_wrong(server_main, raw, ctype):
 
 # ------------------------------------------- finding 6: min_tokens does not hold off stop strings
 
-@pytest.mark.xfail(strict=True, reason="F6: a stop string ends the request before min_tokens tokens; "
-                   "vLLM (whose min_tokens the server says it follows) checks stop strings only once "
-                   "min_tokens are out. " + FIXED_WHEN)
 def test_min_tokens_holds_off_stop_strings(server_main):
     """Greedy "A B C D" continues " E F G ..."; with stop=[" F"] and min_tokens=8 the request may
     not finish before its 8th token unless it hits max_tokens (vLLM's sampling-params docs:

@@ -154,3 +154,12 @@ def test_real_tokenizer_stop_string_across_tokens(real_tokenizer):
         if r.stopped:
             break
     assert out == "The answer is 42. " and d.stopped
+
+
+def test_min_tokens_holds_off_stop_strings():
+    # "ab" completes at token 2 < min_tokens=4: ignored and released; the later "ab" stops.
+    d = IncrementalDetokenizer(TOK, stop=["ab"], min_tokens=4)
+    deltas = [d.add_tokens([ord(c)]) for c in "abxab"]
+    assert [x.text for x in deltas[:3]] == ["a", "b", "x"]
+    assert deltas[3].text == "" and deltas[4].stopped
+    assert d.released_text == "abx"

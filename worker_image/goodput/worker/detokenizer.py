@@ -55,12 +55,16 @@ class IncrementalDetokenizer:
     prompt_token_ids: the request's prompt (only its last few tokens are used, as left context).
     stop: stop strings; an empty string is rejected (it would match everywhere).
     skip_special_tokens: passed to ``decode`` (True: EOS/chat markers never appear in text).
+    min_tokens: stop strings are not looked for (and nothing is held back for them) until this
+        many output tokens exist, as vLLM's ``min_tokens`` ("minimum tokens before EOS, stop
+        token ids or stop strings can end the request"). A match must then start in text not yet
+        released, so released text is never taken back.
 
     Cost per token: one decode of a window of a few tokens (not of the whole output).
     """
 
     def __init__(self, tokenizer: SupportsDecode, prompt_token_ids: Sequence[int] = (),
-                 stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+                 stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         if any(s == "" for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tok = tokenizer
@@ -76,6 +80,8 @@ class IncrementalDetokenizer:
         self._num_context = len(ctx)
         self.text = ""            # all decoded output text so far (before stop-string cutting)
         self._sent = 0            # chars of self.text already released to the client
+        self._min_tokens = min_tokens
+        self._num_output = 0
         self.stopped = False
         self.stop_string: str | None = None
 
@@ -115,11 +121,15 @@ class IncrementalDetokenizer:
         if self.stopped:
             return DetokenizerDelta("", True, self.stop_string)
         self._ids.extend(token_ids)
+        self._num_output += len(token_ids)
         if token_ids or final:
             self.text += self._decode_new(final)
-        if self._stop:
-            # Only text that could contain a match not seen before needs searching.
-            start = max(0, self._sent - self._max_stop + 1)
+        if self._num_output < self._min_tokens:
+            final = True  # stop strings may not end the request yet: nothing to hold back
+        elif self._stop:
+            # Released text never holds a possible stop-string start (see _held_back_len), so a
+            # new match can only start in the unreleased tail.
+            start = self._sent
             hit_pos, hit = -1, None
             for s in self._stop:
                 i = self.text.find(s, start)

@@ -126,7 +126,9 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
-        self._rejected_invalid_here = 0   # 400s found before the scheduler saw the request
+        # 400s decided before the scheduler saw the request (validation; a prompt too long to
+        # tokenize), by reason: they count in goodput_requests_rejected_total like the others.
+        self._rejected_here = {"invalid": 0, "never_fits": 0}
         # Requests the scheduler finished by length on the very token that completed a stop
         # string: the client is told "stop" (as OpenAI does), and the counters say the same.
         self._length_reported_as_stop = 0
@@ -149,6 +151,10 @@ class LLMEngine:
         mc = runner.model_config
         tok = runner.tokenizer
         max_model_len = args.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context length "
+                             f"{mc.max_position_embeddings} (GGUF context_length); positions past it "
+                             "have no meaning for this model")
         revision = args.revision or runner.revision
         eos = {i for i in (getattr(tok, "eos_token_id", None), mc.eos_token_id) if i is not None}
         config = EngineConfig(
@@ -164,6 +170,10 @@ class LLMEngine:
                  config.num_blocks, config.block_size, config.kv_capacity_tokens, per_token,
                  mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes, args.kv_cache_memory,
                  max_model_len)
+        if config.kv_capacity_tokens < max_model_len:
+            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: longer requests are "
+                        "refused with 400, and chat requests without max_tokens get at most what the "
+                        "pool holds", config.kv_capacity_tokens, max_model_len)
         engine = cls(config, Scheduler(config), runner, tok, model_name=args.model_name)
         engine.metrics = WorkerMetrics(
             args.model_name, engine.stats,
@@ -180,7 +190,8 @@ class LLMEngine:
         """Admit a request (or raise :class:`AdmissionError`: never_fits / queue_full / invalid)."""
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
                       priority=priority, cache_salt=cache_salt)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop,
+                                       min_tokens=params.min_tokens)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
         with self._lock:
             self.scheduler.add_request(req)  # duplicate ids are refused there ("invalid")
@@ -189,8 +200,12 @@ class LLMEngine:
 
     def count_invalid(self) -> None:
         """Count a request refused by the server's own validation (reason ``invalid``)."""
+        self.count_rejected("invalid")
+
+    def count_rejected(self, reason: str) -> None:
+        """Count a request the server refused before admission (``invalid`` or ``never_fits``)."""
         with self._lock:
-            self._rejected_invalid_here += 1
+            self._rejected_here[reason] += 1
 
     def abort_request(self, request_id: str) -> None:
         """Abort at the next step boundary (frees the request's KV blocks then)."""
@@ -299,7 +314,7 @@ class LLMEngine:
         """A consistent snapshot for /metrics and /admin/state."""
         with self._lock:
             s = self.scheduler.stats()
-        return stats_from_scheduler(s, self._rejected_invalid_here, self._length_reported_as_stop)
+        return stats_from_scheduler(s, self._rejected_here, self._length_reported_as_stop)
 
     def scheduler_stats(self) -> SchedulerStats:
         with self._lock:
@@ -326,14 +341,15 @@ class LLMEngine:
         return [(results[r][0], results[r][1], results[r][2]) for r in ids]
 
 
-def stats_from_scheduler(s: SchedulerStats, extra_invalid: int = 0,
+def stats_from_scheduler(s: SchedulerStats, extra_rejected: dict[str, int] | None = None,
                          length_as_stop: int = 0) -> EngineStats:
     """Map the scheduler's :class:`SchedulerStats` onto the metrics' :class:`EngineStats`.
 
-    extra_invalid: requests the server refused before the scheduler saw them (reason invalid).
+    extra_rejected: requests the server refused before the scheduler saw them, by reason.
     length_as_stop: finishes the scheduler counted as "length" that the client saw as "stop"."""
     rejected = dict(s.rejected_total)
-    rejected["invalid"] = rejected.get("invalid", 0) + extra_invalid
+    for reason, n in (extra_rejected or {}).items():
+        rejected[reason] = rejected.get(reason, 0) + n
     finished = dict(s.finished_total)
     finished["length"] = finished.get("length", 0) - length_as_stop
     finished["stop"] = finished.get("stop", 0) + length_as_stop

@@ -52,28 +52,49 @@ class APIError(Exception):
         return cls(400, str(e), param=e.param, code="unsupported_parameter")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+
+
 def _loc_name(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    # Drop the request part and pydantic's union-member tags ("list[int]", "function-after[...]").
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")
+             and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
     return ".".join(parts)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (bytes, str)):
+        return f"{len(value)} bytes of non-JSON data" if value else "an empty body"
+    return f"a JSON {type(value).__name__}".replace("list", "array").replace("dict", "object")
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message naming the field(s), and the first field as ``param``."""
     msgs, first = [], None
-    for err in exc.errors():
+    errors = list(exc.errors())
+    # For a union (prompt: str | list[int] | ...), one member's specific complaint (a value error)
+    # says more than "Input should be a valid list" from the others.
+    specific = {_loc_name(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "value_error"}
+    errors = [e for e in errors if e.get("type") == "value_error"
+              or _loc_name(tuple(e.get("loc", ()))) not in specific]
+    for err in errors:
         loc = tuple(err.get("loc", ()))
         typ = err.get("type", "")
         name = _loc_name(loc)
         if typ == "json_invalid":
             msgs.append(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip())
             continue
+        if not name:  # the body itself: empty, a JSON array, form-encoded ...
+            msgs.append("the request body must be a JSON object (Content-Type: application/json)"
+                        + ("" if typ == "missing" else f"; got {_describe(err.get('input'))}"))
+            continue
         if typ == "extra_forbidden":
             msgs.append(f"Unsupported parameter: '{name}' is not recognized by this server")
         elif typ == "missing":
             msgs.append(f"'{name}' is a required parameter")
         else:
-            msgs.append(f"'{name}': {err.get('msg', 'invalid value')}")
-        if first is None and name:
+            msgs.append(f"'{name}': {err.get('msg', 'invalid value').removeprefix('Value error, ')}")
+        if first is None:
             first = name
     return "; ".join(dict.fromkeys(msgs)) or "invalid request", first
 

@@ -67,11 +67,47 @@ def _chat_messages(body_messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in body_messages]
 
 
-def _render_chat(st, messages) -> list[int]:
+def _max_token_bytes(st) -> int | None:
+    """Most UTF-8 bytes any single token stands for (byte-level BPE: one vocabulary character is
+    one byte), computed once; None when the tokenizer cannot say."""
+    if not hasattr(st, "_max_token_bytes"):
+        tok = st.llm.tokenizer
+        try:
+            pieces = tok.convert_ids_to_tokens(range(tok.vocab_size))
+            st._max_token_bytes = max(len(p.encode("utf-8")) for p in pieces)
+        except (AttributeError, TypeError, ValueError):
+            st._max_token_bytes = None
+    return st._max_token_bytes
+
+
+def _refuse_if_surely_too_long(st, nbytes: int) -> None:
+    """Refuse a prompt that cannot fit before tokenizing it: it has at least
+    ceil(bytes / max bytes per token) tokens. Tokenizing megabytes would hold the GIL (and so
+    the event loop) for seconds only to say 400."""
+    per_token = _max_token_bytes(st)
+    if not per_token:
+        return
+    min_tokens = -(-nbytes // per_token)
+    limit = st.max_model_len
+    if min_tokens + 1 > limit:
+        st.llm.count_rejected("never_fits")
+        raise APIError(400, f"the prompt is {nbytes} bytes, so at least {min_tokens} tokens (at most "
+                            f"{per_token} bytes per token); prompt + max_tokens must fit max_model_len "
+                            f"({limit})", param="prompt", code="never_fits")
+
+
+async def _encode(st, text: str) -> list[int]:
+    _refuse_if_surely_too_long(st, len(text.encode("utf-8")))
+    return list(await asyncio.to_thread(st.llm.tokenizer.encode, text))
+
+
+async def _render_chat(st, messages, for_generation: bool = True) -> list[int]:
     from goodput.worker.model.tokenizer import ChatTemplateError
+    if for_generation:
+        _refuse_if_surely_too_long(st, sum(len(m.text().encode("utf-8")) for m in messages))
     try:
-        return list(st.llm.tokenizer.apply_chat_template(_chat_messages(messages),
-                                                         add_generation_prompt=True, tokenize=True))
+        return list(await asyncio.to_thread(st.llm.tokenizer.apply_chat_template, _chat_messages(messages),
+                                            add_generation_prompt=True, tokenize=True))
     except ChatTemplateError as e:
         raise _invalid(st, APIError(400, str(e), param="messages"))
 
@@ -89,7 +125,13 @@ def _admit(st, body, prompt_ids: list[int], max_tokens: int, arrival: float) -> 
         stream = engine.add_request(rid, prompt_ids, params, arrival_time=arrival,
                                     priority=body.priority, cache_salt=body.cache_salt)
     except AdmissionError as e:
-        raise APIError.from_admission(e)
+        err = APIError.from_admission(e)
+        if e.reason == "never_fits":  # name what is wrong: the prompt alone, or prompt + max_tokens
+            cfg = st.llm.config
+            n = len(prompt_ids)
+            err.param = "prompt" if n >= cfg.max_model_len or cfg.blocks_for_tokens(n) > cfg.num_blocks \
+                else "max_tokens"
+        raise err
     except EngineDeadError as e:
         raise APIError(503, str(e))
     except (ValueError, TypeError) as e:
@@ -168,7 +210,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise _invalid(st, APIError.unsupported(e))
     st.require_engine()
     prompt = body.prompt_input()
-    prompt_ids = st.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_ids = await _encode(st, prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     rid, stream = _admit(st, body, prompt_ids, max_tokens, arrival)
     created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
@@ -205,10 +247,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     except UnsupportedParameter as e:
         raise _invalid(st, APIError.unsupported(e))
     st.require_engine()
-    prompt_ids = _render_chat(st, body.messages)
+    prompt_ids = await _render_chat(st, body.messages)
     max_tokens = body.requested_max_tokens
-    if max_tokens is None:  # as much as the context allows (admission names the numbers if none)
-        max_tokens = max(1, st.max_model_len - len(prompt_ids))
+    if max_tokens is None:
+        # As much as the context AND the KV pool allow (prompt + output <= pool tokens);
+        # admission names the numbers when not even one token fits.
+        cfg = st.llm.config
+        n = len(prompt_ids)
+        max_tokens = max(1, min(cfg.max_model_len, cfg.kv_capacity_tokens) - n)
     rid, stream = _admit(st, body, prompt_ids, max_tokens, arrival)
     created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
 
@@ -242,7 +288,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     _check_model(st, body.model)
     st.require_engine()
     if body.messages is not None:
-        ids = _render_chat(st, body.messages)
+        ids = await _render_chat(st, body.messages, for_generation=False)
     else:
-        ids = st.llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(st.llm.tokenizer.encode, body.prompt,
+                                      add_special_tokens=body.add_special_tokens)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})

@@ -12,10 +12,38 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from goodput.worker.engine.sampling_params import SamplingParams
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _utf8(s: str) -> str:
+    # JSON may carry lone surrogate escapes ("\ud800"): valid JSON, but not text a tokenizer can
+    # encode. Refuse them as bad input instead of failing later.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the string is not valid Unicode text: unpaired surrogate at position "
+                         f"{e.start}") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
+class _NullMeansDefault(BaseModel):
+    """OpenAI documents most parameters as "<type> or null"; the ``openai`` client sends null for
+    a parameter passed as None. Null means the parameter's default here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None)}
+        return data
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -50,12 +78,12 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 # -------------------------------------------------------------------------------------- requests
 
-class StreamOptions(BaseModel):
+class StreamOptions(_NullMeansDefault):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_NullMeansDefault):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="forbid")
@@ -67,7 +95,7 @@ class _SamplingRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -137,7 +165,7 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element list
     of either (batches of prompts need n>1-style fan-out and are refused)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -168,13 +196,13 @@ class CompletionRequest(_SamplingRequest):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -234,7 +262,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
