@@ -585,6 +585,9 @@ def _pct(x) -> str:
 
 
 def main(a: argparse.Namespace) -> None:
+    import signal
+    # SIGTERM -> SystemExit, so the finally below stops the server under test (its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = Ctx(a)
     only = [int(x) for x in a.only.split(",") if x]
     try:

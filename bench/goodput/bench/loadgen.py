@@ -194,11 +194,14 @@ async def run_load(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[list[Requ
         hard = None
         if deadline is not None:
             hard = cfg.duration_s + cfg.drain_timeout_s
-        done, pending = await asyncio.wait(senders, timeout=hard)
-        for p in pending:
-            p.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            await asyncio.wait(senders, timeout=hard)
+        finally:  # past the deadline, or this run itself was cancelled: stop every sender
+            pending = [p for p in senders if not p.done()]
+            for p in pending:
+                p.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
         t_end = now()
     if bar is not None:
         bar.close()
