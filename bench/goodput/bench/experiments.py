@@ -25,6 +25,7 @@ import asyncio
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -471,14 +472,14 @@ def summarize_pyspy(path: str, top: int = 15) -> str:
             frames = stack.split(";")
             total += n
             self_c[frames[-1]] = self_c.get(frames[-1], 0) + n
-            for fr in set(frames):
+            for fr in {re.sub(r":\d+\)$", ")", fr) for fr in frames}:  # per function, not per line
                 incl_c[fr] = incl_c.get(fr, 0) + n
     if not total:
         return "(empty profile)"
     rows = ["| self % | frame |", "|---|---|"]
     rows += [f"| {v / total * 100:.1f} | `{k[:120]}` |" for k, v in sorted(self_c.items(), key=lambda x: -x[1])[:top]]
-    rows += ["", "| inclusive % | frame (goodput code) |", "|---|---|"]
-    ours = [(k, v) for k, v in incl_c.items() if "goodput" in k]
+    rows += ["", "| inclusive % | function (goodput code) |", "|---|---|"]
+    ours = [(k, v) for k, v in incl_c.items() if "goodput" in k or "worker/" in k]
     rows += [f"| {v / total * 100:.1f} | `{k[:120]}` |" for k, v in sorted(ours, key=lambda x: -x[1])[:top]]
     return f"{total} samples (all threads, idle included).\n\n" + "\n".join(rows)
 
