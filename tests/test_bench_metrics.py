@@ -149,3 +149,29 @@ def test_mean_active_and_window_itls():
     assert window_itls([a, b], 2.5, 5.5, cls="short") == pytest.approx([1.0])
     with pytest.raises(ValueError):
         mean_active([a], 1.0, 1.0)
+
+
+def test_pyspy_summary_self_and_inclusive(tmp_path):
+    from goodput.bench.experiments import summarize_pyspy
+    p = tmp_path / "raw.txt"
+    # 10 samples: 6 in linear under forward, 3 in attention under forward, 1 idle in select
+    p.write_text("step (worker/llm_engine.py:10);forward (worker/model/llama.py:20);linear (torch/f.py:5) 6\n"
+                 "step (worker/llm_engine.py:10);forward (worker/model/llama.py:21);attn (worker/a.py:7) 3\n"
+                 "select (selectors.py:468) 1\n")
+    md = summarize_pyspy(str(p))
+    assert md.startswith("10 samples")
+    assert "| 60.0 | `linear (torch/f.py:5)` |" in md
+    # inclusive per function: forward's two lines merge into 90 %
+    assert "| 90.0 | `forward (worker/model/llama.py)` |" in md
+    assert "| 30.0 | `attn (worker/a.py)` |" in md
+
+
+def test_targets_table_marks_met_and_missed():
+    from goodput.bench.experiments import targets_section
+    md = targets_section({"side_by_side": {"varying (x)": {"32": {"ours": 100.0, "llama.cpp": 40.0, "HF static": 80.0},
+                                                          "1": {"ours": 10.0, "llama.cpp": 30.0}}},
+                          "hol": {"ratio_off_over_on": 6.0}})
+    assert "| C=32 ours / llama.cpp (varying lengths) | 2.50x | >= 2x | met |" in md
+    assert "| C=32 ours / HF static (varying lengths) | 1.25x | >= 1.5x | **missed** |" in md
+    assert "| C=1 ours / llama.cpp | 0.33x | >= 0.5x | **missed** |" in md
+    assert "| prefix cache: TTFT p50 off / on | not measured |" in md
