@@ -7,7 +7,8 @@ started lazily on first use and kept for the whole session:
 - ``server_chunked``: fp32, ``--max-num-batched-tokens 8`` (prompts are chunk-prefilled) and
   ``--max-model-len 32`` (bug report 2).
 - ``server_tiny``: fp32, a pool of 4 blocks x 16 tokens, ``--max-model-len 128`` (bug report 3,
-  preemption by recompute); started WITHOUT an admin token (admin writes -> 403).
+  preemption by recompute), ``--vllm-metric-aliases``; started WITHOUT an admin token (admin
+  writes -> 403).
 
 ``start_server(flags)`` is public for other test modules that need their own flags.
 """
@@ -126,4 +127,5 @@ TINY_POOL_BLOCKS = 4
 def server_tiny():
     kv_bytes = TINY_POOL_BLOCKS * 16 * SMOLLM2_FP32_KV_BYTES_PER_TOKEN
     yield from _session_server(["--dtype", "float32", "--kv-cache-memory", str(kv_bytes),
-                                "--block-size", "16", "--max-model-len", "128"], admin_token=None)
+                                "--block-size", "16", "--max-model-len", "128", "--vllm-metric-aliases"],
+                               admin_token=None)

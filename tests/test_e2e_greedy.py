@@ -116,5 +116,10 @@ def test_preemption_with_a_tiny_pool(server_tiny):
     m = metrics(server_tiny.url)
     assert metric(m, "goodput_preemptions_total") > before
     assert metric(m, "goodput_kv_cache_blocks") == TINY_POOL_BLOCKS
+    # server_tiny runs with --vllm-metric-aliases: vLLM's names carry the same values
+    assert metric(m, "vllm:num_preemptions_total") == metric(m, "goodput_preemptions_total")
+    assert metric(m, "vllm:generation_tokens_total") == metric(m, "goodput_generation_tokens_total")
+    assert metric(m, "vllm:request_success_total", finished_reason="length") == \
+        metric(m, "goodput_requests_finished_total", finished_reason="length")
     for p, g in zip(prompts, got):
         assert g == reference(p, 16, ignore_eos=True)
