@@ -3,8 +3,8 @@
 The fake runner "counts": the token after t is t+1 (byte tokens, so the text is the alphabet),
 which makes every expected output computable by hand. Checks: stop strings finish the request
 through the scheduler (blocks freed at once, reason "stop", text cut before the stop string),
-stop tokens are not in the text, aborts free blocks, one delta per token, a failing runner
-kills the loop (health) and answers every waiting client.
+stop tokens are not in the text, aborts free blocks, one delta per token, a failing step fails only
+its own requests, a runner that keeps failing kills the loop (health) and answers every client.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
-from goodput.worker.llm_engine import AsyncLLMEngine, LLMEngine
+from goodput.worker.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLMEngine, LLMEngine
 from goodput.worker.metrics import WorkerMetrics
 
 EOS = 0
@@ -30,16 +30,18 @@ class ByteTokenizer:
 class CountingRunner:
     """gate: optional threading.Semaphore; each step takes one permit (the test sets the pace)."""
 
-    def __init__(self, fail_after: int | None = None, gate: threading.Semaphore | None = None):
+    def __init__(self, fail_after: int | None = None, gate: threading.Semaphore | None = None,
+                 fail_on_calls: set[int] = frozenset()):
         self.calls = 0
         self.fail_after = fail_after
+        self.fail_on_calls = fail_on_calls
         self.gate = gate
 
     def execute(self, sched_out):
         if self.gate is not None:
             self.gate.acquire()
         self.calls += 1
-        if self.fail_after is not None and self.calls > self.fail_after:
+        if (self.fail_after is not None and self.calls > self.fail_after) or self.calls in self.fail_on_calls:
             raise RuntimeError("device lost")
         return RunnerOutput({c.request_id: c.token_ids[-1] + 1 for c in sched_out.chunks if c.sample})
 
@@ -121,11 +123,28 @@ def test_async_abort_frees_blocks_and_failure_marks_dead():
         finally:
             aeng.shutdown()
 
+        # One failing step fails only its own requests; the engine keeps serving.
+        once = make_engine(runner=CountingRunner(fail_on_calls={3}))
+        flaky = AsyncLLMEngine(once, idle_tick_s=0.05)
+        flaky.start()
+        try:
+            deltas = [d async for d in flaky.generate("r1", [ord("a")], greedy(50))]
+            assert [d.text for d in deltas[:2]] == ["b", "c"]
+            assert deltas[-1].finish_reason == "abort" and "device lost" in deltas[-1].error
+            assert flaky.is_healthy() and once.stats().kv_blocks_used == 0
+            done = [d async for d in flaky.generate("r2", [ord("k")], greedy(3))]
+            assert "".join(d.text for d in done) == "lmn" and done[-1].finish_reason == "length"
+        finally:
+            flaky.shutdown()
+
+        # A runner that keeps failing: after MAX_CONSECUTIVE_STEP_FAILURES the engine is dead.
         bad = AsyncLLMEngine(make_engine(runner=CountingRunner(fail_after=2)), idle_tick_s=0.05)
         bad.start()
         try:
-            deltas = [d async for d in bad.generate("r", [ord("a")], greedy(50))]
-            assert deltas[-1].finished and deltas[-1].finish_reason == "abort" and "device lost" in deltas[-1].error
+            for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
+                deltas = [d async for d in bad.generate(f"r{i}", [ord("a")], greedy(50))]
+                assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+                assert "device lost" in deltas[-1].error
             await asyncio.sleep(0.05)
             assert not bad.is_healthy()
         finally:

@@ -12,7 +12,8 @@ iteration-level (continuous) batching (Orca, OSDI 2022):
 :class:`AsyncLLMEngine` runs ``step()`` on one background thread while there is work and hands
 each request's deltas to its ``generate()`` async iterator on the asyncio loop. A client that
 goes away aborts its request (blocks freed at the next step boundary, i.e. within one step).
-``/health`` is the loop's heartbeat; a step that raises marks the engine dead (the pod restarts).
+``/health`` is the loop's heartbeat. A runner error fails only that step's requests; repeated
+failures (or an error outside the runner) mark the engine dead (the pod restarts).
 
 Thread safety: the scheduler is only touched under ``LLMEngine._lock``; the model runs outside it,
 so admission (``add_request`` from the HTTP handlers) never waits for a forward pass. Aborts are
@@ -38,6 +39,9 @@ from goodput.worker.engine.scheduler import Scheduler, SchedulerStats
 from goodput.worker.metrics import EngineStats, WorkerMetrics
 
 log = logging.getLogger("goodput.worker.engine")
+
+# Runner failures in a row before the engine gives up (one bad request must not kill the pod).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass
@@ -126,6 +130,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
+        self._consecutive_step_failures = 0
         # 400s decided before the scheduler saw the request (validation; a prompt too long to
         # tokenize), by reason: they count in goodput_requests_rejected_total like the others.
         self._rejected_here = {"invalid": 0, "never_fits": 0}
@@ -228,7 +233,11 @@ class LLMEngine:
         with self._lock:
             deltas.extend(self._apply_aborts())
             sched_out: SchedulerOutput = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out) if not sched_out.is_empty else RunnerOutput()
+        try:
+            runner_out = self.runner.execute(sched_out) if not sched_out.is_empty else RunnerOutput()
+        except Exception as exc:
+            return deltas + self._fail_step(sched_out, exc)
+        self._consecutive_step_failures = 0
         with self._lock:
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
             for out in outputs:
@@ -236,6 +245,29 @@ class LLMEngine:
                 if d is not None:
                     deltas.append(d)
             self.num_steps += 1
+        return deltas
+
+    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
+        """The runner raised: fail only the requests of this step and keep serving the rest.
+
+        Safe because the scheduler commits progress only in ``update_from_output`` and caches a
+        block only after a committed step: the failed step's KV writes belong to requests that are
+        aborted here (their blocks are freed), so nothing half-written is ever reused. Raises (the
+        engine then dies and the pod restarts) after ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row,
+        which points at a broken runner rather than one bad request.
+        """
+        self._consecutive_step_failures += 1
+        if self._consecutive_step_failures > MAX_CONSECUTIVE_STEP_FAILURES:
+            raise exc
+        log.exception("engine step failed; aborting its %d request(s)", len(sched_out.chunks))
+        deltas = []
+        with self._lock:
+            for chunk in sched_out.chunks:
+                t = self._tracked.get(chunk.request_id)
+                self.scheduler.abort_request(chunk.request_id)
+                if t is not None and not t.done:
+                    deltas.append(self._finish(t, "abort", t.detok.flush().text, [],
+                                               f"engine error: {exc!r}"))
         return deltas
 
     def _apply_aborts(self) -> list[RequestDelta]:
