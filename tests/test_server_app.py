@@ -109,3 +109,22 @@ def test_cli_flags_and_sizes():
                 ["serve", "--kv-cache-memory", "lots"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
+
+
+def test_cli_exits_1_when_the_model_cannot_load(tmp_path):
+    """`goodput-worker serve` with a bad --model stops and exits 1 (a pod then shows the error and
+    backs off) instead of staying up, unready, forever."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    missing = tmp_path / "missing.gguf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "goodput.worker", "serve", "--model", str(missing),
+         "--host", "127.0.0.1", "--port", str(port)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"model '{missing}' is neither a bundled name" in proc.stderr

@@ -129,9 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from goodput.worker.server.app import create_app
 
-    app = create_app(args)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=level <= logging.DEBUG,
-                timeout_graceful_shutdown=5)
+    server: uvicorn.Server | None = None
+
+    def stop_on_load_failure(exc: BaseException) -> None:
+        # A worker that cannot load its model exits non-zero (the pod shows the error and backs
+        # off) instead of serving 503 forever.
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(args, on_load_failure=stop_on_load_failure)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=level <= logging.DEBUG,
+        timeout_graceful_shutdown=5))
+    server.run()
+    error = app.state.server.load_error
+    if error is not None:
+        print(f"goodput-worker: the model failed to load: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,7 +3,8 @@
 While the model loads, ``GET /health`` answers 200 ``{"status": "loading"}`` (the process is
 alive and making progress) and ``GET /ready`` answers 503; inference routes answer 503. Once
 loaded, ``/health`` is the engine loop's heartbeat (503 when the loop died) and ``/ready`` is 200.
-A failed load makes both 503 (the error is in the body and the log).
+A failed load makes both 503 (the error is in the body and the log); ``goodput-worker serve``
+then exits with status 1.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``
 (server/openai_routes.py); ``/admin/limits``, ``/admin/state`` (server/admin.py); ``/health``,
@@ -64,9 +65,12 @@ class ServerState:
 
 
 def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngine] | None = None,
-               admin_token: str | None = None) -> FastAPI:
+               admin_token: str | None = None,
+               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """Build the app. ``engine_factory`` (default :meth:`LLMEngine.from_args`) loads the model;
-    ``admin_token`` defaults to the ``GOODPUT_ADMIN_TOKEN`` environment variable."""
+    ``admin_token`` defaults to the ``GOODPUT_ADMIN_TOKEN`` environment variable;
+    ``on_load_failure`` is called (from the loader thread) after a failed load — the CLI uses it
+    to stop the server and exit 1."""
     factory = engine_factory or LLMEngine.from_args
     token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
     state = ServerState(args, token)
@@ -82,6 +86,8 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
             except BaseException as exc:
                 log.exception("model load failed")
                 state.load_error = exc
+                if on_load_failure is not None:
+                    on_load_failure(exc)
                 return
             eng = AsyncLLMEngine(llm)
             eng.start(loop)
