@@ -35,6 +35,16 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {v}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -76,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--revision", default=None,
                    help="model revision for the prefix-cache identity (default: a hash of the GGUF)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     s.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
