@@ -42,7 +42,7 @@ class _Plan:
 
     dec_rows: torch.Tensor | None   # [Bd] query rows of decode sequences (None: rows 0..Bd-1)
     num_dec: int
-    dec_blocks: torch.Tensor | None  # [Bd, nb] block ids
+    dec_blocks: torch.Tensor | None  # [Bd * nb] block ids, row-major (one index_select per layer)
     dec_mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] additive: 0 attend, -inf padding
     prefills: list[_PrefillSeq]
 
@@ -96,7 +96,7 @@ class TorchReferenceBackend:
             lens = torch.tensor([seq_lens[i] for i in dec], dtype=torch.long, device=device)
             nb = -(-max(seq_lens[i] for i in dec) // block_size)
             idx = torch.tensor(dec, dtype=torch.long, device=device)
-            plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long()
+            plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
             pos = torch.arange(nb * block_size, device=device)
             plan.dec_mask = _additive((pos[None, :] < lens[:, None])[:, None, None, :], dtype)
         for i in pre:
@@ -129,9 +129,10 @@ class TorchReferenceBackend:
             B = plan.num_dec
             qd = q[:B] if plan.dec_rows is None else q.index_select(0, plan.dec_rows)
             qd = qd.view(B, KV, g, D)
-            S = plan.dec_blocks.shape[1] * block_size
-            kd = k_cache[plan.dec_blocks].view(B, S, KV, D).transpose(1, 2)
-            vd = v_cache[plan.dec_blocks].view(B, S, KV, D).transpose(1, 2)
+            S = plan.dec_blocks.shape[0] // B * block_size
+            # index_select on dim 0 copies whole contiguous blocks (cheaper than advanced indexing)
+            kd = k_cache.index_select(0, plan.dec_blocks).view(B, S, KV, D).transpose(1, 2)
+            vd = v_cache.index_select(0, plan.dec_blocks).view(B, S, KV, D).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
             od = od.reshape(B, H, D)
             if plan.dec_rows is None:
