@@ -143,8 +143,8 @@ class TorchReferenceBackend:
         for p in plan.prefills:
             n = p.q_end - p.q_start
             qp = q[p.q_start:p.q_end].view(n, KV, g, D).permute(1, 2, 0, 3)          # [KV, g, n, D]
-            kp = k_cache[p.blocks].view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)      # [KV, S, D]
-            vp = v_cache[p.blocks].view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)
+            kp = k_cache.index_select(0, p.blocks).view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)  # [KV, S, D]
+            vp = v_cache.index_select(0, p.blocks).view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)
             kp = kp.unsqueeze(1).expand(KV, g, p.seq_len, D)
             vp = vp.unsqueeze(1).expand(KV, g, p.seq_len, D)
             if p.mask is None:
