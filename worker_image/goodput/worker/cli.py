@@ -14,6 +14,7 @@ import argparse
 import logging
 import re
 import sys
+from collections.abc import Callable
 
 from goodput.worker.llm_engine import EngineArgs
 
@@ -35,34 +36,23 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {v}")
-    return v
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (hi None = unbounded), else a usage error."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in {lo}-{hi}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {v}")
+        return v
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+_port = _int_in(1, 65535)
+_positive_int = _int_in(1)
+_non_negative_int = _int_in(0)
 
 
 def _positive_float(text: str) -> float:
