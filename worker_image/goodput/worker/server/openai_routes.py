@@ -193,6 +193,19 @@ async def _sse_stream(stream: RequestStream, first: list[bytes],
         stream.abort()  # no-op when finished; a disconnect cancels us here and frees the blocks
 
 
+def _checked_state(request: Request, body: CompletionRequest | ChatCompletionRequest):
+    """The server state after the checks both generate routes share: the model name (404),
+    unsupported OpenAI parameters (400 naming the parameter), a loaded, live engine (503)."""
+    st = _state(request)
+    _check_model(st, body.model)
+    try:
+        body.check_supported()
+    except UnsupportedParameter as e:
+        raise _invalid(st, APIError.unsupported(e))
+    st.require_engine()
+    return st
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     st = _state(request)
@@ -202,13 +215,7 @@ async def list_models(request: Request) -> ModelList:
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
-    st = _state(request)
-    _check_model(st, body.model)
-    try:
-        body.check_supported()
-    except UnsupportedParameter as e:
-        raise _invalid(st, APIError.unsupported(e))
-    st.require_engine()
+    st = _checked_state(request, body)
     prompt = body.prompt_input()
     prompt_ids = await _encode(st, prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
@@ -240,13 +247,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
-    st = _state(request)
-    _check_model(st, body.model)
-    try:
-        body.check_supported()
-    except UnsupportedParameter as e:
-        raise _invalid(st, APIError.unsupported(e))
-    st.require_engine()
+    st = _checked_state(request, body)
     prompt_ids = await _render_chat(st, body.messages)
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
