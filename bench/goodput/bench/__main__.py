@@ -21,8 +21,7 @@ from .loadgen import LoadConfig, run_load
 from .metrics import check_consistency, summarize
 from .prompts import PromptFactory
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), *[".."] * 4,
-                             "shared", "data", "azure-llm-inference-2023", "code.csv")
+DEFAULT_TRACE = workloads.AZURE_CODE_TRACE
 
 
 def _floats(s: str) -> list[float]:

@@ -525,11 +525,8 @@ def exp6_trace(ctx: Ctx) -> None:
 
 
 def _trace_path() -> str:
-    for p in (os.path.join(REPO, "..", "shared", "data", "azure-llm-inference-2023", "code.csv"),
-              "/work/shared/data/azure-llm-inference-2023/code.csv"):
-        if os.path.exists(p):
-            return os.path.abspath(p)
-    raise FileNotFoundError("azure-llm-inference-2023/code.csv not found beside the repo (../shared/data)")
+    from .workloads import AZURE_CODE_TRACE
+    return AZURE_CODE_TRACE
 
 
 def exp7_roofline(ctx: Ctx) -> None:

@@ -14,11 +14,16 @@ Arrivals:
 from __future__ import annotations
 
 import csv
+import os
 import random
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
 from .prompts import PromptFactory
+
+#: The Azure LLM inference 2023 code trace, kept in the repo (CC-BY 4.0; README and LICENSE beside it).
+AZURE_CODE_TRACE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "data",
+                                                "azure-llm-inference-2023", "code.csv"))
 
 
 @dataclass

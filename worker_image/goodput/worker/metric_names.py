@@ -1,0 +1,60 @@
+"""Metric names of a worker: the Prometheus contract, with no side effects.
+
+Importing this module touches no Prometheus registry and imports nothing but the standard
+library, so the autoscaler, the Grafana dashboards' tests and the benchmarks can use the same
+names as the worker that exports them (``goodput.worker.metrics``). Conventions: base units
+(seconds), ``_total`` counters, ratios in 0..1, label ``model_name`` on every series.
+"""
+from __future__ import annotations
+
+ENGINE_STATES = ("running", "waiting", "rejecting", "blocked")
+REJECT_REASONS = ("queue_full", "never_fits", "invalid")
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Metric names (DESIGN.md). Counters are spelled without "_total"; prometheus_client appends it.
+REQUESTS_RUNNING = "goodput_requests_running"
+REQUESTS_WAITING = "goodput_requests_waiting"
+KV_CACHE_USAGE_RATIO = "goodput_kv_cache_usage_ratio"
+KV_CACHE_BLOCKS = "goodput_kv_cache_blocks"
+ENGINE_STATE = "goodput_engine_state"
+ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
+ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
+REQUESTS_ADMITTED = "goodput_requests_admitted"
+REQUESTS_REJECTED = "goodput_requests_rejected"
+REQUESTS_FINISHED = "goodput_requests_finished"
+REQUESTS_SLO_MET = "goodput_requests_slo_met"
+PROMPT_TOKENS = "goodput_prompt_tokens"
+GENERATION_TOKENS = "goodput_generation_tokens"
+PREFIX_CACHE_QUERIES = "goodput_prefix_cache_queries"
+PREFIX_CACHE_HITS = "goodput_prefix_cache_hits"
+PREEMPTIONS = "goodput_preemptions"
+TIME_TO_FIRST_TOKEN = "goodput_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "goodput_inter_token_latency_seconds"
+TIME_PER_OUTPUT_TOKEN = "goodput_time_per_output_token_seconds"
+E2E_REQUEST_LATENCY = "goodput_e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "goodput_request_queue_time_seconds"
+
+# goodput name -> vLLM name, for --vllm-metric-aliases.
+VLLM_ALIASES = {
+    REQUESTS_RUNNING: "vllm:num_requests_running",
+    REQUESTS_WAITING: "vllm:num_requests_waiting",
+    KV_CACHE_USAGE_RATIO: "vllm:kv_cache_usage_perc",  # vLLM's is a 0..1 ratio despite the name
+    PROMPT_TOKENS: "vllm:prompt_tokens",
+    GENERATION_TOKENS: "vllm:generation_tokens",
+    PREEMPTIONS: "vllm:num_preemptions",
+    PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries",
+    PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
+    TIME_TO_FIRST_TOKEN: "vllm:time_to_first_token_seconds",
+    INTER_TOKEN_LATENCY: "vllm:inter_token_latency_seconds",
+    E2E_REQUEST_LATENCY: "vllm:e2e_request_latency_seconds",
+    REQUESTS_FINISHED: "vllm:request_success",
+}
+
+# Bucket upper bounds in seconds. TTFT/queue time span fast CPU prefills to long queues; ITL and
+# TPOT span GPU decode steps (ms) to a loaded CPU (hundreds of ms); E2E up to minutes.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                         0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0,
+               120.0, 180.0, 300.0)
