@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: triton on CUDA, the torch reference on CPU")
     s.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)")
+    s.add_argument("--max-stop-strings", type=_positive_int, default=32,
+                   help="most stop strings in one request (400 beyond)")
+    s.add_argument("--max-stop-string-chars", type=_positive_int, default=1024,
+                   help="longest stop string in characters (400 beyond)")
+    s.add_argument("--max-stop-token-ids", type=_positive_int, default=128,
+                   help="most stop_token_ids in one request (400 beyond)")
+    s.add_argument("--max-request-body-bytes", type=parse_bytes, default=parse_bytes("8MiB"),
+                   help="largest request body; suffixes KiB/MiB/GiB or K/M/G (413 beyond)")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -116,7 +124,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, scheduling_policy=ns.scheduling_policy,
         slo_ttft_ms=ns.slo_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms,
         vllm_metric_aliases=ns.vllm_metric_aliases, attention_backend=ns.attention_backend,
-        num_threads=ns.num_threads)
+        num_threads=ns.num_threads, max_stop_strings=ns.max_stop_strings,
+        max_stop_string_chars=ns.max_stop_string_chars, max_stop_token_ids=ns.max_stop_token_ids,
+        max_request_body_bytes=ns.max_request_body_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,13 @@ class EngineArgs:
     vllm_metric_aliases: bool = False
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op CPU threads (None: torch's default)
+    # Request limits the HTTP server enforces (400, or 413 for the body, naming the flag): a
+    # request may not make the engine do unbounded work per token (stop strings are searched
+    # after every token) or make the server parse unbounded JSON.
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 128
+    max_request_body_bytes: int = 8 << 20
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
