@@ -102,7 +102,7 @@ def _truthful_openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description,
                              routes=app.routes)
-        from goodput.worker.server.protocol import ErrorResponse
+        from goodput.worker.server.protocol import ChatCompletionChunk, ErrorResponse
         for path_item in schema.get("paths", {}).values():
             for method, op in path_item.items():
                 responses = op.get("responses", {})
@@ -114,11 +114,12 @@ def _truthful_openapi(app: FastAPI) -> dict[str, Any]:
         comps = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             comps.pop(name, None)
-        comps.setdefault("ErrorResponse", ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}"))
-        for name, sub in ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}").get(
-                "$defs", {}).items():
-            comps.setdefault(name, sub)
-        comps["ErrorResponse"].pop("$defs", None)
+        # Models only named in hand-written response docs (error bodies, stream chunks).
+        for model in (ErrorResponse, ChatCompletionChunk):
+            sub = model.model_json_schema(mode="serialization", ref_template="#/components/schemas/{model}")
+            for name, d in sub.pop("$defs", {}).items():
+                comps.setdefault(name, d)
+            comps.setdefault(model.__name__, sub)
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -68,10 +68,18 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 def _sse_doc(chunk_model: type) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI for a route that answers JSON, or server-sent events when ``stream`` is true."""
+    """OpenAPI for a route that answers JSON, or server-sent events when ``stream`` is true. The
+    event-stream schema describes ONE event (OpenAPI 3.1 reading): its ``data`` is a chunk as JSON
+    (``contentSchema``), an error body, or the literal ``[DONE]``."""
+    ref = "#/components/schemas/"
+    data = {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [{"$ref": ref + chunk_model.__name__}, {"$ref": ref + "ErrorResponse"}]}}]}
     return {200: {"description": f"JSON; with \"stream\": true, server-sent events, each "
                                  f"``data: <{chunk_model.__name__}>`` and then ``data: [DONE]``",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": {
+                      "type": "object", "required": ["data"], "properties": {"data": data}}}}}}
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 

@@ -68,6 +68,20 @@ class _NullMeansDefault(BaseModel):
                     if not (v is None and k in fields and fields[k].default is not None)}
         return data
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # The schema says what the server accepts: null too, for these defaulted fields.
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        props = schema.get("properties", {})
+        for name, f in cls.model_fields.items():
+            prop = props.get(name)
+            if prop is None or f.default is None or f.is_required():
+                continue
+            inner = {k: v for k, v in prop.items() if k not in ("title", "default", "description")}
+            outer = {k: prop[k] for k in ("title", "default", "description") if k in prop}
+            props[name] = {"anyOf": [inner, {"type": "null"}], **outer}
+        return schema
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
