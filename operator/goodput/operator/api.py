@@ -218,6 +218,11 @@ class InferenceServiceSpec(_Model):
         default_factory=PodTemplateOverrides, json_schema_extra={"default": {}}
     )
     probes: ProbeSpec = Field(default_factory=ProbeSpec, json_schema_extra={"default": {}})
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=1, le=86400,
+        description="how long a worker may drain its in-flight streams after SIGTERM (scale-down, "
+        "rollout) before it is killed; unset = long enough for maxModelLen tokens at slo.tpotMs "
+        "(see resources.termination_grace_seconds)")
 
 
 # --------------------------------------------------------------------------------------------- status
