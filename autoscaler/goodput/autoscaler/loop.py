@@ -65,12 +65,25 @@ class ReadyPod:
     uid: str
     ip: str
     age_s: float  # since its Ready condition turned True
+    metrics_port: int = api.WORKER_PORT  # from the pod's prometheus.io/port annotation
+    metrics_path: str = "/metrics"       # from prometheus.io/path
+
+
+def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
+    ann = meta.get("annotations") or {}
+    try:
+        port = int(ann.get("prometheus.io/port", api.WORKER_PORT))
+    except ValueError:
+        port = api.WORKER_PORT
+    path = ann.get("prometheus.io/path") or "/metrics"
+    return port, path if path.startswith("/") else "/" + path
 
 
 def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[ReadyPod], list[policy.StartingPod]]:
     """Split worker pods (camelCase dicts as the API returns them) into ready and starting.
 
-    Ready: Ready condition True and a pod IP. Starting: everything else that is alive (Pending, or
+    Ready: Ready condition True and a pod IP; its metrics endpoint from the ``prometheus.io/port``
+    and ``prometheus.io/path`` annotations the operator sets (default 8000, /metrics). Starting: everything else that is alive (Pending, or
     Running but not ready — the model is loading); age from creationTimestamp. Terminating pods
     (deletionTimestamp set: draining) and finished ones (Succeeded/Failed) are neither: they are
     capacity that is going away. Ages in seconds, never negative. Sorted by name.
@@ -84,7 +97,8 @@ def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[R
         cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
         if cond and cond.get("status") == "True" and st.get("podIP"):
             since = parse_time(cond.get("lastTransitionTime")) or now
-            ready.append(ReadyPod(meta["name"], meta.get("uid", ""), st["podIP"], max(0.0, now - since)))
+            ready.append(ReadyPod(meta["name"], meta.get("uid", ""), st["podIP"], max(0.0, now - since),
+                                  *_metrics_endpoint(meta)))
         else:
             created = parse_time(meta.get("creationTimestamp")) or now
             starting.append(policy.StartingPod(name=meta["name"], age_s=max(0.0, now - created)))
@@ -192,14 +206,14 @@ class MetricsSource(Protocol):
 
 
 class DirectScraper:
-    """GET http://<podIP>:8000/metrics on every ready pod at once, each bounded by ``timeout_s``."""
+    """GET http://<podIP>:<prometheus.io/port><prometheus.io/path> on every ready pod at once, each
+    bounded by ``timeout_s``."""
 
-    def __init__(self, client: httpx.AsyncClient, timeout_s: float, port: int = api.WORKER_PORT,
-                 clock=time.monotonic):
-        self.client, self.timeout_s, self.port, self.clock = client, timeout_s, port, clock
+    def __init__(self, client: httpx.AsyncClient, timeout_s: float, clock=time.monotonic):
+        self.client, self.timeout_s, self.clock = client, timeout_s, clock
 
     async def _one(self, pod: ReadyPod) -> observe.PodSample:
-        r = await self.client.get(f"http://{pod.ip}:{self.port}/metrics", timeout=self.timeout_s)
+        r = await self.client.get(f"http://{pod.ip}:{pod.metrics_port}{pod.metrics_path}", timeout=self.timeout_s)
         if r.status_code != 200:
             raise observe.MetricsParseError(f"GET /metrics answered {r.status_code}")
         return observe.parse_sample(r.text, self.clock())

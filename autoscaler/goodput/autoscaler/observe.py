@@ -114,13 +114,33 @@ def _histogram(idx, name: str, missing: list[str]) -> Histogram:
                      _sum(idx, name + "_sum", missing))
 
 
+GAUGES = (m.REQUESTS_RUNNING, m.REQUESTS_WAITING, m.KV_CACHE_USAGE_RATIO, m.ADMISSION_MAX_NUM_SEQS,
+          m.ADMISSION_MAX_WAITING)
+COUNTERS = (m.REQUESTS_ADMITTED, m.REQUESTS_FINISHED, m.REQUESTS_SLO_MET, m.REQUESTS_REJECTED,
+            m.PREEMPTIONS, m.GENERATION_TOKENS)
+HISTOGRAMS = (m.TIME_TO_FIRST_TOKEN, m.TIME_PER_OUTPUT_TOKEN)
+
+
+def needed_series() -> tuple[str, ...]:
+    """Every sample name a :class:`PodSample` is built from (counters with ``_total``, histograms
+    as ``_bucket``/``_count``/``_sum``) — e.g. for a PromQL ``__name__`` matcher."""
+    return (GAUGES + tuple(c + "_total" for c in COUNTERS)
+            + tuple(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")))
+
+
 def parse_sample(text: str, time: float) -> PodSample:
     """Parse one worker's ``/metrics`` text (format 0.0.4) read at ``time`` seconds.
 
     Raises :class:`MetricsParseError` naming every missing metric when the text lacks one the
     policy needs (e.g. a server that is not a goodput worker), or when it does not parse.
     """
-    idx = _index(text)
+    return sample_from_series(_index(text), time)
+
+
+def sample_from_series(idx: dict[str, list[tuple[dict[str, str], float]]], time: float) -> PodSample:
+    """Build a :class:`PodSample` from ``{sample name: [(labels, value), ...]}`` of ONE pod (the
+    shape both the text parser and a PromQL vector give). Raises :class:`MetricsParseError` naming
+    the missing metrics."""
     miss: list[str] = []
     c = lambda name, **lab: _sum(idx, name + "_total", miss, **lab)  # noqa: E731
     g = lambda name: _sum(idx, name, miss)  # noqa: E731
