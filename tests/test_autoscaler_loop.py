@@ -118,6 +118,11 @@ def test_autoscaler_status_records_only_changes_and_caps_history():
     assert len(cur["decisions"]) == 20 and cur["decisions"][-1]["reason"] == "R29"
 
 
+def test_drop_nulls():
+    assert loop.drop_nulls({"a": None, "b": {"c": None, "d": 1}, "l": [None, {"x": None}]}) == \
+        {"b": {"d": 1}, "l": [None, {}]}
+
+
 def test_summarize_limits():
     assert loop.summarize_limits({}) == (None, None)
     assert loop.summarize_limits({"a": policy.Limits(8, 4), "b": policy.Limits(8, 4)}) == (8, 4)
@@ -229,7 +234,7 @@ def test_policy_state_resumes_from_status(rig):
     rig.script += [_decision(1, "Steady", state=st), _decision(1, "Steady", state=st)]
     asyncio.run(rig.scaler.tick())
     stored = rig.kube.obj["status"]["autoscaler"]["policyState"]
-    assert stored == st.to_dict()
+    assert stored == loop.drop_nulls(st.to_dict()) and None not in stored.values()
     # a new autoscaler process (no memory) reads the state back from status
     fresh = loop.Autoscaler(rig.kube, rig.src, rig.scaler.http, wall_clock=lambda: NOW + 5)
     asyncio.run(fresh.tick())

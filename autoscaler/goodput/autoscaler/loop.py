@@ -124,6 +124,15 @@ def merge_diff(old: Any, new: Any) -> Any:
     return patch
 
 
+def drop_nulls(value: Any) -> Any:
+    """``value`` without None entries in dicts, recursively (lists keep their items)."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
+
+
 def conditions_list(decided: Mapping[str, tuple[bool, str, str]], previous: Sequence[Mapping[str, Any]],
                     now: str) -> list[dict[str, Any]]:
     """``Decision.conditions`` -> metav1.Condition dicts; lastTransitionTime kept while status holds.
@@ -181,7 +190,9 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
         "lastDecisionTime": ts,
         "decisions": decisions,
         "conditions": conditions_list(decision.conditions, prev.get("conditions") or [], ts),
-        "policyState": decision.state.to_dict(),
+        # nulls dropped: a JSON merge patch cannot store null (it deletes the key); from_dict
+        # reads a missing key as its default
+        "policyState": drop_nulls(decision.state.to_dict()),
     }
     last_scale = ts if decision.replicas != current_replicas else prev.get("lastScaleTime")
     if last_scale:
