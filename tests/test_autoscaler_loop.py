@@ -269,4 +269,7 @@ def test_disabled_or_invalid_services_are_left_alone(rig):
     rig.kube.obj["spec"]["autoscaling"]["enabled"] = True
     rig.kube.obj["spec"]["replicas"] = -3  # not a valid spec
     assert asyncio.run(rig.scaler.tick()) == {}
+    rig.kube.obj["spec"]["replicas"] = 1
+    rig.kube.obj["spec"]["autoscaling"].update(minReplicas=3, maxReplicas=2)  # the policy refuses it
+    assert asyncio.run(rig.scaler.tick()) == {}
     assert rig.calls == [] and rig.kube.patches == []

@@ -385,10 +385,14 @@ class Autoscaler:
                 state = policy.PolicyState.from_dict(prev_as["policyState"])
             except (TypeError, ValueError, KeyError) as e:
                 log.warning("%s/%s: stored policy state unreadable (%r); starting fresh", ns, name, e)
+        try:
+            pspec = policy.PolicySpec.from_crd(spec.model_dump(by_alias=True))
+        except ValueError as e:  # e.g. minReplicas > maxReplicas: the operator reports it as Degraded
+            log.warning("%s/%s: autoscaling settings refused, not autoscaling it: %s", ns, name, e)
+            return None
         observation = policy.Observation(ready=tuple(observations), starting=tuple(starting),
                                          unreachable=tuple(unreachable), current_replicas=spec.replicas)
-        decision = policy.decide(now, observation, policy.PolicySpec.from_crd(spec.model_dump(by_alias=True)),
-                                 state)
+        decision = policy.decide(now, observation, pspec, state)
 
         scale_error = None
         if decision.replicas != spec.replicas:
