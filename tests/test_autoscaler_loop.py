@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from goodput.autoscaler import loop, observe, policy
-from goodput.worker.metrics import EngineStats, WorkerMetrics
+from goodput.worker.metrics import WorkerMetrics
+from test_autoscaler_observe import stats as scheduler_stats
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 T = loop.rfc3339
@@ -174,7 +175,7 @@ class TextSource:
 
 @pytest.fixture
 def rig(monkeypatch):
-    stats = {"s": EngineStats(max_num_seqs=8, max_waiting=4, kv_blocks_total=10)}
+    stats = {"s": scheduler_stats(max_num_seqs=8, max_waiting=4)}
     wm = WorkerMetrics("smollm2", lambda: stats["s"])
     obj = {"metadata": {"name": "svc", "namespace": "ns", "uid": "u1"},
            "spec": {"replicas": 1, "autoscaling": {"enabled": True, "maxReplicas": 3}}}

@@ -3,18 +3,40 @@ no model needed), with the expected deltas computed by hand from the activity fe
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from goodput.autoscaler.observe import MetricsParseError, observation, parse_sample
 from goodput.worker.metric_names import TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
-from goodput.worker.metrics import EngineStats, WorkerMetrics
+from goodput.worker.engine.scheduler import SchedulerStats
+from goodput.worker.engine.states import EngineState
+from goodput.worker.metrics import WorkerMetrics
 
 SLO_TTFT_S, SLO_TPOT_S = 0.5, 0.05
 
 
+def stats(running=0, waiting=0, used=0, blocks=10, max_num_seqs=8, max_waiting=16, admitted=0, rejected=None,
+          finished=None, generation_tokens=0, preemptions=0) -> SchedulerStats:
+    """A scheduler snapshot with the values the test names (the rest zero)."""
+    return SchedulerStats(
+        engine_state=EngineState.RUNNING, num_running=running, num_waiting=waiting, num_preempted_waiting=0,
+        kv_usage_ratio=used / blocks, num_blocks=blocks, num_used_blocks=used, num_cached_blocks=0,
+        block_size=16, enable_prefix_caching=True, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+        admitted_total=admitted, rejected_total=dict(rejected or {}), finished_total=dict(finished or {}),
+        preemptions_total=preemptions, prompt_tokens_total=0, generation_tokens_total=generation_tokens,
+        prefix_cache_queries_total=0, prefix_cache_hits_total=0, steps_total=0, batched_tokens_total=0)
+
+
+def finished_request(ttft: float, tpot: float | None) -> SimpleNamespace:
+    """What WorkerMetrics.observe_finished reads of an engine Request (timestamps already differenced)."""
+    return SimpleNamespace(ttft=ttft, tpot=tpot, e2e=ttft + 1.0, arrival_time=0.0, prefill_time=ttft,
+                           decode_time=1.0, inference_time=ttft + 1.0, num_prompt_tokens=5,
+                           num_output_tokens=10, sampling_params=SimpleNamespace(max_tokens=16))
+
+
 def _worker(aliases: bool = False) -> tuple[WorkerMetrics, dict]:
-    holder = {"stats": EngineStats()}
+    holder = {"stats": stats()}
     wm = WorkerMetrics("smollm2", lambda: holder["stats"], slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S,
                        vllm_aliases=aliases)
     return wm, holder
@@ -22,12 +44,12 @@ def _worker(aliases: bool = False) -> tuple[WorkerMetrics, dict]:
 
 def _finish(wm: WorkerMetrics, reason: str, ttft: float, tpot: float | None) -> None:
     wm.observe_first_token(ttft, queue_time_s=0.0)
-    wm.observe_finished(reason, ttft, tpot, e2e_s=ttft + 1.0)
+    wm.observe_finished(reason, finished_request(ttft, tpot))
 
 
 def _interval_1(wm: WorkerMetrics, holder: dict) -> None:
-    holder["stats"] = EngineStats(
-        running=3, waiting=2, kv_blocks_used=30, kv_blocks_total=100, max_num_seqs=8, max_waiting=16,
+    holder["stats"] = stats(
+        running=3, waiting=2, used=30, blocks=100, max_num_seqs=8, max_waiting=16,
         admitted=10, rejected={"queue_full": 2, "never_fits": 1, "invalid": 0},
         finished={"stop": 5, "length": 2, "abort": 1}, generation_tokens=700, preemptions=1)
     _finish(wm, "stop", 0.04, 0.02)     # meets both
@@ -37,8 +59,8 @@ def _interval_1(wm: WorkerMetrics, holder: dict) -> None:
 
 
 def _interval_2(wm: WorkerMetrics, holder: dict) -> None:
-    holder["stats"] = EngineStats(
-        running=1, waiting=0, kv_blocks_used=10, kv_blocks_total=100, max_num_seqs=6, max_waiting=4,
+    holder["stats"] = stats(
+        running=1, waiting=0, used=10, blocks=100, max_num_seqs=6, max_waiting=4,
         admitted=16, rejected={"queue_full": 5, "never_fits": 1, "invalid": 2},
         finished={"stop": 9, "length": 3, "abort": 1}, generation_tokens=1000, preemptions=4)
     _finish(wm, "stop", 0.3, 0.01)      # met

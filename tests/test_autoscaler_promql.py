@@ -12,15 +12,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from goodput.autoscaler import observe
 from goodput.autoscaler.loop import ReadyPod
 from goodput.autoscaler.promql import PrometheusSource, query_for
-from goodput.worker.metrics import EngineStats, WorkerMetrics
+from goodput.worker.metrics import WorkerMetrics
+from test_autoscaler_observe import finished_request, stats
 
 
 def _worker_text(admitted: int) -> str:
-    wm = WorkerMetrics("smollm2", lambda: EngineStats(running=2, waiting=1, kv_blocks_used=5, kv_blocks_total=10,
-                                                      max_num_seqs=4, max_waiting=3, admitted=admitted,
-                                                      finished={"stop": 3, "length": 1}))
+    wm = WorkerMetrics("smollm2", lambda: stats(running=2, waiting=1, used=5, blocks=10, max_num_seqs=4,
+                                                max_waiting=3, admitted=admitted, finished={"stop": 3, "length": 1}))
     wm.observe_first_token(0.2, 0.0)
-    wm.observe_finished("stop", 0.2, 0.03, 1.0)
+    wm.observe_finished("stop", finished_request(0.2, 0.03))
     return wm.render().decode()
 
 
