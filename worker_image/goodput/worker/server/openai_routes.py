@@ -189,9 +189,11 @@ async def _sse_stream(stream: RequestStream, first: list[bytes],
 
 
 def _checked_state(request: Request, body: CompletionRequest | ChatCompletionRequest):
-    """The server state after the checks both generate routes share: the model name (404),
-    unsupported OpenAI parameters (400 naming the parameter), a loaded, live engine (503)."""
+    """The server state after the checks both generate routes share: not draining (503), the
+    model name (404), unsupported OpenAI parameters (400 naming the parameter), a loaded, live
+    engine (503)."""
     st = _state(request)
+    st.require_admitting()
     _check_model(st, body.model)
     try:
         body.check_supported()
