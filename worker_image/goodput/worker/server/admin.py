@@ -12,10 +12,17 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from goodput.worker.server.errors import APIError
-from goodput.worker.server.protocol import AdminLimits
+from goodput.worker.server.protocol import AdminLimits, ErrorResponse
 from pydantic import ValidationError
 
 router = APIRouter(prefix="/admin")
+
+_ERR = {400: "invalid limits", 401: "missing or wrong admin bearer token",
+        403: "admin writes disabled (no GOODPUT_ADMIN_TOKEN)", 503: "model loading or engine dead"}
+
+
+def _errors(*codes: int) -> dict:
+    return {c: {"model": ErrorResponse, "description": _ERR[c]} for c in codes}
 
 
 def _require_admin(request: Request) -> None:
@@ -30,18 +37,19 @@ def _require_admin(request: Request) -> None:
 
 
 def _limits(st) -> dict[str, int]:
-    s = st.llm.scheduler_stats()
+    s = st.llm.stats()
     return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting}
 
 
-@router.get("/limits")
+@router.get("/limits", responses=_errors(503))
 async def get_limits(request: Request) -> dict[str, int]:
     st = request.app.state.server
     st.require_engine()
     return _limits(st)
 
 
-@router.put("/limits")
+@router.put("/limits", responses=_errors(400, 401, 403, 503), openapi_extra={"requestBody": {
+    "required": True, "content": {"application/json": {"schema": AdminLimits.model_json_schema()}}}})
 async def put_limits(request: Request) -> dict[str, int]:
     """Set ``max_num_seqs`` and/or ``max_waiting`` (omitted = unchanged); returns the limits in force.
     Lowering ``max_num_seqs`` preempts nothing: it only stops admitting until the running set shrinks.
@@ -60,7 +68,7 @@ async def put_limits(request: Request) -> dict[str, int]:
     return _limits(st)
 
 
-@router.get("/state")
+@router.get("/state", responses=_errors(503))
 async def get_state(request: Request) -> dict:
     """Engine state (running | waiting | rejecting | blocked), queue sizes, KV blocks, limits, counters."""
     st = request.app.state.server
@@ -68,19 +76,21 @@ async def get_state(request: Request) -> dict:
     s = st.llm.stats()
     return {
         "model": st.model_name,
-        "engine_state": s.engine_state,
-        "running": s.running,
-        "waiting": s.waiting,
-        "kv_blocks_used": s.kv_blocks_used,
-        "kv_blocks_total": s.kv_blocks_total,
-        "kv_cache_usage_ratio": s.kv_cache_usage_ratio,
-        "block_size": st.llm.config.block_size,
+        "engine_state": s.engine_state.value,
+        "running": s.num_running,
+        "waiting": s.num_waiting,
+        "kv_blocks_used": s.num_used_blocks,
+        "kv_blocks_total": s.num_blocks,
+        "kv_cache_usage_ratio": s.kv_usage_ratio,
+        "block_size": s.block_size,
         "max_model_len": st.llm.config.max_model_len,
         "limits": {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
         "counters": {
-            "admitted": s.admitted, "rejected": s.rejected, "finished": s.finished,
-            "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
-            "generation_tokens": s.generation_tokens, "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits, "steps": st.llm.num_steps,
+            "admitted": s.admitted_total, "rejected": s.rejected_total, "finished": s.finished_total,
+            "preemptions": s.preemptions_total, "prompt_tokens": s.prompt_tokens_total,
+            "generation_tokens": s.generation_tokens_total,
+            "prefix_cache_queries": s.prefix_cache_queries_total,
+            "prefix_cache_hits": s.prefix_cache_hits_total, "steps": s.steps_total,
+            "batched_tokens": s.batched_tokens_total,
         },
     }

@@ -6,9 +6,22 @@ loaded, ``/health`` is the engine loop's heartbeat (503 when the loop died) and 
 A failed load makes both 503 (the error is in the body and the log); ``goodput-worker serve``
 then exits with status 1.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``
-(server/openai_routes.py); ``/admin/limits``, ``/admin/state`` (server/admin.py); ``/health``,
-``/ready``, ``/metrics`` (here).
+Drain (scale-down, rollout, node drain): on SIGTERM ``goodput-worker serve`` calls
+:meth:`ServerState.start_drain`. From then on ``/ready`` answers 503 ``{"status": "draining"}`` (the
+pod leaves the Service's endpoints), new generate requests get 503 with an OpenAI error body
+(code ``draining``) telling the client to retry elsewhere, and the requests already in flight —
+streams included — run to their end. The process exits 0 once none is left; the pod's
+``terminationGracePeriodSeconds`` bounds the wait (the kubelet's SIGKILL).
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{model}``,
+``/tokenize``, ``/detokenize`` (server/openai_routes.py); ``/admin/limits``, ``/admin/state``
+(server/admin.py); ``/health``, ``/ready``, ``/metrics`` (here).
+
+A request body larger than ``EngineArgs.max_request_body_bytes`` is answered 413 (HTTP's
+"Content Too Large", with the OpenAI error body naming the limit and the flag) before it is
+parsed. ``/openapi.json`` declares each route's real response models, the error statuses it
+can answer (OpenAI error body) and the ``text/event-stream`` / Prometheus text content types;
+FastAPI's default 422 is removed (validation errors are 400s here).
 """
 from __future__ import annotations
 
@@ -22,16 +35,102 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from goodput.worker.async_engine import AsyncLLMEngine
 from goodput.worker.engine_args import EngineArgs, build_engine
 from goodput.worker.llm_engine import LLMEngine
 from goodput.worker.server.errors import APIError, install_error_handlers
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 log = logging.getLogger("goodput.worker.server")
 
 ADMIN_TOKEN_ENV = "GOODPUT_ADMIN_TOKEN"
+
+
+class HealthStatus(BaseModel):
+    """``/health`` and ``/ready`` bodies: status is loading | ok | ready | dead | error."""
+
+    status: str
+    heartbeat_age_s: float | None = None
+    model: str | None = None
+    error: str | None = None
+
+
+_PROBE_503 = {503: {"model": HealthStatus, "description": "loading (/ready), load failed or engine dead"}}
+
+
+class BodySizeLimit:
+    """ASGI middleware: answer 413 to a request body over ``limit`` bytes without parsing it
+    (the Content-Length is checked first; a chunked body is counted as it arrives)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        err = APIError(413, f"the request body is {what}; the limit is {self.limit} bytes "
+                            "(--max-request-body-bytes)", code="body_too_large")
+        await err.response()(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send, f"{int(length)} bytes")
+        if length is not None:
+            return await self.app(scope, receive, send)
+        # No Content-Length (chunked): read it here, within the limit, then replay it.
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left
+            size += len(msg.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, f"more than {self.limit} bytes")
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _truthful_openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its default 422 (validation errors are 400s with the OpenAI
+    error body here) and with every route that takes a body declaring 413 (the body-size limit)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes)
+        from goodput.worker.server.protocol import ChatCompletionChunk, ErrorResponse
+        for path_item in schema.get("paths", {}).values():
+            for method, op in path_item.items():
+                responses = op.get("responses", {})
+                responses.pop("422", None)
+                if method in ("post", "put", "patch") and "413" not in responses:
+                    responses["413"] = {"description": "Request body larger than --max-request-body-bytes",
+                                        "content": {"application/json": {
+                                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        # Models only named in hand-written response docs (error bodies, stream chunks).
+        for model in (ErrorResponse, ChatCompletionChunk):
+            sub = model.model_json_schema(mode="serialization", ref_template="#/components/schemas/{model}")
+            for name, d in sub.pop("$defs", {}).items():
+                comps.setdefault(name, d)
+            comps.setdefault(model.__name__, sub)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class ServerState:
@@ -46,10 +145,30 @@ class ServerState:
         self.engine: AsyncLLMEngine | None = None
         self.load_error: BaseException | None = None
         self.loader: threading.Thread | None = None
+        self.draining = False
+        self.inflight = 0  # generate requests whose response (stream included) is not finished
+
+    def start_drain(self) -> None:
+        """Stop admitting: /ready turns 503, new generate requests get 503; in-flight ones finish."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: admitting nothing new; %d request(s) in flight", self.inflight)
+
+    @property
+    def drained(self) -> bool:
+        """Draining and no generate request left in flight: the process may exit."""
+        return self.draining and self.inflight == 0
+
+    def require_admitting(self) -> None:
+        """Raise 503 (OpenAI error body, code ``draining``) once a drain started."""
+        if self.draining:
+            raise APIError(503, "this replica is shutting down (draining) and admits no new requests; "
+                                "retry the request: the Service routes it to another replica",
+                           code="draining", headers={"Retry-After": "1"})
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_healthy()
+        return self.engine is not None and self.engine.is_healthy() and not self.draining
 
     def require_engine(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -64,6 +183,26 @@ class ServerState:
     @property
     def max_model_len(self) -> int | None:
         return self.llm.config.max_model_len if self.llm is not None else None
+
+
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _InflightCounter:
+    """Pure ASGI middleware: counts generate requests until their response (a whole SSE stream
+    included) is sent, so a drain knows when the last stream ended."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in GENERATE_PATHS:
+            return await self.app(scope, receive, send)
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
 
 
 def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngine] | None = None,
@@ -106,19 +245,22 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
 
     app = FastAPI(title="goodput worker", lifespan=lifespan)
     app.state.server = state
+    app.openapi = lambda: _truthful_openapi(app)
+    app.add_middleware(BodySizeLimit, limit=args.max_request_body_bytes)
 
     def count_invalid(request: Request) -> None:
         if request.url.path in ("/v1/completions", "/v1/chat/completions") and state.llm is not None:
             state.llm.count_invalid()
 
     install_error_handlers(app, count_invalid)
+    app.add_middleware(_InflightCounter, state=state)
 
     from goodput.worker.server.admin import router as admin_router
     from goodput.worker.server.openai_routes import router as openai_router
     app.include_router(openai_router)
     app.include_router(admin_router)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses=_PROBE_503)
     async def health() -> JSONResponse:
         if state.load_error is not None:
             return JSONResponse({"status": "error", "error": repr(state.load_error)}, status_code=503)
@@ -129,16 +271,21 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
         return JSONResponse({"status": "ok",
                              "heartbeat_age_s": round(time.monotonic() - state.engine.heartbeat, 3)})
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=HealthStatus, responses=_PROBE_503)
     async def ready() -> JSONResponse:
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.model_name})
+        if state.draining:
+            return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
         body: dict[str, Any] = {"status": "loading" if state.load_error is None else "error"}
         if state.load_error is not None:
             body["error"] = repr(state.load_error)
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+        503: {"description": "model not loaded yet", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         if state.llm is None or state.llm.metrics is None:
             return Response("# model not loaded yet\n", status_code=503, media_type="text/plain")

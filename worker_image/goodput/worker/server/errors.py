@@ -14,11 +14,13 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from goodput.worker.engine.scheduler import AdmissionError
+from goodput.worker.engine.states import RejectReason
 from goodput.worker.server.protocol import UnsupportedParameter, error_body
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 
 
@@ -38,14 +40,11 @@ class APIError(Exception):
 
     @classmethod
     def from_admission(cls, e: AdmissionError) -> APIError:
-        if e.reason == "queue_full":
+        if e.reason is RejectReason.QUEUE_FULL:
             retry = max(1, math.ceil(e.retry_after or 1))
             return cls(429, f"Server is at capacity: {e.message}. Retry after {retry} s.",
-                       code="queue_full", headers={"Retry-After": str(retry)})
-        param = "max_tokens" if e.reason == "never_fits" and "max_tokens" in e.message else None
-        if e.reason == "invalid" and "prompt" in e.message:
-            param = "prompt"
-        return cls(400, e.message, param=param, code=e.reason)
+                       code=e.reason.value, headers={"Retry-After": str(retry)})
+        return cls(400, e.message, param=e.param, code=e.reason.value)
 
     @classmethod
     def unsupported(cls, e: UnsupportedParameter) -> APIError:
@@ -83,6 +82,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         name = _loc_name(loc)
         if typ == "json_invalid":
             msgs.append(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip())
+            continue
+        if not name and typ == "value_error":  # a whole-body check (e.g. "give prompt or messages")
+            msgs.append(err.get("msg", "invalid request").removeprefix("Value error, "))
             continue
         if not name:  # the body itself: empty, a JSON array, form-encoded ...
             msgs.append("the request body must be a JSON object (Content-Type: application/json)"
