@@ -34,8 +34,8 @@ def schema_grammar(schema_json: str) -> str:
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json)
-    ok, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if not ok:
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
         raise ValueError(f"the JSON schema cannot be used: {'; '.join(messages)}")
     return grammar
 
