@@ -1,4 +1,4 @@
-"""`goodput-worker serve` flags: every flag the engine issue names exists, sizes and ports parse,
+"""`goodput-worker serve` flags: every flag users rely on exists, sizes and ports parse,
 and the flags are generated from the setting declarations (one per EngineArgs field)."""
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ from goodput.worker.cli import build_parser, engine_args_from
 from goodput.worker.engine.config import EngineArgs, settings
 from goodput.worker.engine.units import parse_bytes
 
-# The flag list of the engine issue (and DESIGN.md), spelled as users type them.
-ISSUE_FLAGS = [
+# The public flag names (README, operator), spelled as users type them.
+PUBLIC_FLAGS = [
     "--model", "--host", "--port", "--dtype", "--kv-cache-memory", "--block-size", "--max-num-seqs",
     "--max-num-batched-tokens", "--max-model-len", "--max-waiting", "--no-enable-prefix-caching",
     "--slo-ttft-ms", "--slo-tpot-ms", "--vllm-metric-aliases", "--attention-backend",
 ]
 
 
-def test_every_issue_flag_exists():
+def test_every_public_flag_exists():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     known = {s for a in serve._actions for s in a.option_strings}
-    assert [f for f in ISSUE_FLAGS if f not in known] == []
+    assert [f for f in PUBLIC_FLAGS if f not in known] == []
 
 
 @pytest.mark.parametrize("text,expected", [
