@@ -115,6 +115,16 @@ def test_slo_met_counts_finished_requests_within_both_slos():
     assert value(fams, "goodput_requests_slo_met_total") == 2
     assert value(fams, "goodput_e2e_request_latency_seconds_count") == 5
     assert value(fams, "goodput_time_per_output_token_seconds_count") == 4
+    # the thresholds themselves, for the dashboards' SLO lines
+    assert fams["goodput_slo_ttft_seconds"].type == "gauge"
+    assert value(fams, "goodput_slo_ttft_seconds", model_name="m") == 0.5
+    assert value(fams, "goodput_slo_tpot_seconds", model_name="m") == 0.05
+
+
+def test_slo_gauges_only_for_the_slos_that_are_set():
+    fams = parse(WorkerMetrics("m", lambda: STATS, slo_ttft_s=0.25))
+    assert value(fams, "goodput_slo_ttft_seconds") == 0.25
+    assert "goodput_slo_tpot_seconds" not in fams
 
 
 def test_slo_rule():

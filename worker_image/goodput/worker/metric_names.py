@@ -33,6 +33,10 @@ INTER_TOKEN_LATENCY = "goodput_inter_token_latency_seconds"
 TIME_PER_OUTPUT_TOKEN = "goodput_time_per_output_token_seconds"
 E2E_REQUEST_LATENCY = "goodput_e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "goodput_request_queue_time_seconds"
+# gauges: the SLO thresholds the worker judges goodput_requests_slo_met by (exported only when set),
+# so dashboards draw each service's own SLO line
+SLO_TTFT_SECONDS = "goodput_slo_ttft_seconds"
+SLO_TPOT_SECONDS = "goodput_slo_tpot_seconds"
 
 # goodput name -> vLLM name, for --vllm-metric-aliases.
 VLLM_ALIASES = {
