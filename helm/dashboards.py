@@ -203,10 +203,16 @@ def serving() -> dashboard.Dashboard:
     d = (d.with_panel(_ts("Admission limits", "Limits in force on each pod (set at start or by the autoscaler "
                           "through PUT /admin/limits).", "short",
                           [(f"{W.ADMISSION_MAX_NUM_SEQS}{{{POD}}}", "max_num_seqs {{pod}}"),
-                           (f"{W.ADMISSION_MAX_WAITING}{{{POD}}}", "max_waiting {{pod}}")], 0, y))
+                           (f"{W.ADMISSION_MAX_WAITING}{{{POD}}}", "max_waiting {{pod}}")], 0, y, w=8))
+         .with_panel(_ts("Engine steps", "Forward passes per second, and tokens each one computed on average "
+                         "(prefill chunks + one per decode; the batch the token budget allows).", "short",
+                         [(f"sum by (pod) (rate({W.ENGINE_STEPS}_total{{{POD}}}[{RATE}]))", "steps/s {{pod}}"),
+                          (f"sum by (pod) (rate({W.BATCHED_TOKENS}_total{{{POD}}}[{RATE}])) / "
+                           f"sum by (pod) (rate({W.ENGINE_STEPS}_total{{{POD}}}[{RATE}]))", "tokens/step {{pod}}")],
+                         8, y, w=8))
          .with_panel(_ts("Engine state", "1 for the state each pod's engine is in (running, waiting, "
                          "rejecting, blocked).", "short",
-                         [(f"{W.ENGINE_STATE}{{{POD}}} == 1", "{{pod}} {{state}}")], 12, y, max_val=1)))
+                         [(f"{W.ENGINE_STATE}{{{POD}}} == 1", "{{pod}} {{state}}")], 16, y, w=8, max_val=1)))
     return d
 
 

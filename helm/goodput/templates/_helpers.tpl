@@ -57,7 +57,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- end -}}
 
-{{/* The namespaces RBAC is granted in: the watched ones, or [""] for cluster-wide. */}}
+{{/* Namespace of the dashboard ConfigMaps. */}}
 {{- define "goodput.dashboardsNamespace" -}}
 {{- default .Release.Namespace .Values.dashboards.namespace -}}
 {{- end -}}

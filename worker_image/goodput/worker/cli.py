@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 import sys
 from collections.abc import Callable
 
-from goodput.worker.llm_engine import EngineArgs
+from goodput.worker.engine_args import EngineArgs
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
@@ -119,6 +120,35 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         num_threads=ns.num_threads)
 
 
+def _draining_server_class():
+    """``uvicorn.Server`` whose first SIGTERM drains instead of stopping (see server/app.py).
+
+    SIGTERM #1: ``ServerState.start_drain()``; the main loop (ticks every 0.1 s) exits once the
+    last in-flight generate request finished, then uvicorn shuts down as usual and the process
+    exits 0. A second SIGTERM, or SIGINT, stops at once as plain uvicorn does.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, state) -> None:
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGTERM and not self.state.draining and not self.should_exit:
+                self.state.start_drain()
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.state.drained and not self.should_exit:
+                logging.getLogger("goodput.worker.server").info("drained: no request in flight; exiting")
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     level = getattr(logging, ns.log_level.upper())
@@ -138,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(args, on_load_failure=stop_on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _draining_server_class()(uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=level <= logging.DEBUG,
-        timeout_graceful_shutdown=5))
+        timeout_graceful_shutdown=5), app.state.server)
     server.run()
     error = app.state.server.load_error
     if error is not None:

@@ -33,6 +33,8 @@ class ScheduledChunk:
     sampling_params: the request's sampling parameters.
     num_output_tokens: output tokens already generated (seeded sampling uses
         (seed, num_output_tokens) so results do not depend on batching or preemption).
+    stop_token_ids: the request's resolved stop ids (``Request.stop_token_ids``); the sampler
+        masks them while ``num_output_tokens < min_tokens``.
     """
 
     request_id: str
@@ -42,6 +44,7 @@ class ScheduledChunk:
     sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +54,11 @@ class ScheduledChunk:
     def seq_len(self) -> int:
         """Context length after this step (cached + new tokens)."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token fed back after it was sampled (the request's last output token)."""
+        return self.sample and self.num_output_tokens > 0 and len(self.token_ids) == 1
 
 
 @dataclass
@@ -70,6 +78,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the step's prefill chunks (prompt, or prompt + output after a preemption by
+        recompute); the rest of ``num_batched_tokens`` are decode inputs."""
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
 
 
 @dataclass

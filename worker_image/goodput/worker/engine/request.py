@@ -7,6 +7,9 @@ Latency definitions (the one place they are computed; all times from one monoton
 - E2E   = finished_time - arrival_time
 - TPOT  = (E2E - TTFT) / (n_out - 1), undefined (None) for n_out <= 1
 - queue time = first_scheduled_time - arrival_time
+- prefill time = first_token_time - first_scheduled_time
+- decode time = finished_time - first_token_time
+- inference time = finished_time - first_scheduled_time (prefill + decode)
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.states import FinishReason
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
 
 
 class RequestStatus(str, enum.Enum):
@@ -27,17 +33,6 @@ class RequestStatus(str, enum.Enum):
     FINISHED = "finished"
 
     def __str__(self) -> str:  # "running", not "RequestStatus.RUNNING" (labels, JSON, logs)
-        return self.value
-
-
-class FinishReason(str, enum.Enum):
-    """OpenAI ``finish_reason`` values: EOS / stop token / stop string, token limit, abort."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-    def __str__(self) -> str:  # "stop", not "FinishReason.STOP"
         return self.value
 
 
@@ -60,6 +55,10 @@ class Request:
     block_ids: the block table; position p lives in ``block_ids[p // block_size]``.
     block_hashes: prefix-cache hashes of the request's full blocks (a chain, grows lazily).
     num_cached_blocks: how many of the request's full blocks were offered to the prefix cache.
+    stop_token_ids: the one resolved set of ids that finish the request with reason "stop"
+        (``sampling_params.stop_token_ids`` plus the engine's EOS ids unless ``ignore_eos``), set
+        by ``Scheduler.add_request``; the scheduler's stop rule, the engine's text cut and the
+        sampler's ``min_tokens`` mask all read this set.
     """
 
     request_id: str
@@ -77,6 +76,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list, init=False, repr=False)
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_cached_blocks: int = field(default=0, init=False, repr=False)
+    stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     # Timestamps (monotonic seconds).
     queued_time: float | None = field(default=None, init=False)
@@ -174,3 +174,22 @@ class Request:
         if self.first_scheduled_time is None or self.arrival_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token: first_token_time - first_scheduled_time."""
+        return _gap(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to finish: finished_time - first_token_time (None until finished)."""
+        return _gap(self.first_token_time, self.finished_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled to finish: finished_time - first_scheduled_time (prefill + decode)."""
+        return _gap(self.first_scheduled_time, self.finished_time)
+
+
+def _gap(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
