@@ -265,7 +265,15 @@ class PodRunner:
             os.chmod(SECRETS_ROOT, 0o700)
             for key, value in data.items():
                 (d / key).write_bytes(base64.b64decode(value))
-            Path(m.mount_path).mkdir(parents=True, exist_ok=True)
+            target = Path(m.mount_path)
+            if not target.is_dir():
+                # the first missing ancestor: removed again (if still empty) when the kubelet stops
+                first = target
+                while not first.parent.exists():
+                    first = first.parent
+                target.mkdir(parents=True, exist_ok=True)
+                with self.kubelet.lock:
+                    self.kubelet.made_dirs.append((first, target))
             out.append((d, m.mount_path))
         return out
 
@@ -395,6 +403,7 @@ class Kubelet:
         self.probe_period = probe_period
         self.pods: dict[str, PodRunner] = {}  # uid -> runner
         self.releasing: set[int] = set()  # pod IP indexes whose namespace is still being torn down
+        self.made_dirs: list[tuple[Path, Path]] = []  # (first created ancestor, mount path) made on the host
         self.terminating: set[str] = set()  # uids being stopped (one teardown per pod)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -517,6 +526,16 @@ class Kubelet:
             self.api_forward.stop()
         remove_bridge()
         shutil.rmtree(SECRETS_ROOT, ignore_errors=True)
+        for first, target in reversed(self.made_dirs):
+            d = target
+            while True:  # rmdir only empty directories, up to the first one we made
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+                if d == first:
+                    break
+                d = d.parent
         log.info("kubelet stopped; %d pods' processes and namespaces removed", len(runners))
 
 
