@@ -82,7 +82,7 @@ def test_default_render(helm: str):
     assert c["args"] == ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
     assert {e["name"]: e["value"] for e in c["env"]} == {"GOODPUT_OPERATOR_RESYNC_SECONDS": "60",
                                                          "GOODPUT_OPERATOR_WORKERS": "16"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert op["spec"]["replicas"] == 1 and op["spec"]["strategy"]["type"] == "Recreate"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "rel-goodput-operator"
     au = k[("Deployment", "goodput-system", "rel-goodput-autoscaler")]
@@ -208,6 +208,20 @@ def test_non_default_values(helm: str):
     rule = k[("PrometheusRule", "goodput-system", "rel-goodput")]
     names = [r.get("alert") or r.get("record") for g in rule["spec"]["groups"] for r in g["rules"]]
     assert "GoodputSLOBurnRateFast" in names and "goodput:slo_attainment:ratio_rate5m" in names
+
+
+def test_burn_rate_thresholds_are_the_error_budget_multiples(helm: str):
+    """Error budget = 1 - target: fast alert at 2x the budget (5m and 1h), slow at 1x (30m and 6h)."""
+    for target, fast, slow in (("0.9", "0.2", "0.1"), ("0.99", "0.02", "0.01"), ("0.995", "0.01", "0.005")):
+        (rule,) = template(helm, "--set", "metrics.prometheusRule.enabled=true", "--set-json",
+                           f"metrics.prometheusRule.sloAttainmentTarget={target}", "-s", "templates/prometheusrule.yaml")
+        alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+        assert alerts["GoodputSLOBurnRateFast"].split() == (
+            f"(1 - goodput:slo_attainment:ratio_rate5m) > {fast} and "
+            f"(1 - goodput:slo_attainment:ratio_rate1h) > {fast}").split()
+        assert alerts["GoodputSLOBurnRateSlow"].split() == (
+            f"(1 - goodput:slo_attainment:ratio_rate30m) > {slow} and "
+            f"(1 - goodput:slo_attainment:ratio_rate6h) > {slow}").split()
 
 
 def test_service_monitor_scrapes_the_autoscaler_service_with_its_labels(helm: str):
