@@ -33,24 +33,16 @@ from goodput.worker.engine.states import FinishReason
 from goodput.worker.metric_names import (
     ADMISSION_MAX_NUM_SEQS,
     ADMISSION_MAX_WAITING,
-    BATCHED_TOKENS,
     CACHE_CONFIG_INFO,
     E2E_BUCKETS,
     E2E_REQUEST_LATENCY,
     ENGINE_STATE,
     ENGINE_STATES,
-    ENGINE_STEPS,
-    FINISH_REASONS,
-    GENERATION_TOKENS,
     INTER_TOKEN_LATENCY,
     ITERATION_TOKENS,
     KV_CACHE_BLOCKS,
     KV_CACHE_USAGE_RATIO,
-    PREEMPTIONS,
-    PREFIX_CACHE_HITS,
-    PREFIX_CACHE_QUERIES,
-    PROMPT_TOKENS,
-    REJECT_REASONS,
+    LABEL_VALUES,
     REQUEST_DECODE_TIME,
     REQUEST_GENERATION_TOKENS,
     REQUEST_INFERENCE_TIME,
@@ -59,12 +51,10 @@ from goodput.worker.metric_names import (
     REQUEST_PREFILL_TIME,
     REQUEST_PROMPT_TOKENS,
     REQUEST_QUEUE_TIME,
-    REQUESTS_ADMITTED,
-    REQUESTS_FINISHED,
-    REQUESTS_REJECTED,
     REQUESTS_RUNNING,
     REQUESTS_SLO_MET,
     REQUESTS_WAITING,
+    SCHEDULER_COUNTERS,
     TIME_PER_OUTPUT_TOKEN,
     TIME_TO_FIRST_TOKEN,
     TOKEN_LATENCY_BUCKETS,
@@ -159,23 +149,12 @@ class _StatsCollector(Collector):
         yield from self._gauge(ADMISSION_MAX_WAITING, "Current admission limit on waiting requests.",
                                s.max_waiting)
         yield from self._cache_config(s)
-        yield from self._counter(REQUESTS_ADMITTED, "Admitted requests.", s.admitted_total)
-        yield from self._labelled_counter(REQUESTS_REJECTED, "Rejected requests by reason.", "reason",
-                                          REJECT_REASONS, s.rejected_total)
-        yield from self._labelled_counter(REQUESTS_FINISHED, "Finished requests by reason.",
-                                          "finished_reason", FINISH_REASONS, s.finished_total)
-        yield from self._counter(PROMPT_TOKENS, "Prompt tokens of requests that started running.",
-                                 s.prompt_tokens_total)
-        yield from self._counter(GENERATION_TOKENS, "Generated tokens.", s.generation_tokens_total)
-        yield from self._counter(PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
-                                 s.prefix_cache_queries_total)
-        yield from self._counter(PREFIX_CACHE_HITS, "Prompt tokens served from the prefix cache.",
-                                 s.prefix_cache_hits_total)
-        yield from self._counter(PREEMPTIONS, "Preemptions by recompute.", s.preemptions_total)
-        yield from self._counter(ENGINE_STEPS, "Engine steps that ran at least one chunk.", s.steps_total)
-        yield from self._counter(BATCHED_TOKENS,
-                                 "Tokens computed by the model in those steps (prefill chunks + decodes).",
-                                 s.batched_tokens_total)
+        for field_name, (name, label, doc) in SCHEDULER_COUNTERS.items():
+            value = getattr(s, field_name)
+            if label is None:
+                yield from self._counter(name, doc, value)
+            else:
+                yield from self._labelled_counter(name, doc, label, LABEL_VALUES[label], value)
 
 
 class _Hist:
