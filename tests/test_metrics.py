@@ -246,3 +246,4 @@ def test_vllm_metrics_test_counts_on_a_live_worker(server_tiny):
     assert delta("goodput_batched_tokens_total") == N * (P + M - 1)  # the last token is never fed back
     assert metric(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="4",
                   enable_prefix_caching="True") == 1
+

@@ -232,10 +232,11 @@ class WorkerMetrics:
         tokens sampled."""
         self.iteration_tokens.observe(num_tokens)
 
-    def observe_finished(self, finish_reason: str, req: Request, n: int = 1) -> None:
+    def observe_finished(self, finish_reason: str, req: Request, n: int | None = 1) -> None:
         """Record one finished request from its timestamps (TTFT/ITL were observed as its tokens
-        arrived). ``n``: the OpenAI ``n`` of the request it belongs to. A request finished
-        without a ``finished_time`` (the engine failed) gets E2E up to now."""
+        arrived). ``n``: the OpenAI ``n`` of the request (observed once per OpenAI request: None
+        for the other samples of an ``n > 1`` request). A request finished without a
+        ``finished_time`` (the engine failed) gets E2E up to now."""
         e2e_s = req.e2e
         if e2e_s is None and req.arrival_time is not None:
             e2e_s = time.monotonic() - req.arrival_time
@@ -250,7 +251,8 @@ class WorkerMetrics:
                 hist.observe(value)
         self.prompt_tokens.observe(req.num_prompt_tokens)
         self.generation_tokens.observe(req.num_output_tokens)
-        self.params_n.observe(n)
+        if n is not None:
+            self.params_n.observe(n)
         self.params_max_tokens.observe(req.sampling_params.max_tokens)
         if finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and slo_met(req.ttft, tpot_s, self.slo_ttft_s,
                                                              self.slo_tpot_s):
