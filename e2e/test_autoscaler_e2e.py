@@ -280,9 +280,10 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
     victim = ready[-1]["metadata"]["name"]
     kubectl.run("-n", ns, "annotate", "pod", victim, "--overwrite", "prometheus.io/port=1")
 
-    def missing() -> bool:
+    def missing() -> bool:  # False because of the victim (not only the restarted autoscaler's first scrape)
         a = (isvc(kubectl, ns, NAME).get("status") or {}).get("autoscaler") or {}
-        return cond({"status": a}, "MetricsAvailable").get("status") == "False"
+        c = cond({"status": a}, "MetricsAvailable")
+        return c.get("status") == "False" and victim in c.get("message", "")
 
     wait_for(missing, 30, "MetricsAvailable=False", on_timeout=diag)
     t_missing = time.monotonic()
@@ -293,7 +294,9 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
         World.replicas_since_restart.append(obj["spec"]["replicas"])
         time.sleep(1)
     a = isvc(kubectl, ns, NAME)["status"]["autoscaler"]
-    assert cond({"status": a}, "MetricsAvailable")["status"] == "False"
+    c = cond({"status": a}, "MetricsAvailable")
+    assert c["status"] == "False" and victim in c["message"], c
+    assert a["decisions"][-1]["reason"] == "HoldMissingMetrics" or a["desiredReplicas"] == replicas, a["decisions"]
     kubectl.run("-n", ns, "annotate", "pod", victim, "--overwrite", "prometheus.io/port=8000")
 
 
