@@ -14,6 +14,7 @@ e2e/autoscaler-rbac.yaml. Test traffic goes only to pod IPs in 10.244.0.0/24.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import re
@@ -25,10 +26,10 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from conftest import Kubectl, Proc, _child_env, _service_account_kubeconfig, wait_for
 from goodput.autoscaler.loop import parse_time
-from test_operator_e2e import POD_READY_S, cond, isvc, manifest, pod_ip
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("kubelet", "operator")]
 
@@ -51,6 +52,33 @@ SPEC: dict[str, Any] = {
 }
 HEAVY_CLIENTS = 6   # L = 6 in flight against maxNumSeqs 4 per replica: one replica is not enough
 # then a trickle: one client per replica (one stream at a time each), which one replica carries
+
+
+POD_READY_S = 240  # model load on 2 shared CPU cores
+POD_NET = ipaddress.ip_network("10.244.0.0/24")
+
+
+def manifest(ns: str, name: str, spec: dict[str, Any]) -> str:
+    return yaml.safe_dump({"apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService",
+                           "metadata": {"name": name, "namespace": ns}, "spec": spec})
+
+
+def isvc(kubectl: Kubectl, ns: str, name: str = NAME) -> dict[str, Any]:
+    return kubectl.json("-n", ns, "get", "inferenceservice", name)
+
+
+def cond(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
+    """The condition of type ``ctype`` in ``obj["status"]["conditions"]``, or {}."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c
+    return {}
+
+
+def pod_ip(pod: dict[str, Any]) -> str:
+    ip = pod["status"]["podIP"]
+    assert ipaddress.ip_address(ip) in POD_NET, f"pod IP {ip} is not a test pod address"
+    return ip
 
 
 def pods(kubectl: Kubectl, ns: str) -> list[dict[str, Any]]:
