@@ -45,6 +45,7 @@ SPEC: dict[str, Any] = {
     "resources": {"cpu": "100m", "memory": "1Gi"},
     "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
     "probes": {"startupTimeoutSeconds": 300, "periodSeconds": 1},
+    "terminationGracePeriodSeconds": 30,  # the drain budget on a busy shared CPU
     # generous latency SLOs on a shared 2-core CPU: replicas follow demand in flight (Little's law)
     "slo": {"ttftMs": 3000, "tpotMs": 500, "attainmentTarget": 0.8},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
@@ -229,6 +230,8 @@ def test_autoscaled_service_reports_status(kubectl: Kubectl, ns: str, autoscaler
         60, "status.autoscaler MetricsAvailable=True", on_timeout=diag)
     st = obj["status"]["autoscaler"]
     assert st["desiredReplicas"] == 1 and obj["spec"]["replicas"] == 1
+    [pod] = pods(kubectl, ns)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 30
     assert {c["type"] for c in st["conditions"]} == {"MetricsAvailable", "ScalingActive", "AbleToScale"}
     assert st["policyState"]  # what a restarted autoscaler resumes from
     # the operator's status writes leave the autoscaler's fields alone
@@ -297,7 +300,7 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
     World.load.stop()
     assert not World.load.bad_streams(), World.load.bad_streams()[:5]
     ready = sorted((p for p in pods(kubectl, ns) if is_ready(p)), key=lambda p: p["metadata"]["name"])
-    World.load = load = Load(len(ready), max_tokens=48)
+    World.load = load = Load(len(ready), max_tokens=32)
     load.set_targets([pod_ip(p) for p in ready])
     load.start()
     replicas = isvc(kubectl, ns, NAME)["spec"]["replicas"]
