@@ -45,7 +45,8 @@ EVERY_FIELD = {
     "engine": {"dtype": "float32", "device": "cpu", "kvCacheMemory": "48Mi", "blockSize": 32,
                "maxNumSeqs": 5, "maxNumBatchedTokens": 96, "maxModelLen": 700, "maxWaiting": 0,
                "enablePrefixCaching": False, "vllmMetricAliases": True, "schedulingPolicy": "static",
-               "attentionBackend": "torch", "numThreads": 3, "logLevel": "debug"},
+               "attentionBackend": "torch", "numThreads": 3, "logLevel": "debug", "maxStopStrings": 4,
+               "maxStopStringChars": 50, "maxStopTokenIds": 6, "maxRequestBodyBytes": "1Mi"},
     "slo": {"ttftMs": 123.25, "tpotMs": 7},
 }
 
@@ -64,7 +65,8 @@ def test_worker_args_parse_back_to_what_the_spec_asked_for():
             "block_size": 32, "max_num_seqs": 5, "max_num_batched_tokens": 96, "max_model_len": 700,
             "max_waiting": 0, "enable_prefix_caching": False, "vllm_metric_aliases": True,
             "scheduling_policy": "static", "attention_backend": "torch", "num_threads": 3,
-            "log_level": "debug", "slo_ttft_ms": 123.25, "slo_tpot_ms": 7.0}
+            "log_level": "debug", "slo_ttft_ms": 123.25, "slo_tpot_ms": 7.0, "max_stop_strings": 4,
+            "max_stop_string_chars": 50, "max_stop_token_ids": 6, "max_request_body_bytes": 2**20}
     assert {s.name for s in settings(EngineArgs)} == set(want), "a setting is missing from this test"
     assert {name: getattr(a, name) for name in want} == want
     for name, value in want.items():  # each differs from the default, so the flag really travelled

@@ -222,6 +222,17 @@ class EngineArgs(SchedulerSettings):
                                         gt=0, crd="slo.tpot_ms")
     vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    # Request limits the HTTP server enforces (400, or 413 for the body, naming the flag): one
+    # request may not make the engine do unbounded work per token (stop strings are searched
+    # after every token) nor make the server parse unbounded JSON.
+    max_stop_strings: int = setting(32, "most stop strings in one request (400 beyond)", ge=1, le=1000000)
+    max_stop_string_chars: int = setting(1024, "longest stop string, in characters (400 beyond)",
+                                         ge=1, le=1000000)
+    max_stop_token_ids: int = setting(128, "most stop_token_ids in one request (400 beyond)",
+                                      ge=1, le=1000000)
+    max_request_body_bytes: int = setting(
+        8 << 20, "largest HTTP request body in bytes (413 beyond); units as --kv-cache-memory",
+        ge=1, parse=parse_bytes)
 
     def __post_init__(self) -> None:
         _validate(self)
