@@ -335,7 +335,7 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
 
 
 @pytest.mark.timeout(POD_READY_S)
-def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autoscaler, diag, logs_dir: Path):
+def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autoscaler, diag, cluster_logs: Path):
     load = World.load
     before = {p["metadata"]["name"] for p in pods(kubectl, ns)}
     start = isvc(kubectl, ns, NAME)["spec"]["replicas"]
@@ -361,7 +361,7 @@ def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autosc
 
     # the drained pod: SIGTERM with streams in flight, every one finished, the process exited cleanly
     for name in gone:
-        log = (logs_dir / "pods" / f"{ns}_{name}_worker.log").read_text(errors="replace")
+        log = (cluster_logs / "pods" / f"{ns}_{name}_worker.log").read_text(errors="replace")
         m = re.search(r"draining: admitting nothing new; (\d+) request\(s\) in flight", log)
         assert m, log[-2000:]
         assert int(m.group(1)) >= 1, "no stream was in flight at the scale-down (nothing checked)"

@@ -75,7 +75,8 @@ def value(fams, name, **labels):
 @pytest.mark.parametrize("aliases", [False, True])
 def test_live_scrape_matches_the_documented_contract(aliases):
     table = doc_table()
-    m = WorkerMetrics("smollm2", lambda: STATS, vllm_aliases=aliases, max_model_len=64)
+    m = WorkerMetrics("smollm2", lambda: STATS, vllm_aliases=aliases, max_model_len=64, slo_ttft_s=0.5,
+                      slo_tpot_s=0.05)  # the SLO gauges are exported only when the SLOs are set
     m.observe_finished("stop", finished_request(0.1, 0.01))
     fams = parse(m)
     assert {n for n in fams if n.startswith("goodput_")} == set(table)
@@ -176,6 +177,16 @@ def test_slo_met_counts_finished_requests_within_both_slos():
     assert value(fams, "goodput_requests_slo_met_total") == 2
     assert value(fams, "goodput_e2e_request_latency_seconds_count") == 5
     assert value(fams, "goodput_time_per_output_token_seconds_count") == 4
+    # the thresholds themselves, for the dashboards' SLO lines
+    assert fams["goodput_slo_ttft_seconds"].type == "gauge"
+    assert value(fams, "goodput_slo_ttft_seconds", model_name="m") == 0.5
+    assert value(fams, "goodput_slo_tpot_seconds", model_name="m") == 0.05
+
+
+def test_slo_gauges_only_for_the_slos_that_are_set():
+    fams = parse(WorkerMetrics("m", lambda: STATS, slo_ttft_s=0.25))
+    assert value(fams, "goodput_slo_ttft_seconds") == 0.25
+    assert "goodput_slo_tpot_seconds" not in fams
 
 
 def test_slo_rule():

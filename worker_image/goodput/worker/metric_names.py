@@ -53,6 +53,10 @@ REQUEST_GENERATION_TOKENS = "goodput_request_generation_tokens"
 REQUEST_PARAMS_N = "goodput_request_params_n"
 REQUEST_PARAMS_MAX_TOKENS = "goodput_request_params_max_tokens"
 ITERATION_TOKENS = "goodput_iteration_tokens"
+# gauges: the SLO thresholds the worker judges goodput_requests_slo_met by (exported only when set),
+# so dashboards draw each service's own SLO line
+SLO_TTFT_SECONDS = "goodput_slo_ttft_seconds"
+SLO_TPOT_SECONDS = "goodput_slo_tpot_seconds"
 
 # goodput name -> vLLM name, for --vllm-metric-aliases. Same value, same type; vLLM's
 # cache_config_info carries its own label names (docs/metrics.md).

@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,8 @@ from goodput.worker.metric_names import (
     REQUESTS_RUNNING,
     REQUESTS_SLO_MET,
     REQUESTS_WAITING,
+    SLO_TPOT_SECONDS,
+    SLO_TTFT_SECONDS,
     TIME_PER_OUTPUT_TOKEN,
     TIME_TO_FIRST_TOKEN,
     TOKEN_LATENCY_BUCKETS,
@@ -213,6 +215,10 @@ class WorkerMetrics:
         self.model_name = model_name
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.registry.register(_StatsCollector(model_name, stats_fn, vllm_aliases))
+        for gname, value, what in ((SLO_TTFT_SECONDS, slo_ttft_s, "TTFT"), (SLO_TPOT_SECONDS, slo_tpot_s, "TPOT")):
+            if value is not None:  # the thresholds themselves, for the dashboards' SLO lines
+                Gauge(gname, f"The {what} SLO in seconds (threshold of goodput_requests_slo_met_total).",
+                      ["model_name"], registry=self.registry).labels(model_name).set(value)
         self._slo_met = Counter(REQUESTS_SLO_MET,
                                 "Finished requests (stop or length) meeting both the TTFT and TPOT SLOs.",
                                 ["model_name"], registry=self.registry).labels(model_name)
