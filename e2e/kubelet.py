@@ -9,7 +9,8 @@ the next free address from 10.244.0.0/24, and runs each container's command + ar
 a kubelet would). It reports hostIP/podIP, phase Running, and Ready from the container's real HTTP
 readiness probe, so the Endpoints controller points Services at live processes. A container that
 exits is restarted with back-off. When a pod is deleted it stops the processes (SIGTERM, then SIGKILL
-after the grace period, at most 10 s), removes the namespace and veth, and deletes the pod object.
+after the pod's grace period, at most MAX_GRACE_S), removes the namespace and veth, and deletes the pod
+object.
 On SIGTERM/SIGINT it stops everything it started and removes the bridge.
 
 Pods that talk to the API server (the operator and autoscaler of the Helm chart) get what a kubelet
@@ -49,6 +50,9 @@ BRIDGE = "gpe2e-br0"
 PREFIX = "gpe2e"
 HOST_IP = "10.244.0.1"
 POD_NET = "10.244.0"
+# a worker drains its in-flight streams after SIGTERM, then exits: honour the pod's grace period up to
+# this long (a real kubelet honours all of it; the bound keeps a stuck process from stalling a test)
+MAX_GRACE_S = 60.0
 SECRETS_ROOT = Path("/run/goodput-e2e-kubelet")  # per-pod copies of mounted Secret volumes
 # the only mount paths made on the host when missing (empty directories; the bind mount is per process)
 MOUNTABLE_PREFIXES = ("/var/run/secrets/", "/run/secrets/")
@@ -465,7 +469,7 @@ class Kubelet:
 
     def _terminate(self, runner: PodRunner | None, pod: Any, etype: str) -> None:
         if runner is not None:
-            grace = min(float(pod.spec.termination_grace_period_seconds or 30), 10.0)
+            grace = min(float(pod.spec.termination_grace_period_seconds or 30), MAX_GRACE_S)
             runner.stop(grace)
             with self.lock:
                 self.releasing.discard(runner.net.index)

@@ -108,6 +108,18 @@ def test_metric_names_module_agrees_with_the_doc_and_the_enums():
     assert set(metric_names.FINISH_REASONS) == {"stop", "length", "abort"} == {r.value for r in FinishReason}
 
 
+def test_every_scheduler_counter_is_exported():
+    """A counter added to SchedulerStats cannot be left out of /metrics (nor a name left dangling)."""
+    from dataclasses import fields
+    counters = {f.name for f in fields(SchedulerStats) if f.name.endswith("_total")}
+    assert counters == set(metric_names.SCHEDULER_COUNTERS)
+    for name, label, _help in metric_names.SCHEDULER_COUNTERS.values():
+        assert label is None or label in metric_names.LABEL_VALUES
+    # /admin/state shows the same counters, named without _total
+    assert STATS.counters()["admitted"] == 20 and STATS.counters()["batched_tokens"] == 1234
+    assert set(STATS.counters()) == {c.removesuffix("_total") for c in counters}
+
+
 def test_values_come_from_the_stats_snapshot():
     fams = parse(WorkerMetrics("m", lambda: STATS))
     assert value(fams, "goodput_requests_running") == 3
@@ -248,3 +260,4 @@ def test_vllm_metrics_test_counts_on_a_live_worker(server_tiny):
     assert delta("goodput_batched_tokens_total") == N * (P + M - 1)  # the last token is never fed back
     assert metric(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="4",
                   enable_prefix_caching="True") == 1
+
