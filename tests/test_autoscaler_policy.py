@@ -70,7 +70,7 @@ def test_fraction_le_empty_and_bad_shapes():
 # --------------------------------------------------------------------------------- state
 def test_state_round_trips_through_json():
     st = PolicyState(recommendations=[[1.0, 3.0], [6.0, 4.0]], caps={"a": 48}, service_s=4.2,
-                     last_scale_time=6.0, last_direction=1)
+                     last_scale_time=6.0, last_direction=1, since=1.0)
     back = PolicyState.from_dict(json.loads(json.dumps(st.to_dict())))
     assert back == st
     assert PolicyState.from_dict({"caps": "nonsense"}) == PolicyState()
@@ -219,18 +219,22 @@ def _quiet(name: str, rps: float = 5.0) -> PodObservation:
 def test_scale_down_after_the_window_and_one_step_at_a_time():
     # 3 pods at 5 req/s: demand 15 * 4.16 = 62.4, capacity 53.33 -> rec 2
     obs = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
-    d = decide(0.0, obs, SPEC, None)
+    old = PolicyState(since=-400.0)           # 400 s of history
+    d = decide(0.0, obs, SPEC, old)
     assert (d.replicas, d.reason) == (2, "ScaleDown")
+    # no history (fresh or lost state): a whole window must pass first
+    assert decide(0.0, obs, SPEC, None).reason == "HoldStabilizing"
+    assert decide(299.0, obs, SPEC, PolicyState(since=0.0)).reason == "HoldStabilizing"
     # a recommendation of 3 from 200 s ago is inside the 300 s window: hold
-    st = PolicyState(recommendations=[[-200.0, 3.0]])
+    st = PolicyState(recommendations=[[-200.0, 3.0]], since=-400.0)
     assert decide(0.0, obs, SPEC, st).reason == "HoldStabilizing"
     # ... from 400 s ago it is not
-    st = PolicyState(recommendations=[[-400.0, 3.0]])
+    st = PolicyState(recommendations=[[-400.0, 3.0]], since=-400.0)
     assert decide(0.0, obs, SPEC, st).replicas == 2
     # idle fleet of 4: rec = min_replicas 1, but at most max_scale_down_step = 1 per decision
     idle = tuple(pod(n, running=0, admitted=0, finished=0, slo_met=0, generation_tokens=0, ttft=None,
                      tpot=None, kv_usage=0.0) for n in "abcd")
-    d = decide(0.0, Observation(idle, (), (), 4), SPEC, None)
+    d = decide(0.0, Observation(idle, (), (), 4), SPEC, old)
     assert (d.replicas, d.reason) == (3, "ScaleDownIdle")
 
 
@@ -241,7 +245,7 @@ def test_no_scale_down_while_starting_or_rejecting():
     pods = (_quiet("a"), _quiet("b"), pod("c", admitted=25, finished=25, slo_met=22, rejected_429=3,
                                           ttft=hist(0, 0, 25, 25, 0.2), tpot=tpot_fast(25),
                                           generation_tokens=2500))
-    d = decide(0.0, Observation(pods, (), (), 3), SPEC, None)
+    d = decide(0.0, Observation(pods, (), (), 3), SPEC, PolicyState(since=-400.0))
     assert (d.replicas, d.reason) == (3, "HoldStabilizing")
 
 
@@ -282,14 +286,17 @@ def test_scale_up_window_needs_evidence_unless_panic():
 
 
 def test_restart_from_saved_state_does_not_flap():
-    # scale up to 4 at t=0, then light load at t=30: the in-memory state holds (window), and so
-    # does a state restored from its JSON; a fresh state (no history) would scale down at once
+    # scale up to 4 at t=0, then light load (4 pods at 2 req/s: 33.3 / 53.33 -> rec 1): at t=30
+    # the state holds (the 4 is in the window), and so does a state restored from its JSON
     up = decide(0.0, Observation((pod("a", admitted=200, finished=50),), (), (), 1), SPEC, None)
     assert up.replicas == 4
     light = Observation(tuple(_quiet(n, rps=2.0) for n in "abcd"), (), (), 4)
     kept = decide(30.0, light, SPEC, up.state)
     restored = decide(30.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(up.state.to_dict()))))
-    fresh = decide(30.0, light, SPEC, None)
     assert (kept.replicas, kept.reason) == (4, "HoldStabilizing")
     assert (restored.replicas, restored.reason) == (kept.replicas, kept.reason)
-    assert fresh.replicas == 3
+    # at t=330 the 4 has left the window and 330 s of history exist: one step down, restored or
+    # not; a fresh state (history lost) holds another whole window instead of acting on one sample
+    later = decide(330.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(kept.state.to_dict()))))
+    assert (later.replicas, later.reason) == (3, "ScaleDown")
+    assert decide(330.0, light, SPEC, None).reason == "HoldStabilizing"

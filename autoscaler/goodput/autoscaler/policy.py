@@ -56,7 +56,8 @@ How each rule follows from the ideas it rests on:
 
 7. Scale down only after the stabilization window and only when the rest holds the SLO. The
    scale-down target is the LARGEST recommendation of the last ``stabilization_window_s``
-   (Kubernetes HPA's scale-down stabilization); it applies only when there were no 429s and no
+   (Kubernetes HPA's scale-down stabilization), over a history at least that long (a fresh or
+   lost state waits a window); it applies only when there were no 429s and no
    preemptions in the interval, attainment met the target, nothing is starting, and the
    remaining replicas carry L at no more than ``target_utilization`` of their capacity.
 
@@ -280,20 +281,8 @@ class PolicySpec:
             "kv_target": float(targets.get("kvCacheUsage", 0.8)),
             "queue_target": int(targets.get("queueDepth", 4)),
         }
-        optional = {
-            "tolerance": ("tolerance", float),
-            "max_scale_up_step": ("maxScaleUpStep", int),
-            "max_scale_down_step": ("maxScaleDownStep", int),
-            "target_utilization": ("targetUtilization", float),
-            "model_load_s": ("modelLoadSeconds", float),
-            "min_num_seqs": ("minNumSeqs", int),
-            "max_num_seqs": ("maxNumSeqs", int),
-            "max_waiting": ("maxWaiting", int),
-        }
-        for attr, (key, conv) in optional.items():
-            if a.get(key) is not None:
-                kw[attr] = conv(a[key])
-        if "max_num_seqs" not in kw and engine.get("maxNumSeqs"):
+        # the other PolicySpec fields keep their defaults (the CRD does not expose them)
+        if engine.get("maxNumSeqs"):
             kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), cls.max_num_seqs)
         return cls(**kw)
 
@@ -309,6 +298,9 @@ class PolicyState:
     caps: pod name -> learned ``max_num_seqs`` (the best batch, rule 2).
     service_s: last estimate of the service time of one request (seconds; 0 = unknown).
     last_scale_time: when replicas last changed (None = never). last_direction: +1, -1 or 0.
+    since: when this history started (the first call with metrics); no scale-down before a whole
+        stabilization window of history exists, so an autoscaler that lost its state waits
+        instead of acting on one sample.
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -316,6 +308,7 @@ class PolicyState:
     service_s: float = 0.0
     last_scale_time: float | None = None
     last_direction: int = 0
+    since: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -334,6 +327,7 @@ class PolicyState:
                 service_s=float(d.get("service_s", 0.0)),
                 last_scale_time=None if d.get("last_scale_time") is None else float(d["last_scale_time"]),
                 last_direction=int(d.get("last_direction", 0)),
+                since=None if d.get("since") is None else float(d["since"]),
             )
         except (TypeError, ValueError, AttributeError):
             return cls()
@@ -513,6 +507,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     # --- windows (rules 7, 8) ---
     if metrics_ok:
         st.recommendations.append([now, float(rec)])
+        if st.since is None:
+            st.since = now
+    history_s = now - st.since if st.since is not None else 0.0
     horizon = max(spec.stabilization_window_s, spec.scale_up_window_s)
     st.recommendations = [r for r in st.recommendations if now - r[0] <= horizon]
     up_window = [r for t, r in st.recommendations if now - t <= spec.scale_up_window_s] or [rec]
@@ -544,7 +541,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         holds = (f.rejected_429 == 0 and f.preempted == 0
                  and (f.attainment is None or f.attainment >= spec.attainment_target)
                  and demand <= down_target * per_replica)
-        if down_target < current and holds:
+        if down_target < current and holds and history_s >= spec.stabilization_window_s:
             replicas = max(down_target, current - spec.max_scale_down_step, spec.min_replicas)
             reason = "ScaleDownIdle" if demand == 0 else "ScaleDown"
         else:

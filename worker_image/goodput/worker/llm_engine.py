@@ -78,6 +78,7 @@ class _Tracked:
     num_tokens_seen: int = 0
     done: bool = False
     children: tuple[str, ...] = ()  # forks (n > 1) that end with this request if it never ran
+    is_fork: bool = False  # one of another request's forks (its n is counted with that request)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
@@ -136,6 +137,7 @@ class LLMEngine:
                                                min_tokens=sp.min_tokens)
                 self._tracked[r.request_id] = _Tracked(
                     r, detok, children=tuple(c.request_id for c in children) if r is req else (),
+                    is_fork=r is not req,
                     prompt_logprobs=[None] * r.num_prompt_tokens if sp.prompt_logprobs is not None else None)
         return req
 
@@ -282,7 +284,7 @@ class LLMEngine:
         req = t.request
         self._tracked.pop(req.request_id, None)
         if self.metrics is not None:
-            self.metrics.observe_finished(reason, req)
+            self.metrics.observe_finished(reason, req, n=None if t.is_fork else 1 + len(t.children))
         return RequestDelta(req.request_id, text, new_ids, True, reason, req.num_prompt_tokens,
                             req.num_output_tokens, error, logprobs, prompt_logprobs)
 

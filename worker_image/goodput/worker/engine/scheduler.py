@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Sequence
 
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
@@ -67,6 +67,10 @@ class SchedulerStats:
     ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs).
 
     kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
+
+    Every field ending in ``_total`` is a counter the :class:`Scheduler` keeps under the same
+    name; ``goodput.worker.metric_names.SCHEDULER_COUNTERS`` names its metric (a test checks
+    that none is left unexported).
     """
 
     engine_state: EngineState
@@ -91,6 +95,13 @@ class SchedulerStats:
     prefix_cache_hits_total: int
     steps_total: int
     batched_tokens_total: int
+
+    def counters(self) -> dict[str, Any]:
+        """The counters by name without ``_total`` (``{"admitted": 3, "rejected": {...}, ...}``)."""
+        return {name.removesuffix("_total"): getattr(self, name) for name in _COUNTER_FIELDS}
+
+
+_COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name.endswith("_total"))
 
 
 @dataclass
@@ -530,17 +541,20 @@ class Scheduler:
             enable_prefix_caching=bm.enable_prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_waiting=self.max_waiting,
-            admitted_total=self.admitted_total,
-            rejected_total=dict(self.rejected_total),
-            finished_total=dict(self.finished_total),
-            preemptions_total=self.preemptions_total,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prefix_cache_queries_total=bm.prefix_cache_queries,
-            prefix_cache_hits_total=bm.prefix_cache_hits,
-            steps_total=self.steps_total,
-            batched_tokens_total=self.batched_tokens_total,
+            # Counters: the scheduler's attributes of the same names (copies of the dicts).
+            **{name: (dict(v) if isinstance(v, dict) else v)
+               for name in _COUNTER_FIELDS for v in (getattr(self, name),)},
         )
+
+    @property
+    def prefix_cache_queries_total(self) -> int:
+        """Prompt tokens looked up in the prefix cache (kept by the block manager)."""
+        return self.block_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits_total(self) -> int:
+        """Prompt tokens found in the prefix cache (kept by the block manager)."""
+        return self.block_manager.prefix_cache_hits
 
     def check_invariants(self) -> None:
         """Block-manager invariants plus queue consistency (tests; O(pool))."""
