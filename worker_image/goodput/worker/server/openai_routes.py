@@ -52,6 +52,8 @@ from goodput.worker.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     DetokenizeRequest,
+    FunctionCall,
+    ToolCall,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
@@ -392,10 +394,15 @@ def _check_engine_fields(st, body: CompletionRequest | ChatCompletionRequest) ->
         raise _invalid(st, APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
                                          f"[0, {vocab})", param="logit_bias"))
     fmt = getattr(body, "response_format", None)
-    if fmt is None:
+    tool = body.named_tool() if isinstance(body, ChatCompletionRequest) else None
+    if fmt is None and tool is None:
         return None
     try:
-        schema = fmt.schema_text()
+        if tool is not None:
+            import json
+            schema = json.dumps(tool.get("parameters") or {"type": "object"})
+        else:
+            schema = fmt.schema_text()
         if schema is not None:
             from goodput.worker.model.structured import schema_grammar
             schema_grammar(schema)
@@ -544,8 +551,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
     results = await _collect(request, [s for _, _, s in entries])
+    tool = body.named_tool()
+
+    def message(r: _Result) -> ChatMessageOut:
+        text = "".join(r.text)
+        if tool is None:
+            return ChatMessageOut(content=text)
+        return ChatMessageOut(content=None, tool_calls=[ToolCall(
+            id=new_id("call"), function=FunctionCall(name=tool["name"], arguments=text))])
+
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=[
-        ChatChoice(index=i, message=ChatMessageOut(content="".join(r.text)), finish_reason=r.finish_reason,
+        ChatChoice(index=i, message=message(r), finish_reason=r.finish_reason,
                    logprobs=chat_logprobs(text_of, r.logprobs, top_k) if body.logprobs else None,
                    token_ids=r.token_ids if want_ids else None) for i, r in enumerate(results)],
         usage=UsageInfo.of(n_prompt, sum(len(r.token_ids) for r in results)),
