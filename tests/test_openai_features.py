@@ -219,3 +219,23 @@ def test_named_tool_choice_answers_with_a_call_following_the_parameters(client, 
             model="smollm2", messages=[{"role": "user", "content": "x"}], tools=tools, max_tokens=2,
             tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.param == "tool_choice"
+
+
+def test_streamed_logprobs_and_echo_add_up_to_the_unstreamed_answer(client):
+    kw = dict(model="smollm2", prompt=["The capital of France is", "Hello"], max_tokens=5, temperature=0,
+              logprobs=2, echo=True)
+    full = client.completions.create(**kw)
+    parts: dict[int, dict] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            p = parts.setdefault(c.index, {"text": "", "tokens": [], "lps": [], "offsets": []})
+            p["text"] += c.text
+            if c.logprobs:
+                p["tokens"] += c.logprobs.tokens
+                p["lps"] += c.logprobs.token_logprobs
+                p["offsets"] += c.logprobs.text_offset
+    for c in full.choices:
+        p = parts[c.index]
+        assert p["text"] == c.text and p["tokens"] == c.logprobs.tokens
+        assert p["lps"] == pytest.approx(c.logprobs.token_logprobs)
+        assert p["offsets"] == c.logprobs.text_offset

@@ -446,7 +446,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return completion_logprobs(text_of, plp or [None] * len(ids), ids)[0]
 
     if body.stream:
-        offsets: dict[int, int] = {}  # characters sent so far, per choice
+        offsets: dict[int, int] = {}  # text_offset of the choice's next token (as unstreamed)
 
         def chunk(index: int, d: RequestDelta) -> CompletionResponse:
             pi = index // n
@@ -454,13 +454,15 @@ async def create_completion(body: CompletionRequest, request: Request):
             text, ids = ("", []) if echo_only else (d.text, d.token_ids)
             lp = None
             if want_lp:
-                lp, _ = completion_logprobs(text_of, [] if echo_only else (d.logprobs or []), ids,
-                                            offsets.get(index, len(prompt_text[pi]) if body.echo else 0))
+                lp, offsets[index] = completion_logprobs(
+                    text_of, [] if echo_only else (d.logprobs or []), ids,
+                    offsets.get(index, len(prompt_text[pi]) if body.echo else 0))
+            else:
+                offsets[index] = 0
             if first and body.echo:
                 text = prompt_text[pi] + text
                 if want_lp:
                     lp = merge_completion_logprobs(prompt_part(pi, d.prompt_logprobs), lp)
-            offsets[index] = offsets.get(index, 0) + len(text)
             return CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
                 index=index, text=text, logprobs=lp,
                 finish_reason=("length" if echo_only else d.finish_reason) if d.finished else None,
