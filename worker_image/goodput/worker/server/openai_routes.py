@@ -268,19 +268,21 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[_Resu
 
     work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
     gone = asyncio.ensure_future(_wait_disconnect(request))
+    client_left = False
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         # Also reached when this handler is cancelled: the requests must not outlive it.
         gone.cancel()
         if not work.done():
+            client_left = True
             for s in streams:
                 s.abort()  # frees the KV blocks at the next step boundary
             work.cancel()
             # cancel() only requests it: wait until the task is really done before looking at it.
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-    if work.cancelled():
+    if client_left:  # (a cancelled gather ends with a CancelledError exception, not "cancelled")
         raise APIError(499, "client closed the request")
     results = work.result()
     for r in results:
