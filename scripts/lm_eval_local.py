@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                "--model_args", f"model=smollm2,base_url={url}/v1/completions,tokenizer={work / 'tokenizer'},"
                                "tokenized_requests=False,num_concurrent=1,max_retries=1",
                "--tasks", ",".join(TASKS), "--include_path", str(work / "tasks"), "--batch_size", "4",
-               "--output_path", str(args.out or work / "results")]
+               "--output_path", str(args.out or work / "results"), "--log_samples"]
         if args.limit:
             cmd += ["--limit", str(args.limit)]
         print("+", " ".join(cmd), flush=True)

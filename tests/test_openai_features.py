@@ -197,3 +197,45 @@ def test_min_tokens_holds_off_stop_strings_in_its_tokens(server_main):
     assert c["text"].startswith(first) and r["usage"]["completion_tokens"] > 1
     assert "e" not in c["text"][len(first):]
     assert c["finish_reason"] == "stop" or r["usage"]["completion_tokens"] == 12
+
+
+def test_named_tool_choice_answers_with_a_call_following_the_parameters(client, server_main):
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F")
+    with pytest.raises(openai.BadRequestError) as e:  # a name not among tools
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "x"}], tools=tools, max_tokens=2,
+            tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+
+
+def test_streamed_logprobs_and_echo_add_up_to_the_unstreamed_answer(client):
+    kw = dict(model="smollm2", prompt=["The capital of France is", "Hello"], max_tokens=5, temperature=0,
+              logprobs=2, echo=True)
+    full = client.completions.create(**kw)
+    parts: dict[int, dict] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            p = parts.setdefault(c.index, {"text": "", "tokens": [], "lps": [], "offsets": []})
+            p["text"] += c.text
+            if c.logprobs:
+                p["tokens"] += c.logprobs.tokens
+                p["lps"] += c.logprobs.token_logprobs
+                p["offsets"] += c.logprobs.text_offset
+    for c in full.choices:
+        p = parts[c.index]
+        assert p["text"] == c.text and p["tokens"] == c.logprobs.tokens
+        assert p["lps"] == pytest.approx(c.logprobs.token_logprobs)
+        assert p["offsets"] == c.logprobs.text_offset

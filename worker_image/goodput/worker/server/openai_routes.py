@@ -52,6 +52,8 @@ from goodput.worker.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     DetokenizeRequest,
+    FunctionCall,
+    ToolCall,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
@@ -266,19 +268,21 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[_Resu
 
     work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
     gone = asyncio.ensure_future(_wait_disconnect(request))
+    client_left = False
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         # Also reached when this handler is cancelled: the requests must not outlive it.
         gone.cancel()
         if not work.done():
+            client_left = True
             for s in streams:
                 s.abort()  # frees the KV blocks at the next step boundary
             work.cancel()
             # cancel() only requests it: wait until the task is really done before looking at it.
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-    if work.cancelled():
+    if client_left:  # (a cancelled gather ends with a CancelledError exception, not "cancelled")
         raise APIError(499, "client closed the request")
     results = work.result()
     for r in results:
@@ -392,10 +396,15 @@ def _check_engine_fields(st, body: CompletionRequest | ChatCompletionRequest) ->
         raise _invalid(st, APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
                                          f"[0, {vocab})", param="logit_bias"))
     fmt = getattr(body, "response_format", None)
-    if fmt is None:
+    tool = body.named_tool() if isinstance(body, ChatCompletionRequest) else None
+    if fmt is None and tool is None:
         return None
     try:
-        schema = fmt.schema_text()
+        if tool is not None:
+            import json
+            schema = json.dumps(tool.get("parameters") or {"type": "object"})
+        else:
+            schema = fmt.schema_text()
         if schema is not None:
             from goodput.worker.model.structured import schema_grammar
             schema_grammar(schema)
@@ -439,7 +448,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return completion_logprobs(text_of, plp or [None] * len(ids), ids)[0]
 
     if body.stream:
-        offsets: dict[int, int] = {}  # characters sent so far, per choice
+        offsets: dict[int, int] = {}  # text_offset of the choice's next token (as unstreamed)
 
         def chunk(index: int, d: RequestDelta) -> CompletionResponse:
             pi = index // n
@@ -447,13 +456,15 @@ async def create_completion(body: CompletionRequest, request: Request):
             text, ids = ("", []) if echo_only else (d.text, d.token_ids)
             lp = None
             if want_lp:
-                lp, _ = completion_logprobs(text_of, [] if echo_only else (d.logprobs or []), ids,
-                                            offsets.get(index, len(prompt_text[pi]) if body.echo else 0))
+                lp, offsets[index] = completion_logprobs(
+                    text_of, [] if echo_only else (d.logprobs or []), ids,
+                    offsets.get(index, len(prompt_text[pi]) if body.echo else 0))
+            else:
+                offsets[index] = 0
             if first and body.echo:
                 text = prompt_text[pi] + text
                 if want_lp:
                     lp = merge_completion_logprobs(prompt_part(pi, d.prompt_logprobs), lp)
-            offsets[index] = offsets.get(index, 0) + len(text)
             return CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
                 index=index, text=text, logprobs=lp,
                 finish_reason=("length" if echo_only else d.finish_reason) if d.finished else None,
@@ -544,8 +555,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
     results = await _collect(request, [s for _, _, s in entries])
+    tool = body.named_tool()
+
+    def message(r: _Result) -> ChatMessageOut:
+        text = "".join(r.text)
+        if tool is None:
+            return ChatMessageOut(content=text)
+        return ChatMessageOut(content=None, tool_calls=[ToolCall(
+            id=new_id("call"), function=FunctionCall(name=tool["name"], arguments=text))])
+
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=[
-        ChatChoice(index=i, message=ChatMessageOut(content="".join(r.text)), finish_reason=r.finish_reason,
+        ChatChoice(index=i, message=message(r), finish_reason=r.finish_reason,
                    logprobs=chat_logprobs(text_of, r.logprobs, top_k) if body.logprobs else None,
                    token_ids=r.token_ids if want_ids else None) for i, r in enumerate(results)],
         usage=UsageInfo.of(n_prompt, sum(len(r.token_ids) for r in results)),

@@ -356,12 +356,18 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs=true")
+        named = self.named_tool()
+        if named is not None and self.stream:
+            raise UnsupportedParameter("tool_choice", "a named tool_choice is answered only unstreamed")
         for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedParameter(name, f"{name} is not supported (no tool calling): send "
-                                                 f"an empty list or leave it out")
+            if getattr(self, name) and not (name == "tools" and named is not None):
+                raise UnsupportedParameter(name, f"{name} is not supported without a named tool_choice "
+                                                 f"(no automatic tool calling): send an empty list, leave "
+                                                 f"it out, or name the function in tool_choice")
         no_tools = not self.tools and not self.functions
         for name in ("tool_choice", "function_call"):
+            if name == "tool_choice" and named is not None:
+                continue
             choice = getattr(self, name)
             if choice is not None and choice != "none" and not (choice == "auto" and no_tools):
                 raise UnsupportedParameter(name, f"{name}={choice!r} is not supported (no tool calling): "
@@ -371,6 +377,21 @@ class ChatCompletionRequest(_SamplingRequest):
             raise UnsupportedParameter(
                 "response_format", f"response_format type {self.response_format.type!r} is not supported "
                                    "(text, json_object, json_schema)")
+
+    def named_tool(self) -> dict[str, Any] | None:
+        """The function named by ``tool_choice: {"type": "function", "function": {"name"}}``
+        (its entry in ``tools``: name, parameters schema), or None. The answer is a call of it,
+        its arguments generated under the parameters' JSON schema (the same grammar engine as
+        ``response_format``). UnsupportedParameter when the name is not among ``tools``."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict) or choice.get("type") != "function":
+            return None
+        name = (choice.get("function") or {}).get("name")
+        for tool in self.tools or ():
+            fn = tool.get("function") or {}
+            if tool.get("type") == "function" and fn.get("name") == name:
+                return fn
+        raise UnsupportedParameter("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -497,9 +518,21 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _OMIT_NONE  # a named tool_choice's call
 
 
 class ChatChoice(BaseModel):
