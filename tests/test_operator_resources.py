@@ -127,6 +127,44 @@ def test_service_pdb_secret():
     assert r.service_url("tiny", "ns1") == "http://tiny.ns1.svc.cluster.local:8000"
 
 
+# hashes from `printf %s NAME | sha256sum | cut -c1-8`, lengths counted by hand
+A63 = "a" * 63
+B58 = "b" * 47 + "-" + "c" * 10
+CHILD_NAME_CASES = {
+    "short": ("tiny", "admin", "tiny-admin"),
+    "fits-exactly-63": ("x" * 57, "admin", "x" * 57 + "-admin"),
+    "63-chars": (A63, "admin", "a" * 48 + "-7d3e74a0-admin"),
+    "59-chars": ("svc-with-a-rather-long-name-for-the-admin-secret-test-12345", "admin",
+                 "svc-with-a-rather-long-name-for-the-admin-secret-c986fda8-admin"),
+    "cut-ends-in-dash": (B58, "admin", "b" * 47 + "-b212494e-admin"),
+}
+
+
+@pytest.mark.parametrize("case", CHILD_NAME_CASES)
+def test_child_name(case):
+    name, suffix, want = CHILD_NAME_CASES[case]
+    got = r.child_name(name, suffix)
+    assert got == want and len(got) <= 63
+
+
+def test_child_name_refuses_a_suffix_without_room():
+    with pytest.raises(ValueError, match="no room"):
+        r.child_name(A63, "s" * 53)
+
+
+def test_long_names_give_valid_labels_and_child_names():
+    """At 63 characters every label value is the owner's name and every child name fits a DNS label."""
+    spec = InferenceServiceSpec()
+    objs = r.children(A63, "ns1", "u", spec) + [r.admin_secret(A63, "ns1", "t")]
+    for o in objs:
+        assert len(o["metadata"]["name"]) <= 63
+        assert o["metadata"]["labels"][r.LABEL_ISVC] == A63
+        assert all(len(v) <= 63 for v in o["metadata"]["labels"].values())
+    assert objs[-1]["metadata"]["name"] == "a" * 48 + "-7d3e74a0-admin"
+    env = objs[0]["spec"]["template"]["spec"]["containers"][0]["env"][0]
+    assert env["valueFrom"]["secretKeyRef"]["name"] == objs[-1]["metadata"]["name"]
+
+
 def test_children_are_all_owned():
     kids = r.children("tiny", "ns1", "uid-9", InferenceServiceSpec(), "policy/v1beta1")
     assert [k["kind"] for k in kids] == ["Deployment", "Service", "PodDisruptionBudget"]

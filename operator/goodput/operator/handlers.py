@@ -18,6 +18,7 @@ for the synchronous handlers, default 16: reconciles mostly wait on the API serv
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import secrets
@@ -95,12 +96,39 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
 
 
+def api_message(e: ApiException) -> str:
+    """The API server's own message of a failed request (the Status body's ``message``), else its reason."""
+    try:
+        msg = json.loads(e.body or "").get("message")
+    except (ValueError, AttributeError):
+        msg = None
+    return str(msg or e.reason or f"HTTP {e.status}")
+
+
+def is_refusal(e: ApiException) -> bool:
+    """A 4xx that repeating the same request cannot fix (invalid, forbidden, ...): report, do not retry.
+
+    404 and 409 are handled where they occur; 429 (throttled) and 408 (timeout) are worth a retry.
+    """
+    return e.status is not None and 400 <= e.status < 500 and e.status not in (404, 408, 409, 429)
+
+
+class ChildRefused(Exception):
+    """The API server refused a child write with a 4xx; becomes Degraded (reason ChildRefused)."""
+
+    def __init__(self, kind: str, namespace: str, name: str, e: ApiException):
+        self.problem = api.Problem(reason="ChildRefused", message=(
+            f"the API server refused {kind} {namespace}/{name} ({e.status}): {api_message(e)}"))
+        super().__init__(self.problem.message)
+
+
 def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
             fresh: bool = False) -> tuple[dict[str, Any] | None, str]:
     """Create or update one child. Returns (object as on the server, action) — action is one of
     created, updated, unchanged, conflict (exists but owned by someone else; left alone).
 
     ``fresh``: the owner was never reconciled, so try the create first (one request, not two).
+    Raises ChildRefused for a 4xx answer to the write (see ``is_refusal``), ApiException otherwise.
     """
     kind, ns, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
     res = cluster.resource(desired["apiVersion"], kind)
@@ -109,6 +137,8 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
         try:
             obj = res.create(body=desired, namespace=ns).to_dict()
         except ApiException as e:
+            if is_refusal(e):
+                raise ChildRefused(kind, ns, name, e) from e
             if e.status != 409:
                 raise
             # it exists (a concurrent reconcile, or `fresh` guessed wrong): compare it below
@@ -122,13 +152,19 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
         return actual, "conflict"
     if not resources.needs_update(desired, actual):
         return actual, "unchanged"
-    obj = res.replace(body=resources.replacement(desired, actual), namespace=ns).to_dict()
+    try:
+        obj = res.replace(body=resources.replacement(desired, actual), namespace=ns).to_dict()
+    except ApiException as e:
+        if is_refusal(e):
+            raise ChildRefused(kind, ns, name, e) from e
+        raise
     logger.info("updated %s %s/%s", kind, ns, name)
     return obj, "updated"
 
 
 def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: logging.Logger,
                    fresh: bool = False) -> None:
+    """Create the admin-token Secret once. Raises ChildRefused for a 4xx answer (see ``is_refusal``)."""
     sname = resources.admin_secret_name(name)
     if not fresh and _get("v1", "Secret", namespace, sname) is not None:
         return  # created once; the token is never rotated behind running workers' backs
@@ -137,6 +173,8 @@ def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: log
         cluster.resource("v1", "Secret").create(body=body, namespace=namespace)
         logger.info("created Secret %s/%s", namespace, sname)
     except ApiException as e:
+        if is_refusal(e):
+            raise ChildRefused("Secret", namespace, sname, e) from e
         if e.status != 409:
             raise
 
@@ -149,7 +187,9 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
     matches the desired one (and the children were complete at the last full pass), only the status
     is refreshed from it: one GET instead of one per child, which matters in event storms.
     Returns the new status dict, or None when the object is gone or being deleted.
-    Raises ApiException for API errors other than 404/409 (kopf retries the handler).
+    A 4xx answer to a child write (invalid, forbidden) becomes Degraded (reason ChildRefused, the API
+    server's message) and a Warning Event; the other children are still written.
+    Raises ApiException for other API errors (5xx, throttling; kopf retries the handler).
     """
     logger = logger or log
     with cluster.lock_for(namespace, name):
@@ -180,10 +220,17 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             assert spec is not None
             owner = resources.owner_reference(name, uid)
             fresh = not current  # no status yet: never reconciled, its children most likely do not exist
-            _ensure_secret(name, namespace, owner, logger, fresh)
             _complete.discard((namespace, name, uid))
+            try:
+                _ensure_secret(name, namespace, owner, logger, fresh)
+            except ChildRefused as e:
+                problems.append(e.problem)
             for desired in resources.children(name, namespace, uid, spec, cluster.pdb_api_version):
-                obj, action = _ensure(desired, uid, logger, fresh)
+                try:
+                    obj, action = _ensure(desired, uid, logger, fresh)
+                except ChildRefused as e:  # the next resync tries again; until then Degraded says why
+                    problems.append(e.problem)
+                    continue
                 if action == "conflict":
                     problems.append(api.Problem(reason="ChildConflict", message=(
                         f"{desired['kind']} {namespace}/{desired['metadata']['name']} exists and is not "

@@ -3,9 +3,11 @@ admin-token Secret) as plain dicts, plus the comparison that decides whether a c
 
 No kopf, no kubernetes client here (import-linter contract): ``handlers`` does the I/O.
 
-Naming (``name`` = the InferenceService's name; all in its namespace):
-  Deployment ``name``, Service ``name`` (port ``http`` 8000), PodDisruptionBudget ``name``,
-  Secret ``name-admin`` (key ``token``; created once, never rewritten).
+Naming (``name`` = the InferenceService's name, a DNS-1035 label of at most 63 characters that the
+CRD enforces; all in its namespace): Deployment ``name``, Service ``name`` (port ``http`` 8000),
+PodDisruptionBudget ``name``, Secret ``child_name(name, "admin")`` = ``name-admin`` while that fits in
+63 characters (key ``token``; created once, never rewritten). Every label value the operator sets is
+the InferenceService's own name, never a child's, so every accepted name fits a label value.
 """
 
 from __future__ import annotations
@@ -32,8 +34,31 @@ CONTAINER_NAME = "worker"
 MODEL_VOLUME_NAME = "model"
 
 
+DNS_LABEL_MAX = 63  # RFC 1123 label; also the limit of a label value
+
+
+def child_name(name: str, suffix: str, limit: int = DNS_LABEL_MAX) -> str:
+    """The name of a child of InferenceService ``name``: ``"<name>-<suffix>"`` when it fits in ``limit``
+    characters, else ``name`` cut short + ``-`` + 8 hex digits of SHA-256(``name``) + ``-<suffix>``,
+    exactly ``limit`` long.
+
+    Stable (a pure function of its arguments) and distinct for names that share the kept prefix. Kept
+    within 63 characters so a child name is also a valid DNS label and label value. A cut that ends
+    in ``-`` loses that ``-`` (one character shorter). Raises ValueError when ``suffix`` leaves no room.
+    """
+    full = f"{name}-{suffix}"
+    if len(full) <= limit:
+        return full
+    keep = limit - len(suffix) - 10  # "-" + 8 hex + "-"
+    if keep < 1:
+        raise ValueError(f"suffix {suffix!r} leaves no room for a name within {limit} characters")
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:keep].rstrip('-')}-{digest}-{suffix}"
+
+
 def admin_secret_name(name: str) -> str:
-    return f"{name}-admin"
+    """The admin-token Secret of InferenceService ``name`` (``name-admin``, shortened past 63 chars)."""
+    return child_name(name, "admin")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -199,8 +224,9 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     return template
 
 
-def _meta(name: str, namespace: str, owner: dict[str, Any] | None) -> dict[str, Any]:
-    m: dict[str, Any] = {"name": name, "namespace": namespace, "labels": common_labels(name)}
+def _meta(name: str, namespace: str, owner: dict[str, Any] | None, child: str | None = None) -> dict[str, Any]:
+    """Metadata of a child named ``child`` (default: ``name``); its labels carry the owner's ``name``."""
+    m: dict[str, Any] = {"name": child or name, "namespace": namespace, "labels": common_labels(name)}
     if owner:
         m["ownerReferences"] = [owner]
     return m
@@ -271,7 +297,7 @@ def admin_secret(name: str, namespace: str, token: str,
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(admin_secret_name(name), namespace, owner),
+        "metadata": _meta(name, namespace, owner, child=admin_secret_name(name)),
         "type": "Opaque",
         "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
