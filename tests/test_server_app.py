@@ -9,7 +9,7 @@ import threading
 
 from fastapi.testclient import TestClient
 
-from goodput.worker.llm_engine import EngineArgs
+from goodput.worker.engine_args import EngineArgs
 from goodput.worker.server.app import create_app
 from test_server_engine_loop import ByteTokenizer, make_engine
 

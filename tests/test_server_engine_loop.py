@@ -16,7 +16,8 @@ from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
-from goodput.worker.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLMEngine, LLMEngine
+from goodput.worker.async_engine import AsyncLLMEngine
+from goodput.worker.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES, LLMEngine
 from goodput.worker.metrics import WorkerMetrics
 
 EOS = 0

@@ -30,8 +30,8 @@ MAX_TOKENS = 2
 def engine():
     if not torch.cuda.is_available() and not triton_ops.is_interpreted():
         importlib.reload(triton_ops)  # imported before TRITON_INTERPRET was set: rebuild kernels
-    from goodput.worker.llm_engine import EngineArgs, LLMEngine
-    return LLMEngine.from_args(EngineArgs(
+    from goodput.worker.engine_args import EngineArgs, build_engine
+    return build_engine(EngineArgs(
         model="smollm2", dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu",
         attention_backend="torch", kv_cache_memory=8 << 20, block_size=16,
         max_num_batched_tokens=8, max_model_len=128, enable_prefix_caching=False))

@@ -243,8 +243,8 @@ def _tile_sweep(device, ctx: int, bs: int, dtype) -> None:
 # ------------------------------------------------------------------------------------------
 def _engine(model: str, dtype: str, device: str, backend: str, kv_bytes: int, max_num_seqs: int = 8,
             max_num_batched_tokens: int = 512):
-    from goodput.worker.llm_engine import EngineArgs, LLMEngine
-    return LLMEngine.from_args(EngineArgs(
+    from goodput.worker.engine_args import EngineArgs, build_engine
+    return build_engine(EngineArgs(
         model=model, dtype=dtype, device=device, attention_backend=backend,
         kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

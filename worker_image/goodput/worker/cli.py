@@ -16,7 +16,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from goodput.worker.llm_engine import EngineArgs
+from goodput.worker.engine_args import EngineArgs
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,

@@ -33,6 +33,8 @@ class ScheduledChunk:
     sampling_params: the request's sampling parameters.
     num_output_tokens: output tokens already generated (seeded sampling uses
         (seed, num_output_tokens) so results do not depend on batching or preemption).
+    stop_token_ids: the request's resolved stop ids (``Request.stop_token_ids``); the sampler
+        masks them while ``num_output_tokens < min_tokens``.
     """
 
     request_id: str
@@ -42,6 +44,7 @@ class ScheduledChunk:
     sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:

@@ -60,6 +60,10 @@ class Request:
     block_ids: the block table; position p lives in ``block_ids[p // block_size]``.
     block_hashes: prefix-cache hashes of the request's full blocks (a chain, grows lazily).
     num_cached_blocks: how many of the request's full blocks were offered to the prefix cache.
+    stop_token_ids: the one resolved set of ids that finish the request with reason "stop"
+        (``sampling_params.stop_token_ids`` plus the engine's EOS ids unless ``ignore_eos``), set
+        by ``Scheduler.add_request``; the scheduler's stop rule, the engine's text cut and the
+        sampler's ``min_tokens`` mask all read this set.
     """
 
     request_id: str
@@ -77,6 +81,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list, init=False, repr=False)
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_cached_blocks: int = field(default=0, init=False, repr=False)
+    stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     # Timestamps (monotonic seconds).
     queued_time: float | None = field(default=None, init=False)

@@ -181,6 +181,8 @@ class Scheduler:
             raise self._reject(
                 "queue_full", f"the waiting queue is full ({len(self.waiting)} requests, "
                               f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
+        sp = req.sampling_params
+        req.stop_token_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
         now = self.clock()
         if req.arrival_time is None:
             req.arrival_time = now
@@ -267,6 +269,7 @@ class Scheduler:
                 sample=start + n == req.num_tokens,
                 sampling_params=req.sampling_params,
                 num_output_tokens=req.num_output_tokens,
+                stop_token_ids=req.stop_token_ids,
             ))
             out.num_batched_tokens += n
         out.preempted_ids = plan.preempted
@@ -297,10 +300,9 @@ class Scheduler:
         """Commit a step: advance ``num_computed_tokens``, append sampled tokens with their time,
         offer newly full blocks to the prefix cache, and finish requests that hit a stop rule:
 
-        - EOS (``config.eos_token_ids``) unless ``ignore_eos`` -> "stop";
-        - a token in ``stop_token_ids`` -> "stop";
-          (both only once more than ``min_tokens`` tokens exist; the sampler should also mask them
-          before that);
+        - a token in the request's resolved ``stop_token_ids`` (EOS unless ``ignore_eos``, plus
+          the request's own stop ids) -> "stop", only once more than ``min_tokens`` tokens exist
+          (the sampler masks them before that);
         - ``max_tokens`` tokens generated -> "length";
         - prompt + output reached ``max_model_len`` -> "length".
 
@@ -340,7 +342,7 @@ class Scheduler:
         sp = req.sampling_params
         n_out = req.num_output_tokens
         if n_out > sp.min_tokens:
-            if (tok in self._eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            if tok in req.stop_token_ids:
                 return FinishReason.STOP
         if n_out >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH

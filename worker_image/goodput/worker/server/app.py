@@ -23,7 +23,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from goodput.worker.llm_engine import AsyncLLMEngine, EngineArgs, LLMEngine
+from goodput.worker.async_engine import AsyncLLMEngine
+from goodput.worker.engine_args import EngineArgs, build_engine
+from goodput.worker.llm_engine import LLMEngine
 from goodput.worker.server.errors import APIError, install_error_handlers
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -67,11 +69,11 @@ class ServerState:
 def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngine] | None = None,
                admin_token: str | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """Build the app. ``engine_factory`` (default :meth:`LLMEngine.from_args`) loads the model;
+    """Build the app. ``engine_factory`` (default :func:`~goodput.worker.engine_args.build_engine`) loads the model;
     ``admin_token`` defaults to the ``GOODPUT_ADMIN_TOKEN`` environment variable;
     ``on_load_failure`` is called (from the loader thread) after a failed load — the CLI uses it
     to stop the server and exit 1."""
-    factory = engine_factory or LLMEngine.from_args
+    factory = engine_factory or build_engine
     token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
     state = ServerState(args, token)
 

@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from goodput.worker.engine.scheduler import AdmissionError
-from goodput.worker.llm_engine import EngineDeadError, RequestDelta, RequestStream
+from goodput.worker.async_engine import EngineDeadError, RequestStream
+from goodput.worker.llm_engine import RequestDelta
 from goodput.worker.server import sse
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.protocol import (
