@@ -44,3 +44,36 @@ def test_plain_copies_nested_mappings():
 
     out = handlers._plain(View({"a": View({"b": [View({"c": 1}), 2]}), "s": "x"}))
     assert out == {"a": {"b": [{"c": 1}, 2]}, "s": "x"}
+
+
+def _api_error(status, body):
+    from kubernetes.client.exceptions import ApiException
+
+    e = ApiException(status=status, reason="Unprocessable Entity" if status == 422 else "x")
+    e.body = body
+    return e
+
+
+# a Status body as kube-apiserver 1.20 answers a Secret whose label value is too long
+STATUS_422 = ('{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Secret \\"x-admin\\" is invalid: '
+              'metadata.labels: Invalid value: \\"x-admin\\": must be no more than 63 characters",'
+              '"reason":"Invalid","code":422}')
+
+
+def test_api_message_is_the_servers_message():
+    assert handlers.api_message(_api_error(422, STATUS_422)) == (
+        'Secret "x-admin" is invalid: metadata.labels: Invalid value: "x-admin": must be no more than 63 characters')
+    assert handlers.api_message(_api_error(422, "not json")) == "Unprocessable Entity"
+    assert handlers.api_message(_api_error(422, None)) == "Unprocessable Entity"
+
+
+@pytest.mark.parametrize("status, refusal", [(400, True), (403, True), (422, True), (404, False), (408, False),
+                                             (409, False), (429, False), (500, False), (503, False)])
+def test_which_answers_are_refusals(status, refusal):
+    assert handlers.is_refusal(_api_error(status, None)) is refusal
+
+
+def test_child_refused_names_the_child_and_keeps_the_message():
+    e = handlers.ChildRefused("Secret", "ns", "x-admin", _api_error(422, STATUS_422))
+    assert e.problem.reason == "ChildRefused"
+    assert e.problem.message.startswith('the API server refused Secret ns/x-admin (422): Secret "x-admin" is invalid')

@@ -4,6 +4,7 @@ import base64
 import copy
 
 import pytest
+from kubernetes.utils import parse_quantity
 
 from goodput.operator import resources as r
 from goodput.operator.api import InferenceServiceSpec
@@ -59,6 +60,7 @@ def test_deployment_shape():
     [c] = tmpl["spec"]["containers"]
     assert c["command"] == ["goodput-worker"] and c["args"][:2] == ["serve", "--model"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     # startup: 300 s budget at 5 s period -> 60 failures allowed
@@ -179,7 +181,8 @@ def _as_server_returns(obj):
     o["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
     if o["kind"] == "Deployment":
         c = o["spec"]["template"]["spec"]["containers"][0]
-        c.update(terminationMessagePath="/dev/termination-log", terminationMessagePolicy="File")
+        c.setdefault("terminationMessagePath", "/dev/termination-log")
+        c.setdefault("terminationMessagePolicy", "File")
         c["readinessProbe"]["httpGet"]["scheme"] = "HTTP"
         o["spec"]["template"]["spec"].update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="x")
         o["status"] = {"replicas": 1}
@@ -209,7 +212,7 @@ def test_needs_update(case):
     desired = _dep({"resources": {"cpu": "0.5"}})
     actual = _as_server_returns(desired)
     edit(actual)
-    assert r.needs_update(desired, actual) is want
+    assert r.needs_update(desired, actual, parse_quantity) is want
 
 
 def test_spec_change_needs_update_even_when_a_field_is_removed():
@@ -218,7 +221,7 @@ def test_spec_change_needs_update_even_when_a_field_is_removed():
     # the old object still has the nodeSelector: a subset test alone would call this up to date
     assert r.is_subset(without["spec"]["template"]["spec"],
                        _as_server_returns(with_sel)["spec"]["template"]["spec"])
-    assert r.needs_update(without, _as_server_returns(with_sel))
+    assert r.needs_update(without, _as_server_returns(with_sel), parse_quantity)
 
 
 def test_replacement_keeps_what_others_own():
@@ -233,11 +236,37 @@ def test_replacement_keeps_what_others_own():
         r.ANNOTATION_SPEC_HASH]
 
 
-@pytest.mark.parametrize("q, v", [("500m", "0.5"), ("1Gi", str(2**30)), ("2", "2"), ("1e3", "1000"), ("1k", "1000")])
-def test_parse_quantity(q, v):
-    from decimal import Decimal
-    assert r.parse_quantity(q) == Decimal(v)
+# (desired as the user spelled it, what kube-apiserver 1.20 returns for it in a Deployment)
+SERVER_SPELLINGS = [("0.5", "500m"), ("0.0001", "100u"), ("0.0000000001", "1n"), ("0.0000000015", "2n"),
+                    ("1.5Gi", "1536Mi"), ("1000m", "1"), ("99999999999Ti", "9223372036854775807"),
+                    ("2", "2"), ("123456789.123456789", "123456789123456789n")]
 
 
-def test_parse_quantity_refuses_words():
-    assert r.parse_quantity("http") is None and r.parse_quantity("") is None
+@pytest.mark.parametrize("desired, stored", SERVER_SPELLINGS)
+def test_same_quantity_as_the_server_stores_it(desired, stored):
+    assert r.same_quantity(desired, stored, parse_quantity)
+
+
+@pytest.mark.parametrize("desired, other", [("0.0001", "1m"), ("100m", "101m"), ("1Gi", "1G"),
+                                            ("99999999999Ti", "99999999999Ti"), ("1", "http")])
+def test_different_quantities_differ(desired, other):
+    assert not r.same_quantity(desired, other, parse_quantity)
+
+
+@pytest.mark.parametrize("cpu, memory", [(d, m) for (d, _), (m, _) in zip(SERVER_SPELLINGS, SERVER_SPELLINGS[::-1])])
+def test_no_update_whatever_the_quantity_spelling(cpu, memory):
+    stored = dict(SERVER_SPELLINGS)
+    desired = _dep({"resources": {"cpu": cpu, "memory": memory}})
+    actual = _as_server_returns(desired)
+    c = actual["spec"]["template"]["spec"]["containers"][0]["resources"]
+    c["requests"].update(cpu=stored[cpu], memory=stored[memory])
+    c["limits"]["memory"] = stored[memory]
+    assert not r.needs_update(desired, actual, parse_quantity)
+
+
+def test_quantities_compare_by_value_only_inside_requests_and_limits():
+    desired = _dep({"engine": {"maxNumSeqs": 500}})
+    actual = _as_server_returns(desired)
+    args = actual["spec"]["template"]["spec"]["containers"][0]["args"]
+    args[args.index("500")] = "0.5k"  # an argument is a string, not a quantity
+    assert r.needs_update(desired, actual, parse_quantity)

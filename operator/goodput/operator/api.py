@@ -31,6 +31,8 @@ SHORT_NAMES = ["gisvc"]
 CATEGORIES = ["goodput"]
 
 BUNDLED_MODELS = ("smollm2",)
+# context length (GGUF ``llama.context_length``) of each bundled model: a longer maxModelLen is refused
+BUNDLED_MODEL_CONTEXT = {"smollm2": 8192}
 WORKER_PORT = 8000
 DEFAULT_IMAGE = "goodput/worker:0.1.0"
 
@@ -335,6 +337,11 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
     if e.max_model_len is not None and e.max_model_len < e.block_size:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             f"engine.maxModelLen ({e.max_model_len}) is smaller than engine.blockSize ({e.block_size})")))
+    context = BUNDLED_MODEL_CONTEXT.get(name)
+    if e.max_model_len is not None and context is not None and e.max_model_len > context:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"engine.maxModelLen ({e.max_model_len}) exceeds the context length of model {name} "
+            f"({context} tokens)")))
     if e.kv_cache_memory is not None:
         try:
             kv = parse_bytes(e.kv_cache_memory)

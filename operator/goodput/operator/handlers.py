@@ -1,7 +1,7 @@
 """kopf handlers: the operator's only I/O. Start with ``python -m goodput.operator``.
 
 Level-triggered: every trigger (create, spec update, resume at operator start, a periodic resync, any
-event of a child Deployment) runs the same ``reconcile(namespace, name)``, which reads the
+event of a child Deployment, a worker pod starting or stopping to fail) runs the same ``reconcile(namespace, name)``, which reads the
 InferenceService, builds the desired children with the pure ``resources`` module, writes only what
 differs from the server's objects, and writes status only when ``status.compute_status`` changed it.
 A reconcile with nothing to do writes nothing.
@@ -31,6 +31,7 @@ import pydantic
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
+from kubernetes.utils import parse_quantity
 
 from goodput.operator import api, resources, status as status_mod
 
@@ -77,6 +78,16 @@ _known_lock = threading.Lock()
 # (namespace, name, uid) whose last full reconcile found or made every child
 _complete: set[tuple[str, str, str]] = set()
 _resync_stop = threading.Event()
+# worker pods' failures from the pod watch: (namespace, InferenceService name) -> {pod name: Problem}
+_pod_failures: dict[tuple[str, str], dict[str, api.Problem]] = {}
+_pods_lock = threading.Lock()
+
+
+def _worker_problem(namespace: str, name: str) -> api.Problem | None:
+    """The failure to report for this InferenceService's worker pods (first failing pod by name)."""
+    with _pods_lock:
+        failing = _pod_failures.get((namespace, name)) or {}
+        return failing[min(failing)] if failing else None
 
 
 def _now() -> str:
@@ -150,7 +161,7 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
             return obj, "created"
     if not _owned_by(actual, uid):
         return actual, "conflict"
-    if not resources.needs_update(desired, actual):
+    if not resources.needs_update(desired, actual, parse_quantity):
         return actual, "unchanged"
     try:
         obj = res.replace(body=resources.replacement(desired, actual), namespace=ns).to_dict()
@@ -214,7 +225,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             service_exists = _get("v1", "Service", namespace, name) is not None
         elif observed_deployment is not None and (namespace, name, uid) in _complete and not \
                 resources.needs_update(resources.deployment(name, namespace, spec, resources.owner_reference(
-                    name, uid)), observed_deployment):
+                    name, uid)), observed_deployment, parse_quantity):
             deployment, service_exists = observed_deployment, True
         else:
             assert spec is not None
@@ -247,6 +258,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             name=name, namespace=namespace, generation=generation,
             desired_replicas=spec.replicas if spec else int((body.get("spec") or {}).get("replicas") or 0),
             deployment=deployment, service_exists=service_exists, problems=problems,
+            worker_problem=_worker_problem(namespace, name),
             previous_conditions=prev_conditions, now=_now())
         if status_mod.status_changed(current, new):
             cluster.resource(api.API_VERSION, api.KIND).status.patch(
@@ -378,3 +390,32 @@ def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logge
             except ApiException as e:
                 logger.warning("reconcile of %s/%s after a Deployment event failed: %s %s",
                                namespace, ref["name"], e.status, e.reason)
+
+
+@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY,
+                                          resources.LABEL_COMPONENT: "worker"})
+def on_worker_pod_event(type: str | None, body: kopf.Body, namespace: str, logger: logging.Logger,  # noqa: A002
+                        **_: Any) -> None:
+    """A worker pod changed: record whether it is failing (crash loop, cannot start) and, when that
+    changes what its InferenceService reports, reconcile it (WorkerCrashLoop within seconds of the
+    kubelet's report, not at the Deployment's progress deadline)."""
+    pod = _plain(body)
+    owner = (pod["metadata"].get("labels") or {}).get(resources.LABEL_ISVC)
+    if not owner:
+        return
+    problem = None if type == "DELETED" else status_mod.pod_failure(pod)
+    key, pname = (namespace, owner), pod["metadata"]["name"]
+    before = _worker_problem(*key)
+    with _pods_lock:
+        failing = _pod_failures.setdefault(key, {})
+        if problem is None:
+            failing.pop(pname, None)
+            if not failing:
+                del _pod_failures[key]
+        else:
+            failing[pname] = problem
+    if _worker_problem(*key) != before:
+        try:
+            reconcile(namespace, owner, logger)
+        except ApiException as e:
+            logger.warning("reconcile of %s/%s after a pod event failed: %s %s", namespace, owner, e.status, e.reason)

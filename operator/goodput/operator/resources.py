@@ -17,8 +17,8 @@ import copy
 import hashlib
 import json
 import math
-import re
-from decimal import Decimal, InvalidOperation
+from collections.abc import Callable
+from decimal import ROUND_UP, Decimal, localcontext
 from typing import Any
 
 from goodput.operator import api
@@ -164,6 +164,8 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         "command": ["goodput-worker"],
         "args": worker_args(spec),
         "ports": [{"name": "http", "containerPort": api.WORKER_PORT, "protocol": "TCP"}],
+        # the worker writes its fatal start-up error there; the log tail when it could not
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": [
             {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
@@ -304,56 +306,72 @@ def admin_secret(name: str, namespace: str, token: str,
 
 
 # ------------------------------------------------------------------------------------ comparison
-_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_QUANTITY_SUFFIX = {
-    None: 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}
+QuantityParser = Callable[[str], Decimal]
+_NANO = Decimal("1e-9")
+_QUANTITY_MAX = Decimal(2**63 - 1)
 
 
-def parse_quantity(q: str) -> Decimal | None:
-    """A Kubernetes resource quantity as a Decimal, or None when ``q`` is not one."""
-    m = _QUANTITY_RE.match(q)
-    if not m:
-        return None
+def as_stored(value: Decimal) -> Decimal:
+    """The value the API server stores for a quantity whose exact value is ``value``.
+
+    Kubernetes' ParseQuantity (k8s.io/apimachinery/pkg/api/resource/quantity.go) rounds a non-zero
+    value up (away from zero) to a whole nano (10^-9) and caps the magnitude at 2^63-1 (suffixed and
+    plain numbers; the CRD's quantity pattern allows no other spelling). So "0.0001" is kept as
+    "100u", "0.0000000001" becomes "1n", and "99999999999Ti" becomes "9223372036854775807".
+    """
+    if value == 0:
+        return value
+    with localcontext() as ctx:
+        ctx.prec = 80  # exact for every value below the cap plus nine decimal places
+        rounded = value.quantize(_NANO, rounding=ROUND_UP) if abs(value) < 2 * _QUANTITY_MAX else value
+        return max(-_QUANTITY_MAX, min(_QUANTITY_MAX, rounded))
+
+
+def same_quantity(desired: str, actual: str, parse_quantity: QuantityParser) -> bool:
+    """Whether the server's ``actual`` quantity is what it stores for our ``desired`` one, by value.
+
+    ``parse_quantity``: a Kubernetes quantity parser (``kubernetes.utils.parse_quantity``: str ->
+    Decimal, ValueError for a non-quantity); injected so this module stays free of the client.
+    """
     try:
-        num = Decimal(m.group(1))
-    except InvalidOperation:
-        return None
-    suffix = m.group(2)
-    if suffix and suffix[0] in "eE":
-        return num * (Decimal(10) ** int(suffix[1:]))
-    return num * Decimal(_QUANTITY_SUFFIX[suffix])
+        return as_stored(parse_quantity(desired)) == parse_quantity(actual)
+    except (ValueError, ArithmeticError):
+        return False
 
 
-def is_subset(desired: Any, actual: Any) -> bool:
+def is_subset(desired: Any, actual: Any, parse_quantity: QuantityParser | None = None,
+              quantities: bool = False) -> bool:
     """True when every field set in ``desired`` has the same value in ``actual``.
 
     Fields only in ``actual`` (server defaults such as ``terminationMessagePath``) are ignored; lists
-    must have the same length and match element-wise; strings equal as quantities ("0.5" vs "500m",
-    the API server's canonical form) count as equal.
+    must have the same length and match element-wise. Inside ``requests`` and ``limits`` strings
+    are resource quantities and compare by value as the server stores them (``same_quantity``;
+    "0.5" equals the server's canonical "500m") when ``parse_quantity`` is given.
     """
     if isinstance(desired, dict):
         if not isinstance(actual, dict):
             return False
-        return all(k in actual and is_subset(v, actual[k]) for k, v in desired.items())
+        return all(k in actual and is_subset(v, actual[k], parse_quantity,
+                                             quantities or k in ("requests", "limits"))
+                   for k, v in desired.items())
     if isinstance(desired, list):
         if not isinstance(actual, list) or len(desired) != len(actual):
             return False
-        return all(is_subset(d, a) for d, a in zip(desired, actual))
+        return all(is_subset(d, a, parse_quantity, quantities) for d, a in zip(desired, actual))
     if desired == actual:
         return True
-    if isinstance(desired, str) and isinstance(actual, str):
-        a, b = parse_quantity(desired), parse_quantity(actual)
-        return a is not None and a == b
+    if quantities and parse_quantity is not None and isinstance(desired, str) and isinstance(actual, str):
+        return same_quantity(desired, actual, parse_quantity)
     return False
 
 
-def needs_update(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
+def needs_update(desired: dict[str, Any], actual: dict[str, Any], parse_quantity: QuantityParser) -> bool:
     """Whether ``actual`` (as read from the server) differs from ``desired`` in anything we own.
 
     A changed spec-hash annotation catches removed fields (which ``is_subset`` cannot see); the
-    subset test catches hand edits and scaling of the child itself.
+    subset test catches hand edits and scaling of the child itself. Resource quantities compare by
+    value (``same_quantity`` with ``parse_quantity``), so the server's normalized spelling of a
+    quantity is no difference: a no-op reconcile writes nothing.
     """
     want = desired.get("metadata", {}).get("annotations", {}).get(ANNOTATION_SPEC_HASH)
     have = (actual.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
@@ -362,7 +380,7 @@ def needs_update(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
     ours = {k: v for k, v in desired.items() if k != "metadata"}
     meta = {k: desired["metadata"][k] for k in ("labels", "annotations", "ownerReferences")
             if k in desired["metadata"]}
-    return not is_subset({**ours, "metadata": meta}, actual)
+    return not is_subset({**ours, "metadata": meta}, actual, parse_quantity)
 
 
 def replacement(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, Any]:
