@@ -236,10 +236,12 @@ def test_replacement_keeps_what_others_own():
         r.ANNOTATION_SPEC_HASH]
 
 
-# (desired as the user spelled it, what kube-apiserver 1.20 returns for it in a Deployment)
-SERVER_SPELLINGS = [("0.5", "500m"), ("0.0001", "100u"), ("0.0000000001", "1n"), ("0.0000000015", "2n"),
-                    ("1.5Gi", "1536Mi"), ("1000m", "1"), ("99999999999Ti", "9223372036854775807"),
-                    ("2", "2"), ("123456789.123456789", "123456789123456789n")]
+# (desired as the user spelled it, what kube-apiserver 1.20.2 stored for it in a Deployment's pod
+# template: `kubectl create --dry-run=server` of a Deployment with requests cpu and memory = desired)
+SERVER_SPELLINGS = [("0.5", "500m"), ("0.0001", "1m"), ("0.0000000001", "1m"), ("0.0005", "1m"),
+                    ("1.0001", "1001m"), ("1.5m", "2m"), ("0.1m", "1m"), ("1.5Gi", "1536Mi"), ("1000m", "1"),
+                    ("2", "2"), ("99999999999Ti", "9223372036854775807"),
+                    ("9999999999999999999", "9999999999999999999"), ("123456789.123456789", "123456789124m")]
 
 
 @pytest.mark.parametrize("desired, stored", SERVER_SPELLINGS)
@@ -247,8 +249,9 @@ def test_same_quantity_as_the_server_stores_it(desired, stored):
     assert r.same_quantity(desired, stored, parse_quantity)
 
 
-@pytest.mark.parametrize("desired, other", [("0.0001", "1m"), ("100m", "101m"), ("1Gi", "1G"),
-                                            ("99999999999Ti", "99999999999Ti"), ("1", "http")])
+@pytest.mark.parametrize("desired, other", [("0.0001", "100u"), ("100m", "101m"), ("1Gi", "1G"),
+                                            ("99999999999Ti", "99999999999Ti"), ("1", "http"),
+                                            ("9999999999999999999", "9223372036854775807")])
 def test_different_quantities_differ(desired, other):
     assert not r.same_quantity(desired, other, parse_quantity)
 

@@ -307,24 +307,27 @@ def admin_secret(name: str, namespace: str, token: str,
 
 # ------------------------------------------------------------------------------------ comparison
 QuantityParser = Callable[[str], Decimal]
-_NANO = Decimal("1e-9")
+_MILLI = Decimal("0.001")
 _QUANTITY_MAX = Decimal(2**63 - 1)
+_BINARY_SUFFIXES = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 
 
-def as_stored(value: Decimal) -> Decimal:
-    """The value the API server stores for a quantity whose exact value is ``value``.
+def as_stored(value: Decimal, binary: bool = False) -> Decimal:
+    """The value the API server stores in a pod's ``resources`` for a quantity of exact ``value``.
 
-    Kubernetes' ParseQuantity (k8s.io/apimachinery/pkg/api/resource/quantity.go) rounds a non-zero
-    value up (away from zero) to a whole nano (10^-9) and caps the magnitude at 2^63-1 (suffixed and
-    plain numbers; the CRD's quantity pattern allows no other spelling). So "0.0001" is kept as
-    "100u", "0.0000000001" becomes "1n", and "99999999999Ti" becomes "9223372036854775807".
+    Two rules of Kubernetes (checked against kube-apiserver 1.20, see tests/test_operator_resources.py):
+    ParseQuantity (k8s.io/apimachinery/pkg/api/resource/quantity.go) caps a binary-suffixed (``binary``:
+    Ki..Ei) quantity above 2^63-1 at 2^63-1, and SetDefaults_ResourceList (pkg/apis/core/v1/defaults.go)
+    rounds every non-zero value up, away from zero, to whole milli-units. So "0.0001" is stored as "1m",
+    "1.5m" as "2m" and "99999999999Ti" as "9223372036854775807"; a plain "99999999999999999999" stays.
     """
     if value == 0:
         return value
+    if binary and abs(value) > _QUANTITY_MAX:
+        value = _QUANTITY_MAX.copy_sign(value)
     with localcontext() as ctx:
-        ctx.prec = 80  # exact for every value below the cap plus nine decimal places
-        rounded = value.quantize(_NANO, rounding=ROUND_UP) if abs(value) < 2 * _QUANTITY_MAX else value
-        return max(-_QUANTITY_MAX, min(_QUANTITY_MAX, rounded))
+        ctx.prec = max(ctx.prec, len(value.as_tuple().digits) + 6)  # exact: no rounding but ours
+        return value.quantize(_MILLI, rounding=ROUND_UP)
 
 
 def same_quantity(desired: str, actual: str, parse_quantity: QuantityParser) -> bool:
@@ -334,7 +337,7 @@ def same_quantity(desired: str, actual: str, parse_quantity: QuantityParser) -> 
     Decimal, ValueError for a non-quantity); injected so this module stays free of the client.
     """
     try:
-        return as_stored(parse_quantity(desired)) == parse_quantity(actual)
+        return as_stored(parse_quantity(desired), desired.endswith(_BINARY_SUFFIXES)) == parse_quantity(actual)
     except (ValueError, ArithmeticError):
         return False
 
