@@ -158,12 +158,12 @@ def kubelet(kubeconfig: str, kubectl: Kubectl, logs_dir: Path) -> Iterator[Proc]
         proc.stop()
 
 
-def _service_account_kubeconfig(kubectl: Kubectl, kubeconfig: str, out: Path) -> str:
-    """A kubeconfig for the goodput-operator ServiceAccount of e2e/operator-rbac.yaml."""
-    kubectl.run("apply", "-f", str(ROOT / "e2e" / "operator-rbac.yaml"))
-    ns, sa = "goodput-system", "goodput-operator"
+def _service_account_kubeconfig(kubectl: Kubectl, kubeconfig: str, out: Path, rbac: str = "operator-rbac.yaml",
+                                sa: str = "goodput-operator", ns: str = "goodput-system") -> str:
+    """A kubeconfig for ServiceAccount ``ns/sa`` of e2e/``rbac`` (applied first)."""
+    kubectl.run("apply", "-f", str(ROOT / "e2e" / rbac))
     secret = wait_for(lambda: (kubectl.json("-n", ns, "get", "serviceaccount", sa).get("secrets") or [{}])[0]
-                      .get("name"), 30, "the operator's token Secret")
+                      .get("name"), 30, f"the {sa} token Secret")
     token = wait_for(lambda: kubectl.json("-n", ns, "get", "secret", secret).get("data", {}).get("token"),
                      30, "the token")
     import base64

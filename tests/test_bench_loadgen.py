@@ -2,8 +2,9 @@
 
 The fake server waits FIRST_DELAY before the first token and GAP between tokens, emits exactly
 max_tokens one-token events plus a usage chunk, and answers 429 while MAX_INFLIGHT requests are
-streaming. So TTFT >= FIRST_DELAY, every ITL >= GAP (minus scheduler jitter), and rejections
-happen only above the in-flight limit.
+streaming. The tests assert counts, order and consistency of what the client recorded, never a
+wall-clock threshold (a busy CI machine stretches and bunches any timing); rejections happen only
+above the in-flight limit.
 """
 import asyncio
 import json
@@ -92,9 +93,8 @@ def test_closed_loop_timings_consistent(fake_server):
     for r in recs:
         assert check_consistency(r) == []
         assert r.n_out == 5 and len(r.itls) == 4
-        assert r.ttft >= FIRST_DELAY * 0.9
-        assert min(r.itls) >= GAP * 0.5
-        assert r.ttft <= r.e2e
+        assert 0 < r.ttft <= r.e2e and min(r.itls) >= 0
+        assert r.ttft + sum(r.itls) <= r.e2e + 1e-9  # tokens arrive in order, before the end
     body = state["bodies"][-1]
     assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 5
     assert body["stream_options"] == {"include_usage": True}
@@ -123,8 +123,11 @@ def test_duration_stops_sending_and_injection_fires(fake_server):
     long = RequestSpec("long one", 7, 2, cls="long", at=0.2)
     cfg = LoadConfig(base_url=url, concurrency=1, duration_s=0.6, drain_timeout_s=5, progress=False)
     recs, _ = asyncio.run(run_load(cfg, sp + [long]))
-    # one request takes ~FIRST_DELAY + 9*GAP = 0.14 s -> about 0.6/0.14 ~ 4-5 sent by the slot
-    assert 2 <= len(recs) <= 8
+    # The slot sends its first request at once, and the injection fires: at least 2. Each request
+    # takes at least FIRST_DELAY + 9*GAP = 0.14 s (the server sleeps that long), so one slot sends
+    # at most ceil(0.6 / 0.14) = 5 before the duration ends, plus the injected one: a causal bound
+    # that a slow machine can only lower.
+    assert 2 <= len(recs) <= 6
     assert [r.cls for r in recs].count("long") == 1
     assert all(r.status == OK for r in recs)
 

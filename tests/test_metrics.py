@@ -1,50 +1,63 @@
-"""Worker metrics: DESIGN.md's table (names, types, labels), SLO accounting, vLLM aliases.
+"""Worker metrics: the contract table of docs/metrics.md (names, types, labels, vLLM aliases)
+against a live scrape, values read from the scheduler's stats, SLO accounting, histograms.
 
-The expected table below is copied from DESIGN.md's "Metrics contract", not from metrics.py, and
-the exposition is read back with prometheus_client's own text parser.
+The expected table is parsed from docs/metrics.md (the documentation users read), not from
+metrics.py, and the exposition is read back with prometheus_client's own text parser.
 """
 from __future__ import annotations
 
-from goodput.worker.metrics import EngineStats, WorkerMetrics, slo_met
+from pathlib import Path
+
+import pytest
+from goodput.worker import metric_names
+from goodput.worker.engine.request import Request
+from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.scheduler import SchedulerStats
+from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
+from goodput.worker.metrics import WorkerMetrics, slo_met
 from prometheus_client.parser import text_string_to_metric_families
 
-# DESIGN.md: name (as the parser reports it, i.e. counters without _total) -> (type, extra labels)
-DESIGN_TABLE = {
-    "goodput_requests_running": ("gauge", set()),
-    "goodput_requests_waiting": ("gauge", set()),
-    "goodput_kv_cache_usage_ratio": ("gauge", set()),
-    "goodput_kv_cache_blocks": ("gauge", set()),
-    "goodput_engine_state": ("gauge", {"state"}),
-    "goodput_admission_max_num_seqs": ("gauge", set()),
-    "goodput_admission_max_waiting": ("gauge", set()),
-    "goodput_requests_admitted": ("counter", set()),
-    "goodput_requests_rejected": ("counter", {"reason"}),
-    "goodput_requests_finished": ("counter", {"finished_reason"}),
-    "goodput_requests_slo_met": ("counter", set()),
-    "goodput_prompt_tokens": ("counter", set()),
-    "goodput_generation_tokens": ("counter", set()),
-    "goodput_prefix_cache_queries": ("counter", set()),
-    "goodput_prefix_cache_hits": ("counter", set()),
-    "goodput_preemptions": ("counter", set()),
-    "goodput_time_to_first_token_seconds": ("histogram", set()),
-    "goodput_inter_token_latency_seconds": ("histogram", set()),
-    "goodput_time_per_output_token_seconds": ("histogram", set()),
-    "goodput_e2e_request_latency_seconds": ("histogram", set()),
-    "goodput_request_queue_time_seconds": ("histogram", set()),
-}
-VLLM_NAMES = {
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
-    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_success",
-}
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
-STATS = EngineStats(engine_state="blocked", running=3, waiting=5, kv_blocks_used=30,
-                    kv_blocks_total=120, max_num_seqs=8, max_waiting=16, admitted=20,
-                    rejected={"queue_full": 2, "never_fits": 1}, finished={"stop": 7, "length": 4,
-                                                                           "abort": 1},
-                    prompt_tokens=900, generation_tokens=300, prefix_cache_queries=800,
-                    prefix_cache_hits=320, preemptions=6)
+
+def doc_table() -> dict[str, tuple[str, set[str], str | None]]:
+    """docs/metrics.md's table: family name (as the parser reports it: counters without _total)
+    -> (type, labels besides model_name, vLLM alias family or None)."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 6 or not cells[0].startswith("`goodput_"):
+            continue
+        name, typ, labels, _unit, alias, _meaning = cells
+        name, alias = name.strip("`"), alias.strip("`") or None
+        if typ == "counter":
+            name = name.removesuffix("_total")
+            alias = alias and alias.removesuffix("_total")
+        rows[name] = (typ, {x.strip() for x in labels.split(",") if x.strip()}, alias)
+    assert len(rows) >= 20, "the table in docs/metrics.md was not found"
+    return rows
+
+
+STATS = SchedulerStats(
+    engine_state=EngineState.BLOCKED, num_running=3, num_waiting=5, num_preempted_waiting=1,
+    kv_usage_ratio=0.25, num_blocks=120, num_used_blocks=30, num_cached_blocks=40, block_size=16,
+    enable_prefix_caching=True, max_num_seqs=8, max_waiting=16, admitted_total=20,
+    rejected_total={"queue_full": 2, "never_fits": 1, "invalid": 0},
+    finished_total={"stop": 7, "length": 4, "abort": 1}, preemptions_total=6,
+    prompt_tokens_total=900, generation_tokens_total=300, prefix_cache_queries_total=800,
+    prefix_cache_hits_total=320, steps_total=77, batched_tokens_total=1234)
+
+
+def finished_request(ttft: float | None, tpot: float | None, n_out: int = 3, prompt: int = 4,
+                     max_tokens: int = 10, queue: float = 0.0) -> Request:
+    """A finished Request with timestamps that give exactly this TTFT and TPOT (arrival at 0)."""
+    r = Request("r", list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
+    r.first_scheduled_time = queue
+    if ttft is not None:
+        for i in range(n_out):
+            r.append_output_token(7, ttft + i * (tpot or 0.0))
+    r.finished_time = r.token_times[-1] if r.token_times else 1.0
+    return r
 
 
 def parse(m: WorkerMetrics) -> dict:
@@ -59,18 +72,39 @@ def value(fams, name, **labels):
     raise KeyError((name, labels))
 
 
-def test_names_types_and_labels_follow_design_table():
-    m = WorkerMetrics("smollm2", lambda: STATS)
+@pytest.mark.parametrize("aliases", [False, True])
+def test_live_scrape_matches_the_documented_contract(aliases):
+    table = doc_table()
+    m = WorkerMetrics("smollm2", lambda: STATS, vllm_aliases=aliases, max_model_len=64)
+    m.observe_finished("stop", finished_request(0.1, 0.01))
     fams = parse(m)
-    goodput = {n for n in fams if n.startswith("goodput_")}
-    assert goodput == set(DESIGN_TABLE)
-    assert not any(n.startswith("vllm:") for n in fams)
-    for name, (typ, extra) in DESIGN_TABLE.items():
-        f = fams[name]
-        assert f.type == typ, name
-        for s in f.samples:
-            assert s.labels["model_name"] == "smollm2"
-            assert set(s.labels) - {"model_name", "le"} == extra, (name, s.labels)
+    assert {n for n in fams if n.startswith("goodput_")} == set(table)
+    want_aliases = {alias for (_, _, alias) in table.values() if alias} if aliases else set()
+    assert {n for n in fams if n.startswith("vllm:")} == want_aliases
+    for name, (typ, labels, alias) in table.items():
+        for fam_name in [name] + ([alias] if aliases and alias else []):
+            f = fams[fam_name]
+            assert f.type == typ, fam_name
+            assert f.samples, fam_name
+            for s in f.samples:
+                assert s.labels["model_name"] == "smollm2"
+                got = set(s.labels) - {"model_name", "le"}
+                if fam_name == "vllm:cache_config_info":  # vLLM's own label names
+                    assert got == {"block_size", "num_gpu_blocks", "enable_prefix_caching"}
+                else:
+                    assert got == labels, (fam_name, s.labels)
+
+
+def test_metric_names_module_agrees_with_the_doc_and_the_enums():
+    table = doc_table()
+    declared = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}
+    assert set(table) == declared
+    documented = {name: alias for name, (_, _, alias) in table.items() if alias}
+    assert {k: v.removesuffix("_total") if table[k][0] == "counter" else v
+            for k, v in metric_names.VLLM_ALIASES.items()} == documented
+    assert metric_names.ENGINE_STATES == ("running", "waiting", "rejecting", "blocked")
+    assert set(metric_names.REJECT_REASONS) == {r.value for r in RejectReason}
+    assert set(metric_names.FINISH_REASONS) == {"stop", "length", "abort"} == {r.value for r in FinishReason}
 
 
 def test_values_come_from_the_stats_snapshot():
@@ -87,6 +121,10 @@ def test_values_come_from_the_stats_snapshot():
     assert value(fams, "goodput_prefix_cache_hits_total") == 320
     assert value(fams, "goodput_preemptions_total") == 6
     assert value(fams, "goodput_admission_max_waiting") == 16
+    assert value(fams, "goodput_engine_steps_total") == 77
+    assert value(fams, "goodput_batched_tokens_total") == 1234
+    assert value(fams, "goodput_cache_config_info", block_size="16", num_blocks="120",
+                 enable_prefix_caching="true") == 1
 
 
 def test_histograms_bucket_observations():
@@ -104,13 +142,36 @@ def test_histograms_bucket_observations():
     assert value(fams, "goodput_request_queue_time_seconds_bucket", le="0.01") == 1
 
 
+def test_finished_request_histograms_follow_its_timestamps():
+    # arrival 0, scheduled 0.25, tokens at 0.5, 0.75, 1.0: prefill 0.25, decode 0.5, inference 0.75
+    m = WorkerMetrics("m", lambda: STATS, max_model_len=100)
+    m.observe_finished("length", finished_request(0.5, 0.25, n_out=3, prompt=4, max_tokens=3, queue=0.25))
+    m.observe_iteration(5)
+    m.observe_iteration(1)
+    fams = parse(m)
+    assert value(fams, "goodput_request_prefill_time_seconds_sum") == 0.25
+    assert value(fams, "goodput_request_decode_time_seconds_sum") == 0.5
+    assert value(fams, "goodput_request_inference_time_seconds_sum") == 0.75
+    assert value(fams, "goodput_e2e_request_latency_seconds_sum") == 1.0
+    assert value(fams, "goodput_time_per_output_token_seconds_sum") == 0.25
+    assert value(fams, "goodput_request_prompt_tokens_sum") == 4
+    assert value(fams, "goodput_request_generation_tokens_sum") == 3
+    assert value(fams, "goodput_request_params_max_tokens_sum") == 3
+    assert value(fams, "goodput_request_params_n_sum") == 1
+    assert value(fams, "goodput_iteration_tokens_sum") == 6
+    assert value(fams, "goodput_iteration_tokens_count") == 2
+    # 1-2-5 token buckets up to max_model_len=100, then +Inf
+    les = [s.labels["le"] for s in fams["goodput_request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+
+
 def test_slo_met_counts_finished_requests_within_both_slos():
     m = WorkerMetrics("m", lambda: STATS, slo_ttft_s=0.5, slo_tpot_s=0.05)
-    m.observe_finished("stop", ttft_s=0.2, tpot_s=0.04, e2e_s=1.0)     # met
-    m.observe_finished("length", ttft_s=0.6, tpot_s=0.01, e2e_s=1.0)   # TTFT too slow
-    m.observe_finished("length", ttft_s=0.1, tpot_s=0.08, e2e_s=1.0)   # TPOT too slow
-    m.observe_finished("length", ttft_s=0.1, tpot_s=None, e2e_s=0.1)   # one token: TTFT only
-    m.observe_finished("abort", ttft_s=0.1, tpot_s=0.01, e2e_s=0.3)    # aborted never counts
+    m.observe_finished("stop", finished_request(0.25, 0.03125))              # met
+    m.observe_finished("length", finished_request(0.625, 0.0078125))         # TTFT too slow
+    m.observe_finished("length", finished_request(0.125, 0.078125))          # TPOT too slow
+    m.observe_finished("length", finished_request(0.125, None, n_out=1))     # one token: TTFT only
+    m.observe_finished("abort", finished_request(0.125, 0.0078125))          # aborted never counts
     fams = parse(m)
     assert value(fams, "goodput_requests_slo_met_total") == 2
     assert value(fams, "goodput_e2e_request_latency_seconds_count") == 5
@@ -126,11 +187,53 @@ def test_slo_rule():
 def test_vllm_aliases_export_the_same_values():
     m = WorkerMetrics("m", lambda: STATS, vllm_aliases=True)
     m.observe_first_token(0.04, 0.01)
+    m.observe_iteration(9)
     fams = parse(m)
-    assert VLLM_NAMES <= set(fams)
     assert value(fams, "vllm:num_requests_waiting") == 5
     assert value(fams, "vllm:kv_cache_usage_perc") == 0.25
     assert value(fams, "vllm:prefix_cache_queries_total") == 800
     assert value(fams, "vllm:request_success_total", finished_reason="stop") == 7
     assert value(fams, "vllm:time_to_first_token_seconds_count") == 1
+    assert value(fams, "vllm:iteration_tokens_total_sum") == 9
+    assert value(fams, "vllm:cache_config_info", num_gpu_blocks="120", enable_prefix_caching="True") == 1
     assert fams["vllm:num_preemptions"].type == "counter"
+
+
+@pytest.mark.slow
+def test_vllm_metrics_test_counts_on_a_live_worker(server_tiny):
+    """vLLM's own metrics test, redone against a live worker with --vllm-metric-aliases: after N
+    sequential requests of P prompt tokens and M output tokens, the per-request histograms count
+    N requests and sum N*P / N*M tokens, and tokens per step sum N*(P + M) over N*M steps (one
+    prefill step that samples the first token, M - 1 decode steps). Deltas, as the session's
+    server is shared; the prompt is shorter than a block, so no prefix-cache hit shortens it."""
+    from server_utils import completion, metric, metrics
+    N, P, M = 3, 5, 4
+    prompt = [1000 + i for i in range(P)]
+    before = metrics(server_tiny.url)
+    for _ in range(N):
+        body = completion(server_tiny.url, prompt=prompt, max_tokens=M, temperature=0, ignore_eos=True)
+        assert body["usage"] == {"prompt_tokens": P, "completion_tokens": M, "total_tokens": P + M}
+    after = metrics(server_tiny.url)
+
+    def delta(name):
+        return metric(after, name) - metric(before, name)
+
+    expected = {
+        "request_prompt_tokens_sum": N * P, "request_prompt_tokens_count": N,
+        "request_generation_tokens_sum": N * M, "request_generation_tokens_count": N,
+        "request_params_max_tokens_sum": N * M, "request_params_n_count": N,
+        "request_queue_time_seconds_count": N, "request_prefill_time_seconds_count": N,
+        "request_decode_time_seconds_count": N, "request_inference_time_seconds_count": N,
+        "time_to_first_token_seconds_count": N, "e2e_request_latency_seconds_count": N,
+        "prompt_tokens_total": N * P, "generation_tokens_total": N * M,
+    }
+    for suffix, want in expected.items():
+        assert delta("vllm:" + suffix) == want, suffix
+        assert delta("goodput_" + suffix) == want, suffix
+    assert delta("vllm:iteration_tokens_total_sum") == N * (P + M)
+    assert delta("vllm:iteration_tokens_total_count") == N * M
+    assert delta("goodput_iteration_tokens_count") == N * M
+    assert delta("goodput_engine_steps_total") == N * M
+    assert delta("goodput_batched_tokens_total") == N * (P + M - 1)  # the last token is never fed back
+    assert metric(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="4",
+                  enable_prefix_caching="True") == 1

@@ -273,3 +273,26 @@ def test_quantities_compare_by_value_only_inside_requests_and_limits():
     args = actual["spec"]["template"]["spec"]["containers"][0]["args"]
     args[args.index("500")] = "0.5k"  # an argument is a string, not a quantity
     assert r.needs_update(desired, actual, parse_quantity)
+
+
+# terminationGracePeriodSeconds: the drain budget (hand-computed: ceil((ttft + L * tpot) / 1000 ms) + 5 s)
+GRACE_CASES = {
+    "defaults: 8192-token context at 100 ms TPOT": ({}, 826),          # 1 s + 819.2 s -> 821 + 5
+    "maxModelLen 512": ({"engine": {"maxModelLen": 512}}, 58),        # 1 + 51.2 -> 53 + 5
+    "tight SLO": ({"engine": {"maxModelLen": 2048}, "slo": {"ttftMs": 200, "tpotMs": 20}}, 47),  # 0.2+40.96 -> 42 + 5
+    "explicit wins": ({"engine": {"maxModelLen": 512}, "terminationGracePeriodSeconds": 7}, 7),
+}
+
+
+@pytest.mark.parametrize("case", GRACE_CASES)
+def test_termination_grace_period_on_the_pod(case):
+    spec, want = GRACE_CASES[case]
+    pod = _dep(spec)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == want
+
+
+def test_termination_grace_period_bounds_refused():
+    import pydantic
+    for bad in (0, -1, 86401):
+        with pytest.raises(pydantic.ValidationError, match="termination_grace_period_seconds|terminationGracePeriodSeconds"):
+            InferenceServiceSpec.model_validate({"terminationGracePeriodSeconds": bad})

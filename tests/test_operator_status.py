@@ -97,6 +97,17 @@ def test_status_changed_ignores_fields_owned_by_others():
     assert status_changed({"replicas": 2}, new)
 
 
+def test_operator_status_never_carries_the_autoscalers_fields():
+    """The operator writes compute_status by merge patch: keys it does not return are left as the
+    autoscaler wrote them (status.autoscaler, status.admission)."""
+    new = compute_status(name="a", namespace="b", generation=1, desired_replicas=2, deployment=dep(),
+                         service_exists=True, now=T0)
+    assert not {"autoscaler", "admission"} & set(new)
+    current = {**new, "autoscaler": {"desiredReplicas": 2, "policyState": {"caps": {"p": 4}}},
+               "admission": {"maxNumSeqs": 4, "maxWaiting": 2}}
+    assert not status_changed(current, new)
+
+
 # ------------------------------------------------------------------ worker pods -> WorkerCrashLoop
 LOAD_ERROR = ("INFO loading /m/missing.gguf\n"
               "goodput-worker: the model failed to load: model '/m/missing.gguf' is neither a bundled name "

@@ -12,6 +12,7 @@ from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
 from goodput.worker.engine.request import FinishReason, Request, RequestStatus
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
+from goodput.worker.engine.states import RejectReason
 
 
 class FakeClock:
@@ -187,27 +188,47 @@ def test_admission_rejections_name_the_numbers():
     cfg = EngineConfig(num_blocks=4, max_model_len=32, block_size=16, max_waiting=2,
                        queue_full_retry_after_s=2.5, vocab_size=100)
     s = Scheduler(cfg)
-    cases = [
-        (req("e", []), "invalid", "empty"),
-        (req("v", [5, 100]), "invalid", "100"),
-        (req("m", range(40), max_tokens=1), "never_fits", "max_model_len (32)"),
-        (req("m2", range(30), max_tokens=3), "never_fits", "= 33 tokens"),
+    cases = [  # request, reason, text in the message, the field at fault
+        (req("e", []), "invalid", "empty", "prompt"),
+        (req("v", [5, 100]), "invalid", "100", "prompt"),
+        (req("m", range(40), max_tokens=1), "never_fits", "max_model_len (32)", "prompt"),
+        (req("m2", range(30), max_tokens=3), "never_fits", "= 33 tokens", "max_tokens"),
+        (req("p", range(10), max_tokens=20), "never_fits", "needs 2 KV blocks", "max_tokens"),
     ]
-    for r, reason, text in cases:
+    cfg_small_pool = EngineConfig(num_blocks=1, max_model_len=32, block_size=16, vocab_size=100)
+    for r, reason, text, param in cases:
         with pytest.raises(AdmissionError) as ei:
-            s.add_request(r)
+            (Scheduler(cfg_small_pool) if r.request_id == "p" else s).add_request(r)
         assert ei.value.reason == reason and text in ei.value.message
-        assert ei.value.retry_after is None
+        assert ei.value.retry_after is None and ei.value.param == param
     s.add_request(req("ok1", range(3), max_tokens=2))
     with pytest.raises(AdmissionError) as ei:
         s.add_request(req("ok1", range(3)))
     assert ei.value.reason == "invalid" and "already in use" in ei.value.message
+    assert ei.value.param is None
     s.add_request(req("ok2", range(3), max_tokens=2))
     with pytest.raises(AdmissionError) as ei:
         s.add_request(req("ok3", range(3), max_tokens=2))
     assert ei.value.reason == "queue_full" and ei.value.retry_after == 2.5
     assert s.stats().rejected_total == {"queue_full": 1, "never_fits": 2, "invalid": 3}
     assert s.stats().admitted_total == 2
+    s.count_rejection("invalid")  # the server's own refusals land in the same counters
+    s.count_rejection(RejectReason.NEVER_FITS)
+    assert s.stats().rejected_total == {"queue_full": 1, "never_fits": 3, "invalid": 4}
+    with pytest.raises(ValueError):
+        s.count_rejection("bogus")
+
+
+def test_restate_finish_reason_moves_the_count():
+    s = Scheduler(EngineConfig(num_blocks=8, max_model_len=64, block_size=4))
+    r = req("r", [1, 2], max_tokens=1)
+    s.add_request(r)
+    run_step(s)
+    assert r.finish_reason == "length" and s.finished_total == {"stop": 0, "length": 1, "abort": 0}
+    s.restate_finish_reason(r, "stop")
+    assert r.finish_reason is FinishReason.STOP and s.finished_total == {"stop": 1, "length": 0, "abort": 0}
+    with pytest.raises(ValueError):
+        s.restate_finish_reason(req("live", [1]), "stop")
 
 
 def test_prompt_bigger_than_pool_rejected_at_once_small_requests_still_finish():

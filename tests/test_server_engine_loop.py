@@ -63,7 +63,7 @@ def test_generate_counts_and_length():
     eng = make_engine()
     [(ids, text, reason)] = eng.generate([[ord("a")]], greedy(5))
     assert ids == [ord(c) for c in "bcdef"] and text == "bcdef" and reason == "length"
-    assert eng.stats().kv_blocks_used == 0
+    assert eng.stats().num_used_blocks == 0
 
 
 def test_stop_string_finishes_through_the_scheduler_and_frees_blocks():
@@ -77,7 +77,7 @@ def test_stop_string_finishes_through_the_scheduler_and_frees_blocks():
     assert deltas[-1].num_output_tokens == 6  # b c d e f g were generated; "efg" is cut from the text
     assert len(deltas) == 6  # one delta per generated token
     s = eng.stats()
-    assert s.kv_blocks_used == 0 and s.finished["stop"] == 1 and s.running == 0
+    assert s.num_used_blocks == 0 and s.finished_total["stop"] == 1 and s.num_running == 0
 
 
 def test_stop_token_is_not_part_of_the_text():
@@ -94,7 +94,7 @@ def test_admission_errors_pass_through():
     with pytest.raises(AdmissionError) as e:
         eng.add_request("empty", [], greedy(8))
     assert e.value.reason == "invalid"
-    assert eng.stats().rejected == {"queue_full": 0, "never_fits": 1, "invalid": 1}
+    assert eng.stats().rejected_total == {"queue_full": 0, "never_fits": 1, "invalid": 1}
 
 
 def test_async_abort_frees_blocks_and_failure_marks_dead():
@@ -107,7 +107,7 @@ def test_async_abort_frees_blocks_and_failure_marks_dead():
             stream = aeng.add_request("long", [ord("a")], greedy(40, ignore_eos=True))
             got = [await stream.__anext__() for _ in range(3)]
             assert [d.text for d in got] == ["b", "c", "d"]
-            assert eng.stats().kv_blocks_used > 0  # the loop now waits in step 4 for a permit
+            assert eng.stats().num_used_blocks > 0  # the loop now waits in step 4 for a permit
             stream.abort()
             for _ in range(100):
                 gate.release()
@@ -116,7 +116,7 @@ def test_async_abort_frees_blocks_and_failure_marks_dead():
                     break
                 await asyncio.sleep(0.01)
             s = eng.stats()
-            assert s.kv_blocks_used == 0 and s.finished["abort"] == 1
+            assert s.num_used_blocks == 0 and s.finished_total["abort"] == 1
             assert aeng.is_healthy()
 
             done = [d async for d in aeng.generate("short", [ord("x")], greedy(2))]
@@ -132,7 +132,7 @@ def test_async_abort_frees_blocks_and_failure_marks_dead():
             deltas = [d async for d in flaky.generate("r1", [ord("a")], greedy(50))]
             assert [d.text for d in deltas[:2]] == ["b", "c"]
             assert deltas[-1].finish_reason == "abort" and "device lost" in deltas[-1].error
-            assert flaky.is_healthy() and once.stats().kv_blocks_used == 0
+            assert flaky.is_healthy() and once.stats().num_used_blocks == 0
             done = [d async for d in flaky.generate("r2", [ord("k")], greedy(3))]
             assert "".join(d.text for d in done) == "lmn" and done[-1].finish_reason == "length"
         finally:

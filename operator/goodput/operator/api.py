@@ -220,6 +220,11 @@ class InferenceServiceSpec(_Model):
         default_factory=PodTemplateOverrides, json_schema_extra={"default": {}}
     )
     probes: ProbeSpec = Field(default_factory=ProbeSpec, json_schema_extra={"default": {}})
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=1, le=86400,
+        description="how long a worker may drain its in-flight streams after SIGTERM (scale-down, "
+        "rollout) before it is killed; unset = long enough for maxModelLen tokens at slo.tpotMs "
+        "(see resources.termination_grace_seconds)")
 
 
 # --------------------------------------------------------------------------------------------- status
@@ -253,21 +258,44 @@ class AdmissionStatus(_StatusModel):
 
 
 class AutoscalerDecision(_StatusModel):
+    """One decision that changed something (replicas, limits or reason)."""
+
     time: str
     replicas: int
     max_num_seqs: int | None = None
     max_waiting: int | None = None
     reason: str = ""
+    message: str | None = Field(None, description="the numbers behind the decision, one sentence")
 
 
 MAX_DECISIONS = 20
+AutoscalerConditionType = Literal["MetricsAvailable", "ScalingActive", "AbleToScale"]
+
+
+class AutoscalerCondition(_StatusModel):
+    """An autoscaler condition (metav1.Condition fields), as HPA reports AbleToScale/ScalingActive."""
+
+    type: AutoscalerConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase")
+    message: str | None = None
+    last_transition_time: str = Field(description="RFC 3339, when status last changed")
 
 
 class AutoscalerStatus(_StatusModel):
-    """The autoscaler's recent decisions (newest last, at most MAX_DECISIONS)."""
+    """Written only by the autoscaler (the operator never writes it): its recent decisions
+    (newest last, at most MAX_DECISIONS), conditions, and the policy state it resumes from."""
 
     last_scale_time: str | None = None
+    last_decision_time: str | None = None
+    desired_replicas: int | None = None
     decisions: list[AutoscalerDecision] = Field(default_factory=list, max_length=MAX_DECISIONS)
+    conditions: list[AutoscalerCondition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    policy_state: dict[str, Any] | None = Field(
+        None, description="the policy's state (windows, last changes): a restarted autoscaler resumes it")
 
 
 class InferenceServiceStatus(_StatusModel):

@@ -154,6 +154,24 @@ def _http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str
     }
 
 
+# Context length assumed for the drain budget when engine.maxModelLen is unset: the bundled
+# SmolLM2's (8k). A GGUF with a longer context should set maxModelLen or the grace period itself.
+DEFAULT_CONTEXT_TOKENS = api.BUNDLED_MODEL_CONTEXT["smollm2"]
+DRAIN_MARGIN_SECONDS = 5
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    """The pod's ``terminationGracePeriodSeconds``: ``spec.terminationGracePeriodSeconds`` when set,
+    else ceil(slo.ttft + L x slo.tpot) + 5 s, L = engine.maxModelLen (or DEFAULT_CONTEXT_TOKENS):
+    the time a request that just got admitted needs to stream its longest possible output at the
+    SLO's pace, so a scale-down never cuts a stream that meets its SLO. Seconds, >= 1.
+    """
+    if spec.termination_grace_period_seconds is not None:
+        return spec.termination_grace_period_seconds
+    tokens = spec.engine.max_model_len or DEFAULT_CONTEXT_TOKENS
+    return math.ceil((spec.slo.ttft_ms + tokens * spec.slo.tpot_ms) / 1000.0) + DRAIN_MARGIN_SECONDS
+
+
 def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     """The worker pod template (labels, annotations incl. the spec hash, container, probes, volumes)."""
     p = spec.probes
@@ -189,7 +207,7 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(r.gpu)
     if requests or limits:
         container["resources"] = {k: v for k, v in (("limits", limits), ("requests", requests)) if v}
-    pod_spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 30}
+    pod_spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_seconds(spec)}
     vol = spec.model.volume
     if vol is not None:
         source: dict[str, Any]

@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 
@@ -145,6 +146,35 @@ def write_termination_message(message: str) -> None:
         pass
 
 
+def _draining_server_class():
+    """``uvicorn.Server`` whose first SIGTERM drains instead of stopping (see server/app.py).
+
+    SIGTERM #1: ``ServerState.start_drain()``; the main loop (ticks every 0.1 s) exits once the
+    last in-flight generate request finished, then uvicorn shuts down as usual and the process
+    exits 0. A second SIGTERM, or SIGINT, stops at once as plain uvicorn does.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, state) -> None:
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGTERM and not self.state.draining and not self.should_exit:
+                self.state.start_drain()
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.state.drained and not self.should_exit:
+                logging.getLogger("goodput.worker.server").info("drained: no request in flight; exiting")
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``goodput-worker``; a fatal start-up error is also written as the termination message."""
     try:
@@ -173,9 +203,9 @@ def _main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(args, on_load_failure=stop_on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _draining_server_class()(uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=level <= logging.DEBUG,
-        timeout_graceful_shutdown=5))
+        timeout_graceful_shutdown=5), app.state.server)
     server.run()
     error = app.state.server.load_error
     if error is not None:

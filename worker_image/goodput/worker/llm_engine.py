@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,7 +32,8 @@ from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, Scheduler
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import Scheduler, SchedulerStats
-from goodput.worker.metrics import EngineStats, WorkerMetrics
+from goodput.worker.engine.states import FinishReason, RejectReason
+from goodput.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("goodput.worker.engine")
 
@@ -102,12 +102,6 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
         self._consecutive_step_failures = 0
-        # 400s decided before the scheduler saw the request (validation; a prompt too long to
-        # tokenize), by reason: they count in goodput_requests_rejected_total like the others.
-        self._rejected_here = {"invalid": 0, "never_fits": 0}
-        # Requests the scheduler finished by length on the very token that completed a stop
-        # string: the client is told "stop" (as OpenAI does), and the counters say the same.
-        self._length_reported_as_stop = 0
         self.num_steps = 0
         self.kv_bytes_per_token: int | None = None
 
@@ -127,12 +121,12 @@ class LLMEngine:
 
     def count_invalid(self) -> None:
         """Count a request refused by the server's own validation (reason ``invalid``)."""
-        self.count_rejected("invalid")
+        self.count_rejected(RejectReason.INVALID)
 
-    def count_rejected(self, reason: str) -> None:
-        """Count a request the server refused before admission (``invalid`` or ``never_fits``)."""
+    def count_rejected(self, reason: RejectReason | str) -> None:
+        """Count a request the server refused before admission, in the scheduler's counters."""
         with self._lock:
-            self._rejected_here[reason] += 1
+            self.scheduler.count_rejection(reason)
 
     def abort_request(self, request_id: str) -> None:
         """Abort at the next step boundary (frees the request's KV blocks then)."""
@@ -162,6 +156,9 @@ class LLMEngine:
         self._consecutive_step_failures = 0
         with self._lock:
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            if self.metrics is not None and not sched_out.is_empty:
+                self.metrics.observe_iteration(
+                    sched_out.num_prefill_tokens + sum(len(o.new_token_ids) for o in outputs))
             for out in outputs:
                 d = self._process(out)
                 if d is not None:
@@ -217,9 +214,9 @@ class LLMEngine:
         if out.finished:
             reason = str(out.finish_reason)
             delta = t.detok.add_tokens(text_ids, final=True)
-            if delta.stopped and reason != "stop":
-                reason = "stop"
-                self._length_reported_as_stop += 1
+            if delta.stopped and reason != FinishReason.STOP:
+                reason = FinishReason.STOP.value
+                self.scheduler.restate_finish_reason(req, FinishReason.STOP)
             return self._finish(t, reason, delta.text, new_ids)
         delta = t.detok.add_tokens(text_ids)
         if delta.stopped:
@@ -244,10 +241,7 @@ class LLMEngine:
         req = t.request
         self._tracked.pop(req.request_id, None)
         if self.metrics is not None:
-            e2e = req.e2e
-            if e2e is None and req.arrival_time is not None:
-                e2e = time.monotonic() - req.arrival_time
-            self.metrics.observe_finished(reason, req.ttft, req.tpot, e2e)
+            self.metrics.observe_finished(reason, req)
         return RequestDelta(req.request_id, text, new_ids, True, reason, req.num_prompt_tokens,
                             req.num_output_tokens, error)
 
@@ -264,13 +258,8 @@ class LLMEngine:
             return deltas
 
     # ------------------------------------------------------------------------------ introspection
-    def stats(self) -> EngineStats:
-        """A consistent snapshot for /metrics and /admin/state."""
-        with self._lock:
-            s = self.scheduler.stats()
-        return stats_from_scheduler(s, self._rejected_here, self._length_reported_as_stop)
-
-    def scheduler_stats(self) -> SchedulerStats:
+    def stats(self) -> SchedulerStats:
+        """The scheduler's consistent snapshot, for /metrics and /admin/state."""
         with self._lock:
             return self.scheduler.stats()
 
@@ -293,24 +282,3 @@ class LLMEngine:
                     if d.finished:
                         r[2] = d.finish_reason
         return [(results[r][0], results[r][1], results[r][2]) for r in ids]
-
-
-def stats_from_scheduler(s: SchedulerStats, extra_rejected: dict[str, int] | None = None,
-                         length_as_stop: int = 0) -> EngineStats:
-    """Map the scheduler's :class:`SchedulerStats` onto the metrics' :class:`EngineStats`.
-
-    extra_rejected: requests the server refused before the scheduler saw them, by reason.
-    length_as_stop: finishes the scheduler counted as "length" that the client saw as "stop"."""
-    rejected = dict(s.rejected_total)
-    for reason, n in (extra_rejected or {}).items():
-        rejected[reason] = rejected.get(reason, 0) + n
-    finished = dict(s.finished_total)
-    finished["length"] = finished.get("length", 0) - length_as_stop
-    finished["stop"] = finished.get("stop", 0) + length_as_stop
-    return EngineStats(
-        engine_state=s.engine_state, running=s.num_running, waiting=s.num_waiting,
-        kv_blocks_used=s.num_used_blocks, kv_blocks_total=s.num_blocks,
-        max_num_seqs=s.max_num_seqs, max_waiting=s.max_waiting, admitted=s.admitted_total,
-        rejected=rejected, finished=finished, prompt_tokens=s.prompt_tokens_total,
-        generation_tokens=s.generation_tokens_total, prefix_cache_queries=s.prefix_cache_queries_total,
-        prefix_cache_hits=s.prefix_cache_hits_total, preemptions=s.preemptions_total)

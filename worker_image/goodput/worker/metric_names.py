@@ -1,17 +1,24 @@
 """Metric names of a worker: the Prometheus contract, with no side effects.
 
 Importing this module touches no Prometheus registry and imports nothing but the standard
-library, so the autoscaler, the Grafana dashboards' tests and the benchmarks can use the same
-names as the worker that exports them (``goodput.worker.metrics``). Conventions: base units
-(seconds), ``_total`` counters, ratios in 0..1, label ``model_name`` on every series.
+library and the engine's enums (``goodput.worker.engine.states``, standard library only), so the
+autoscaler, the Grafana dashboards' tests and the benchmarks can use the same names as the worker
+that exports them (``goodput.worker.metrics``). The contract, with types, labels, units and the
+vLLM aliases, is documented in ``docs/metrics.md``; a test compares that table with a live scrape.
+Conventions: base units (seconds), ``_total`` counters, ratios in 0..1, label ``model_name`` on
+every series.
 """
 from __future__ import annotations
 
-ENGINE_STATES = ("running", "waiting", "rejecting", "blocked")
-REJECT_REASONS = ("queue_full", "never_fits", "invalid")
-FINISH_REASONS = ("stop", "length", "abort")
+from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
 
-# Metric names (DESIGN.md). Counters are spelled without "_total"; prometheus_client appends it.
+# Label values, derived from the engine's enums (one source).
+ENGINE_STATES = tuple(s.value for s in EngineState)
+REJECT_REASONS = tuple(r.value for r in RejectReason)
+FINISH_REASONS = tuple(r.value for r in FinishReason)
+
+# Metric names. Counters are spelled without "_total"; prometheus_client appends it.
+# Gauges (read from the scheduler's stats at scrape time).
 REQUESTS_RUNNING = "goodput_requests_running"
 REQUESTS_WAITING = "goodput_requests_waiting"
 KV_CACHE_USAGE_RATIO = "goodput_kv_cache_usage_ratio"
@@ -19,6 +26,8 @@ KV_CACHE_BLOCKS = "goodput_kv_cache_blocks"
 ENGINE_STATE = "goodput_engine_state"
 ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
+CACHE_CONFIG_INFO = "goodput_cache_config_info"
+# Counters (read from the scheduler's stats at scrape time, except SLO_MET).
 REQUESTS_ADMITTED = "goodput_requests_admitted"
 REQUESTS_REJECTED = "goodput_requests_rejected"
 REQUESTS_FINISHED = "goodput_requests_finished"
@@ -28,26 +37,48 @@ GENERATION_TOKENS = "goodput_generation_tokens"
 PREFIX_CACHE_QUERIES = "goodput_prefix_cache_queries"
 PREFIX_CACHE_HITS = "goodput_prefix_cache_hits"
 PREEMPTIONS = "goodput_preemptions"
+ENGINE_STEPS = "goodput_engine_steps"
+BATCHED_TOKENS = "goodput_batched_tokens"
+# Histograms (observed by the engine as steps run and requests finish).
 TIME_TO_FIRST_TOKEN = "goodput_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "goodput_inter_token_latency_seconds"
 TIME_PER_OUTPUT_TOKEN = "goodput_time_per_output_token_seconds"
 E2E_REQUEST_LATENCY = "goodput_e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "goodput_request_queue_time_seconds"
+REQUEST_INFERENCE_TIME = "goodput_request_inference_time_seconds"
+REQUEST_PREFILL_TIME = "goodput_request_prefill_time_seconds"
+REQUEST_DECODE_TIME = "goodput_request_decode_time_seconds"
+REQUEST_PROMPT_TOKENS = "goodput_request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "goodput_request_generation_tokens"
+REQUEST_PARAMS_N = "goodput_request_params_n"
+REQUEST_PARAMS_MAX_TOKENS = "goodput_request_params_max_tokens"
+ITERATION_TOKENS = "goodput_iteration_tokens"
 
-# goodput name -> vLLM name, for --vllm-metric-aliases.
+# goodput name -> vLLM name, for --vllm-metric-aliases. Same value, same type; vLLM's
+# cache_config_info carries its own label names (docs/metrics.md).
 VLLM_ALIASES = {
     REQUESTS_RUNNING: "vllm:num_requests_running",
     REQUESTS_WAITING: "vllm:num_requests_waiting",
     KV_CACHE_USAGE_RATIO: "vllm:kv_cache_usage_perc",  # vLLM's is a 0..1 ratio despite the name
+    CACHE_CONFIG_INFO: "vllm:cache_config_info",
     PROMPT_TOKENS: "vllm:prompt_tokens",
     GENERATION_TOKENS: "vllm:generation_tokens",
     PREEMPTIONS: "vllm:num_preemptions",
     PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries",
     PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
+    REQUESTS_FINISHED: "vllm:request_success",
     TIME_TO_FIRST_TOKEN: "vllm:time_to_first_token_seconds",
     INTER_TOKEN_LATENCY: "vllm:inter_token_latency_seconds",
     E2E_REQUEST_LATENCY: "vllm:e2e_request_latency_seconds",
-    REQUESTS_FINISHED: "vllm:request_success",
+    REQUEST_QUEUE_TIME: "vllm:request_queue_time_seconds",
+    REQUEST_INFERENCE_TIME: "vllm:request_inference_time_seconds",
+    REQUEST_PREFILL_TIME: "vllm:request_prefill_time_seconds",
+    REQUEST_DECODE_TIME: "vllm:request_decode_time_seconds",
+    REQUEST_PROMPT_TOKENS: "vllm:request_prompt_tokens",
+    REQUEST_GENERATION_TOKENS: "vllm:request_generation_tokens",
+    REQUEST_PARAMS_N: "vllm:request_params_n",
+    REQUEST_PARAMS_MAX_TOKENS: "vllm:request_params_max_tokens",
+    ITERATION_TOKENS: "vllm:iteration_tokens_total",  # vLLM's histogram name ends in _total
 }
 
 # Bucket upper bounds in seconds. TTFT/queue time span fast CPU prefills to long queues; ITL and
@@ -58,3 +89,17 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.
                          0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0,
                120.0, 180.0, 300.0)
+
+
+def count_buckets(max_value: int) -> tuple[int, ...]:
+    """1-2-5 bucket bounds up to ``max_value`` inclusive: 1, 2, 5, 10, 20, 50, ... (for token
+    counts and request parameters; vLLM buckets its token histograms the same way)."""
+    if max_value < 1:
+        raise ValueError(f"max_value must be >= 1, got {max_value}")
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10

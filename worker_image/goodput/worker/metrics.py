@@ -1,95 +1,83 @@
 """Prometheus metrics of a worker: the collectors and histograms behind every metric name.
 
-The names live in :mod:`goodput.worker.metric_names` (no side effects); the
-autoscaler and the Grafana dashboards read exactly these. Conventions: base units (seconds),
-``_total`` counters, ratios in 0..1, label ``model_name`` on every series.
+The names live in :mod:`goodput.worker.metric_names` (no side effects); the contract (names,
+types, labels, units, vLLM aliases) is ``docs/metrics.md``. The autoscaler and the Grafana
+dashboards read exactly these names.
 
 Where the values come from:
 
-* Counters and gauges that the scheduler already keeps (running, waiting, KV usage, admitted,
-  rejected, finished, tokens, prefix-cache queries/hits, preemptions) are read from an
-  :class:`EngineStats` snapshot at scrape time by a custom collector, so there is exactly one
-  source of truth and nothing is double counted.
-* Latency histograms (TTFT, ITL, TPOT, E2E, queue time) and ``goodput_requests_slo_met_total``
-  are observed by the engine as tokens arrive and requests finish.
+* Gauges and counters the scheduler keeps (running, waiting, KV usage, engine state, limits,
+  admitted, rejected, finished, tokens, prefix-cache queries/hits, preemptions, steps, batched
+  tokens) are read from the scheduler's :class:`SchedulerStats` snapshot at scrape time by a
+  custom collector: one source of truth, nothing double counted.
+* Histograms (TTFT, ITL, TPOT, E2E, queue/prefill/decode/inference time, per-request token
+  counts and parameters, tokens per step) and ``goodput_requests_slo_met_total`` are observed by
+  the engine as steps run, tokens arrive and requests finish.
 
-With ``vllm_aliases=True`` the same values are also exported under vLLM's names (the list in
-DESIGN.md), so dashboards, KEDA recipes and the Gateway API inference extension written for
-vLLM work unchanged.
+With ``vllm_aliases=True`` the same values are also exported under vLLM's names, so dashboards,
+KEDA recipes and the Gateway API inference extension written for vLLM work unchanged.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from goodput.worker.metric_names import (  # noqa: F401  (re-exported)
-    ENGINE_STATES,
-    REJECT_REASONS,
-    FINISH_REASONS,
-    REQUESTS_RUNNING,
-    REQUESTS_WAITING,
-    KV_CACHE_USAGE_RATIO,
-    KV_CACHE_BLOCKS,
-    ENGINE_STATE,
+from goodput.worker.engine.request import Request
+from goodput.worker.engine.scheduler import SchedulerStats
+from goodput.worker.engine.states import FinishReason
+from goodput.worker.metric_names import (
     ADMISSION_MAX_NUM_SEQS,
     ADMISSION_MAX_WAITING,
-    REQUESTS_ADMITTED,
-    REQUESTS_REJECTED,
-    REQUESTS_FINISHED,
-    REQUESTS_SLO_MET,
-    PROMPT_TOKENS,
-    GENERATION_TOKENS,
-    PREFIX_CACHE_QUERIES,
-    PREFIX_CACHE_HITS,
-    PREEMPTIONS,
-    TIME_TO_FIRST_TOKEN,
-    INTER_TOKEN_LATENCY,
-    TIME_PER_OUTPUT_TOKEN,
-    E2E_REQUEST_LATENCY,
-    REQUEST_QUEUE_TIME,
-    VLLM_ALIASES,
-    TTFT_BUCKETS,
-    TOKEN_LATENCY_BUCKETS,
+    BATCHED_TOKENS,
+    CACHE_CONFIG_INFO,
     E2E_BUCKETS,
+    E2E_REQUEST_LATENCY,
+    ENGINE_STATE,
+    ENGINE_STATES,
+    ENGINE_STEPS,
+    FINISH_REASONS,
+    GENERATION_TOKENS,
+    INTER_TOKEN_LATENCY,
+    ITERATION_TOKENS,
+    KV_CACHE_BLOCKS,
+    KV_CACHE_USAGE_RATIO,
+    PREEMPTIONS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    PROMPT_TOKENS,
+    REJECT_REASONS,
+    REQUEST_DECODE_TIME,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_INFERENCE_TIME,
+    REQUEST_PARAMS_MAX_TOKENS,
+    REQUEST_PARAMS_N,
+    REQUEST_PREFILL_TIME,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_QUEUE_TIME,
+    REQUESTS_ADMITTED,
+    REQUESTS_FINISHED,
+    REQUESTS_REJECTED,
+    REQUESTS_RUNNING,
+    REQUESTS_SLO_MET,
+    REQUESTS_WAITING,
+    TIME_PER_OUTPUT_TOKEN,
+    TIME_TO_FIRST_TOKEN,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    VLLM_ALIASES,
+    count_buckets,
 )
 
 # "_created" series only add noise to scrapes and dashboards (vLLM turns them off too).
 disable_created_metrics()
 
-
-@dataclass
-class EngineStats:
-    """A consistent snapshot of the engine for metrics and ``GET /admin/state``.
-
-    Counts are cumulative since start-up; token counters count tokens (prefix-cache queries and
-    hits count prompt tokens looked up / served from cache). ``kv_blocks_used`` counts blocks
-    with a reference (cached-but-free blocks count as free).
-    """
-
-    engine_state: str = "waiting"
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    max_num_seqs: int = 0
-    max_waiting: int = 0
-    admitted: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    finished: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    preemptions: int = 0
-
-    @property
-    def kv_cache_usage_ratio(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+# Largest value the token-count histograms resolve when the worker does not say its max_model_len.
+DEFAULT_MAX_TOKENS_BUCKET = 1 << 20
 
 
 def slo_met(ttft_s: float | None, tpot_s: float | None, slo_ttft_s: float | None,
@@ -107,9 +95,9 @@ def slo_met(ttft_s: float | None, tpot_s: float | None, slo_ttft_s: float | None
 
 
 class _StatsCollector(Collector):
-    """Exports the scheduler-owned gauges and counters from an :class:`EngineStats` snapshot."""
+    """Exports the scheduler-owned gauges and counters from a :class:`SchedulerStats` snapshot."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], EngineStats], aliases: bool):
+    def __init__(self, model_name: str, stats_fn: Callable[[], SchedulerStats], aliases: bool):
         self._model = model_name
         self._stats_fn = stats_fn
         self._aliases = aliases
@@ -138,16 +126,29 @@ class _StatsCollector(Collector):
                 c.add_metric([self._model, k], values.get(k, 0))
             yield c
 
+    def _cache_config(self, s: SchedulerStats) -> Iterable[GaugeMetricFamily]:
+        doc = "KV cache configuration as labels; the value is always 1."
+        g = GaugeMetricFamily(CACHE_CONFIG_INFO, doc,
+                              labels=["model_name", "block_size", "num_blocks", "enable_prefix_caching"])
+        g.add_metric([self._model, str(s.block_size), str(s.num_blocks),
+                      str(s.enable_prefix_caching).lower()], 1.0)
+        yield g
+        if self._aliases:  # vLLM's label names and spelling (str() of its config fields)
+            g = GaugeMetricFamily(VLLM_ALIASES[CACHE_CONFIG_INFO], doc, labels=[
+                "model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"])
+            g.add_metric([self._model, str(s.block_size), str(s.num_blocks),
+                          str(s.enable_prefix_caching)], 1.0)
+            yield g
+
     def collect(self):
         s = self._stats_fn()
-        yield from self._gauge(REQUESTS_RUNNING, "Requests in the running set.", s.running)
+        yield from self._gauge(REQUESTS_RUNNING, "Requests in the running set.", s.num_running)
         yield from self._gauge(REQUESTS_WAITING,
-                               "Requests admitted and waiting (including preempted ones).", s.waiting)
+                               "Requests admitted and waiting (including preempted ones).", s.num_waiting)
         yield from self._gauge(KV_CACHE_USAGE_RATIO,
                                "Referenced KV blocks / all blocks (cached-but-free counts as free).",
-                               s.kv_cache_usage_ratio)
-        yield from self._gauge(KV_CACHE_BLOCKS, "KV cache blocks in the pool (capacity).",
-                               s.kv_blocks_total)
+                               s.kv_usage_ratio)
+        yield from self._gauge(KV_CACHE_BLOCKS, "KV cache blocks in the pool (capacity).", s.num_blocks)
         g = GaugeMetricFamily(ENGINE_STATE, "1 for the engine's current state, else 0.",
                               labels=["model_name", "state"])
         for st in ENGINE_STATES:
@@ -157,18 +158,24 @@ class _StatsCollector(Collector):
                                s.max_num_seqs)
         yield from self._gauge(ADMISSION_MAX_WAITING, "Current admission limit on waiting requests.",
                                s.max_waiting)
-        yield from self._counter(REQUESTS_ADMITTED, "Admitted requests.", s.admitted)
+        yield from self._cache_config(s)
+        yield from self._counter(REQUESTS_ADMITTED, "Admitted requests.", s.admitted_total)
         yield from self._labelled_counter(REQUESTS_REJECTED, "Rejected requests by reason.", "reason",
-                                          REJECT_REASONS, s.rejected)
+                                          REJECT_REASONS, s.rejected_total)
         yield from self._labelled_counter(REQUESTS_FINISHED, "Finished requests by reason.",
-                                          "finished_reason", FINISH_REASONS, s.finished)
-        yield from self._counter(PROMPT_TOKENS, "Prompt tokens of admitted requests.", s.prompt_tokens)
-        yield from self._counter(GENERATION_TOKENS, "Generated tokens.", s.generation_tokens)
+                                          "finished_reason", FINISH_REASONS, s.finished_total)
+        yield from self._counter(PROMPT_TOKENS, "Prompt tokens of requests that started running.",
+                                 s.prompt_tokens_total)
+        yield from self._counter(GENERATION_TOKENS, "Generated tokens.", s.generation_tokens_total)
         yield from self._counter(PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
-                                 s.prefix_cache_queries)
+                                 s.prefix_cache_queries_total)
         yield from self._counter(PREFIX_CACHE_HITS, "Prompt tokens served from the prefix cache.",
-                                 s.prefix_cache_hits)
-        yield from self._counter(PREEMPTIONS, "Preemptions by recompute.", s.preemptions)
+                                 s.prefix_cache_hits_total)
+        yield from self._counter(PREEMPTIONS, "Preemptions by recompute.", s.preemptions_total)
+        yield from self._counter(ENGINE_STEPS, "Engine steps that ran at least one chunk.", s.steps_total)
+        yield from self._counter(BATCHED_TOKENS,
+                                 "Tokens computed by the model in those steps (prefill chunks + decodes).",
+                                 s.batched_tokens_total)
 
 
 class _Hist:
@@ -192,15 +199,16 @@ class WorkerMetrics:
     """The worker's Prometheus registry (its own, not the process-global default one).
 
     model_name: value of the ``model_name`` label (the served model name).
-    stats_fn: returns a fresh :class:`EngineStats`; called on every scrape.
+    stats_fn: returns a fresh :class:`SchedulerStats`; called on every scrape.
     slo_ttft_s, slo_tpot_s: SLO thresholds in seconds for ``goodput_requests_slo_met_total``
         (None = no SLO on that dimension).
     vllm_aliases: also export vLLM's names for the same values.
+    max_model_len: largest bucket of the per-request token histograms (1-2-5 buckets up to it).
     """
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], EngineStats],
+    def __init__(self, model_name: str, stats_fn: Callable[[], SchedulerStats],
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                 vllm_aliases: bool = False) -> None:
+                 vllm_aliases: bool = False, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
@@ -216,6 +224,20 @@ class WorkerMetrics:
                       TOKEN_LATENCY_BUCKETS)
         self.e2e = h(E2E_REQUEST_LATENCY, "Per request: finished - arrival.", E2E_BUCKETS)
         self.queue_time = h(REQUEST_QUEUE_TIME, "Per request: first scheduled - arrival.", TTFT_BUCKETS)
+        self.prefill_time = h(REQUEST_PREFILL_TIME, "Per request: first token - first scheduled.",
+                              TTFT_BUCKETS)
+        self.decode_time = h(REQUEST_DECODE_TIME, "Per request: finished - first token.", E2E_BUCKETS)
+        self.inference_time = h(REQUEST_INFERENCE_TIME, "Per request: finished - first scheduled.",
+                                E2E_BUCKETS)
+        tokens = count_buckets(max_model_len or DEFAULT_MAX_TOKENS_BUCKET)
+        self.prompt_tokens = h(REQUEST_PROMPT_TOKENS, "Per finished request: prompt tokens.", tokens)
+        self.generation_tokens = h(REQUEST_GENERATION_TOKENS, "Per finished request: generated tokens.",
+                                   tokens)
+        self.params_n = h(REQUEST_PARAMS_N, "Per finished request: the n parameter.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = h(REQUEST_PARAMS_MAX_TOKENS, "Per finished request: max_tokens.", tokens)
+        self.iteration_tokens = h(ITERATION_TOKENS,
+                                  "Per engine step: prompt tokens computed + tokens generated.",
+                                  (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
 
     def observe_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:
         self.ttft.observe(ttft_s)
@@ -226,14 +248,32 @@ class WorkerMetrics:
         for g in gaps_s:
             self.itl.observe(g)
 
-    def observe_finished(self, finish_reason: str, ttft_s: float | None, tpot_s: float | None,
-                         e2e_s: float | None) -> None:
-        """Record one finished request (TTFT/ITL were observed as its tokens arrived)."""
+    def observe_iteration(self, num_tokens: int) -> None:
+        """One engine step's tokens as vLLM counts them: prompt (prefill) tokens computed plus
+        tokens sampled."""
+        self.iteration_tokens.observe(num_tokens)
+
+    def observe_finished(self, finish_reason: str, req: Request, n: int = 1) -> None:
+        """Record one finished request from its timestamps (TTFT/ITL were observed as its tokens
+        arrived). ``n``: the OpenAI ``n`` of the request it belongs to. A request finished
+        without a ``finished_time`` (the engine failed) gets E2E up to now."""
+        e2e_s = req.e2e
+        if e2e_s is None and req.arrival_time is not None:
+            e2e_s = time.monotonic() - req.arrival_time
         if e2e_s is not None and math.isfinite(e2e_s):
             self.e2e.observe(e2e_s)
+        tpot_s = req.tpot
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
-        if finish_reason in ("stop", "length") and slo_met(ttft_s, tpot_s, self.slo_ttft_s,
+        for hist, value in ((self.prefill_time, req.prefill_time), (self.decode_time, req.decode_time),
+                            (self.inference_time, req.inference_time)):
+            if value is not None:
+                hist.observe(value)
+        self.prompt_tokens.observe(req.num_prompt_tokens)
+        self.generation_tokens.observe(req.num_output_tokens)
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(req.sampling_params.max_tokens)
+        if finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and slo_met(req.ttft, tpot_s, self.slo_ttft_s,
                                                              self.slo_tpot_s):
             self._slo_met.inc()
 

@@ -55,6 +55,11 @@ class ScheduledChunk:
         """Context length after this step (cached + new tokens)."""
         return self.start_pos + len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token fed back after it was sampled (the request's last output token)."""
+        return self.sample and self.num_output_tokens > 0 and len(self.token_ids) == 1
+
 
 @dataclass
 class SchedulerOutput:
@@ -73,6 +78,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the step's prefill chunks (prompt, or prompt + output after a preemption by
+        recompute); the rest of ``num_batched_tokens`` are decode inputs."""
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
 
 
 @dataclass

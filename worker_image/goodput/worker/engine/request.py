@@ -7,6 +7,9 @@ Latency definitions (the one place they are computed; all times from one monoton
 - E2E   = finished_time - arrival_time
 - TPOT  = (E2E - TTFT) / (n_out - 1), undefined (None) for n_out <= 1
 - queue time = first_scheduled_time - arrival_time
+- prefill time = first_token_time - first_scheduled_time
+- decode time = finished_time - first_token_time
+- inference time = finished_time - first_scheduled_time (prefill + decode)
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.states import FinishReason
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
 
 
 class RequestStatus(str, enum.Enum):
@@ -27,17 +33,6 @@ class RequestStatus(str, enum.Enum):
     FINISHED = "finished"
 
     def __str__(self) -> str:  # "running", not "RequestStatus.RUNNING" (labels, JSON, logs)
-        return self.value
-
-
-class FinishReason(str, enum.Enum):
-    """OpenAI ``finish_reason`` values: EOS / stop token / stop string, token limit, abort."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-    def __str__(self) -> str:  # "stop", not "FinishReason.STOP"
         return self.value
 
 
@@ -179,3 +174,22 @@ class Request:
         if self.first_scheduled_time is None or self.arrival_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token: first_token_time - first_scheduled_time."""
+        return _gap(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to finish: finished_time - first_token_time (None until finished)."""
+        return _gap(self.first_token_time, self.finished_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled to finish: finished_time - first_scheduled_time (prefill + decode)."""
+        return _gap(self.first_scheduled_time, self.finished_time)
+
+
+def _gap(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start

@@ -29,38 +29,47 @@ from typing import Callable
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput
-from goodput.worker.engine.request import FinishReason, Request, RequestStatus
-
-REJECT_REASONS = ("queue_full", "never_fits", "invalid")
-FINISH_REASONS = tuple(r.value for r in FinishReason)
-ENGINE_STATES = ("running", "waiting", "rejecting", "blocked")
+from goodput.worker.engine.request import Request, RequestStatus
+from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
 
 
 class AdmissionError(Exception):
-    """A request refused by ``Scheduler.add_request``.
+    """A request refused at admission (by ``Scheduler.add_request`` or the server's own checks).
 
-    reason: "invalid" (bad input, HTTP 400), "never_fits" (can never be served by this engine's
-        max_model_len or KV pool, HTTP 400), "queue_full" (try again later, HTTP 429).
+    reason: a :class:`RejectReason`: ``invalid`` (bad input, HTTP 400), ``never_fits`` (can never
+        be served by this engine's max_model_len or KV pool, HTTP 400), ``queue_full`` (try again
+        later, HTTP 429).
     message: human-readable, names the numbers involved.
-    retry_after: seconds to wait before retrying (only for "queue_full").
+    retry_after: seconds to wait before retrying (only for ``queue_full``).
+    param: the request field at fault (``"prompt"``, ``"max_tokens"``) or None; the server puts
+        it in the OpenAI error body.
     """
 
-    def __init__(self, reason: str, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, reason: RejectReason | str, message: str, retry_after: float | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason = RejectReason(reason)
         self.message = message
         self.retry_after = retry_after
+        self.param = param
 
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """A snapshot for metrics and ``/admin/state``. Counters are totals since start.
+    """A consistent snapshot of the engine core: what ``/metrics`` and ``/admin/state`` export.
 
-    kv_usage_ratio: referenced blocks / all blocks (cached-but-free blocks count as free).
-    prefix_cache_queries / hits: in tokens (prompt tokens looked up at admission / found).
+    Gauges: engine_state, num_running, num_waiting (preempted ones included), KV blocks
+    (``num_used_blocks`` have a reference; cached-but-free blocks count as free), the admission
+    limits in force. Counters are totals since start: ``rejected_total`` by
+    :class:`RejectReason` value (the server's own refusals included), ``finished_total`` by
+    :class:`FinishReason` value; tokens in tokens (``prefix_cache_*``: prompt tokens looked up at
+    admission / found); ``steps_total``: steps that ran at least one chunk;
+    ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs).
+
+    kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
     """
 
-    engine_state: str
+    engine_state: EngineState
     num_running: int
     num_waiting: int
     num_preempted_waiting: int
@@ -69,6 +78,7 @@ class SchedulerStats:
     num_used_blocks: int
     num_cached_blocks: int
     block_size: int
+    enable_prefix_caching: bool
     max_num_seqs: int
     max_waiting: int
     admitted_total: int
@@ -127,8 +137,8 @@ class Scheduler:
         self._last_queue_full: float | None = None
         # Counters.
         self.admitted_total = 0
-        self.rejected_total = dict.fromkeys(REJECT_REASONS, 0)
-        self.finished_total = dict.fromkeys(FINISH_REASONS, 0)
+        self.rejected_total = dict.fromkeys((r.value for r in RejectReason), 0)
+        self.finished_total = dict.fromkeys((r.value for r in FinishReason), 0)
         self.preemptions_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -136,11 +146,18 @@ class Scheduler:
         self.batched_tokens_total = 0
 
     # ---- admission -----------------------------------------------------------------------------
-    def _reject(self, reason: str, message: str, retry_after: float | None = None) -> AdmissionError:
-        self.rejected_total[reason] += 1
-        if reason == "queue_full":
+    def count_rejection(self, reason: RejectReason | str) -> None:
+        """Count one refused request. ``add_request`` counts its own; the server calls this for
+        requests it refuses before they reach the scheduler (validation, over-long text)."""
+        reason = RejectReason(reason)
+        self.rejected_total[reason.value] += 1
+        if reason is RejectReason.QUEUE_FULL:
             self._last_queue_full = self.clock()
-        return AdmissionError(reason, message, retry_after)
+
+    def _reject(self, reason: RejectReason, message: str, retry_after: float | None = None,
+                param: str | None = None) -> AdmissionError:
+        self.count_rejection(reason)
+        return AdmissionError(reason, message, retry_after, param)
 
     def add_request(self, req: Request) -> None:
         """Admit ``req`` to the waiting queue, or raise ``AdmissionError`` at once.
@@ -155,32 +172,38 @@ class Scheduler:
         cfg = self.config
         rid = req.request_id
         if rid in self.requests:
-            raise self._reject("invalid", f"request id {rid!r} is already in use")
+            raise self._reject(RejectReason.INVALID, f"request id {rid!r} is already in use")
         if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
-            raise self._reject("invalid", f"request {rid!r} was already scheduled once")
+            raise self._reject(RejectReason.INVALID, f"request {rid!r} was already scheduled once")
         n = req.num_prompt_tokens
         if n == 0:
-            raise self._reject("invalid", "the prompt is empty (0 tokens); at least 1 token is needed")
+            raise self._reject(RejectReason.INVALID,
+                               "the prompt is empty (0 tokens); at least 1 token is needed", param="prompt")
         lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
         if lo < 0 or (cfg.vocab_size is not None and hi >= cfg.vocab_size):
             bad = lo if lo < 0 else hi
-            raise self._reject("invalid", f"prompt token id {bad} is outside the vocabulary "
-                                          f"[0, {cfg.vocab_size if cfg.vocab_size else 'inf'})")
+            raise self._reject(RejectReason.INVALID, f"prompt token id {bad} is outside the vocabulary "
+                               f"[0, {cfg.vocab_size if cfg.vocab_size else 'inf'})", param="prompt")
         max_tokens = req.sampling_params.max_tokens
+        # The field at fault: the prompt when it cannot fit even alone, else max_tokens.
+        culprit = ("prompt" if n >= cfg.max_model_len or cfg.blocks_for_tokens(n) > cfg.num_blocks
+                   else "max_tokens")
         if n + max_tokens > cfg.max_model_len:
             raise self._reject(
-                "never_fits", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
-                              f"tokens exceeds max_model_len ({cfg.max_model_len})")
+                RejectReason.NEVER_FITS,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                f"tokens exceeds max_model_len ({cfg.max_model_len})", param=culprit)
         need = cfg.blocks_for_tokens(req.max_num_kv_tokens)
         if need > cfg.num_blocks:
             raise self._reject(
-                "never_fits", f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks "
-                              f"of {cfg.block_size} tokens but the whole pool has {cfg.num_blocks} "
-                              f"blocks ({cfg.kv_capacity_tokens} tokens)")
+                RejectReason.NEVER_FITS,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks "
+                f"of {cfg.block_size} tokens but the whole pool has {cfg.num_blocks} "
+                f"blocks ({cfg.kv_capacity_tokens} tokens)", param=culprit)
         if len(self.waiting) >= self.max_waiting:
             raise self._reject(
-                "queue_full", f"the waiting queue is full ({len(self.waiting)} requests, "
-                              f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
+                RejectReason.QUEUE_FULL, f"the waiting queue is full ({len(self.waiting)} requests, "
+                                         f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
         sp = req.sampling_params
         req.stop_token_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
         now = self.clock()
@@ -372,6 +395,21 @@ class Scheduler:
         self._finish(req, reason, self.clock())
         return req
 
+    def restate_finish_reason(self, req: Request, reason: FinishReason | str) -> None:
+        """Change the reason of a request that finished this step, keeping the counters true.
+
+        The engine finds stop strings in detokenized text after ``update_from_output``; when the
+        token that hit a length limit also completed a stop string, the client is told "stop"
+        (as OpenAI does) and ``finished_total`` must say the same.
+        """
+        reason = FinishReason(reason)
+        if req.status is not RequestStatus.FINISHED or req.finish_reason is None:
+            raise ValueError(f"request {req.request_id!r} has not finished")
+        if req.finish_reason is not reason:
+            self.finished_total[req.finish_reason.value] -= 1
+            self.finished_total[reason.value] += 1
+            req.finish_reason = reason
+
     def abort_request(self, request_id: str) -> Request | None:
         """Abort (client disconnect): finish with reason "abort" and free its blocks at once."""
         return self.finish_request(request_id, FinishReason.ABORT)
@@ -401,7 +439,7 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
-    def engine_state(self) -> str:
+    def engine_state(self) -> EngineState:
         """Exactly one of, checked in this order:
 
         - "rejecting": the waiting queue is at ``max_waiting``, or a request was rejected with
@@ -416,10 +454,10 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting or (
                 self._last_queue_full is not None
                 and self.clock() - self._last_queue_full <= self.config.rejecting_window_s):
-            return "rejecting"
+            return EngineState.REJECTING
         if self.waiting:
-            return "blocked" if self._kv_blocked else "waiting"
-        return "running"
+            return EngineState.BLOCKED if self._kv_blocked else EngineState.WAITING
+        return EngineState.RUNNING
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -433,6 +471,7 @@ class Scheduler:
             num_used_blocks=bm.num_used_blocks,
             num_cached_blocks=bm.num_cached_blocks,
             block_size=bm.block_size,
+            enable_prefix_caching=bm.enable_prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_waiting=self.max_waiting,
             admitted_total=self.admitted_total,

@@ -30,7 +30,7 @@ def _require_admin(request: Request) -> None:
 
 
 def _limits(st) -> dict[str, int]:
-    s = st.llm.scheduler_stats()
+    s = st.llm.stats()
     return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting}
 
 
@@ -68,19 +68,21 @@ async def get_state(request: Request) -> dict:
     s = st.llm.stats()
     return {
         "model": st.model_name,
-        "engine_state": s.engine_state,
-        "running": s.running,
-        "waiting": s.waiting,
-        "kv_blocks_used": s.kv_blocks_used,
-        "kv_blocks_total": s.kv_blocks_total,
-        "kv_cache_usage_ratio": s.kv_cache_usage_ratio,
-        "block_size": st.llm.config.block_size,
+        "engine_state": s.engine_state.value,
+        "running": s.num_running,
+        "waiting": s.num_waiting,
+        "kv_blocks_used": s.num_used_blocks,
+        "kv_blocks_total": s.num_blocks,
+        "kv_cache_usage_ratio": s.kv_usage_ratio,
+        "block_size": s.block_size,
         "max_model_len": st.llm.config.max_model_len,
         "limits": {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
         "counters": {
-            "admitted": s.admitted, "rejected": s.rejected, "finished": s.finished,
-            "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
-            "generation_tokens": s.generation_tokens, "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits, "steps": st.llm.num_steps,
+            "admitted": s.admitted_total, "rejected": s.rejected_total, "finished": s.finished_total,
+            "preemptions": s.preemptions_total, "prompt_tokens": s.prompt_tokens_total,
+            "generation_tokens": s.generation_tokens_total,
+            "prefix_cache_queries": s.prefix_cache_queries_total,
+            "prefix_cache_hits": s.prefix_cache_hits_total, "steps": s.steps_total,
+            "batched_tokens": s.batched_tokens_total,
         },
     }

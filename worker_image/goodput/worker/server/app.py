@@ -6,6 +6,13 @@ loaded, ``/health`` is the engine loop's heartbeat (503 when the loop died) and 
 A failed load makes both 503 (the error is in the body and the log); ``goodput-worker serve``
 then exits with status 1.
 
+Drain (scale-down, rollout, node drain): on SIGTERM ``goodput-worker serve`` calls
+:meth:`ServerState.start_drain`. From then on ``/ready`` answers 503 ``{"status": "draining"}`` (the
+pod leaves the Service's endpoints), new generate requests get 503 with an OpenAI error body
+(code ``draining``) telling the client to retry elsewhere, and the requests already in flight —
+streams included — run to their end. The process exits 0 once none is left; the pod's
+``terminationGracePeriodSeconds`` bounds the wait (the kubelet's SIGKILL).
+
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``
 (server/openai_routes.py); ``/admin/limits``, ``/admin/state`` (server/admin.py); ``/health``,
 ``/ready``, ``/metrics`` (here).
@@ -46,10 +53,30 @@ class ServerState:
         self.engine: AsyncLLMEngine | None = None
         self.load_error: BaseException | None = None
         self.loader: threading.Thread | None = None
+        self.draining = False
+        self.inflight = 0  # generate requests whose response (stream included) is not finished
+
+    def start_drain(self) -> None:
+        """Stop admitting: /ready turns 503, new generate requests get 503; in-flight ones finish."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: admitting nothing new; %d request(s) in flight", self.inflight)
+
+    @property
+    def drained(self) -> bool:
+        """Draining and no generate request left in flight: the process may exit."""
+        return self.draining and self.inflight == 0
+
+    def require_admitting(self) -> None:
+        """Raise 503 (OpenAI error body, code ``draining``) once a drain started."""
+        if self.draining:
+            raise APIError(503, "this replica is shutting down (draining) and admits no new requests; "
+                                "retry the request: the Service routes it to another replica",
+                           code="draining", headers={"Retry-After": "1"})
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_healthy()
+        return self.engine is not None and self.engine.is_healthy() and not self.draining
 
     def require_engine(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -64,6 +91,26 @@ class ServerState:
     @property
     def max_model_len(self) -> int | None:
         return self.llm.config.max_model_len if self.llm is not None else None
+
+
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _InflightCounter:
+    """Pure ASGI middleware: counts generate requests until their response (a whole SSE stream
+    included) is sent, so a drain knows when the last stream ended."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in GENERATE_PATHS:
+            return await self.app(scope, receive, send)
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
 
 
 def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngine] | None = None,
@@ -112,6 +159,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
             state.llm.count_invalid()
 
     install_error_handlers(app, count_invalid)
+    app.add_middleware(_InflightCounter, state=state)
 
     from goodput.worker.server.admin import router as admin_router
     from goodput.worker.server.openai_routes import router as openai_router
@@ -133,6 +181,8 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
     async def ready() -> JSONResponse:
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.model_name})
+        if state.draining:
+            return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
         body: dict[str, Any] = {"status": "loading" if state.load_error is None else "error"}
         if state.load_error is not None:
             body["error"] = repr(state.load_error)

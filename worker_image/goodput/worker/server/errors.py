@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from goodput.worker.engine.scheduler import AdmissionError
+from goodput.worker.engine.states import RejectReason
 from goodput.worker.server.protocol import UnsupportedParameter, error_body
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,14 +39,11 @@ class APIError(Exception):
 
     @classmethod
     def from_admission(cls, e: AdmissionError) -> APIError:
-        if e.reason == "queue_full":
+        if e.reason is RejectReason.QUEUE_FULL:
             retry = max(1, math.ceil(e.retry_after or 1))
             return cls(429, f"Server is at capacity: {e.message}. Retry after {retry} s.",
-                       code="queue_full", headers={"Retry-After": str(retry)})
-        param = "max_tokens" if e.reason == "never_fits" and "max_tokens" in e.message else None
-        if e.reason == "invalid" and "prompt" in e.message:
-            param = "prompt"
-        return cls(400, e.message, param=param, code=e.reason)
+                       code=e.reason.value, headers={"Retry-After": str(retry)})
+        return cls(400, e.message, param=e.param, code=e.reason.value)
 
     @classmethod
     def unsupported(cls, e: UnsupportedParameter) -> APIError:

@@ -126,13 +126,7 @@ def _admit(st, body, prompt_ids: list[int], max_tokens: int, arrival: float) -> 
         stream = engine.add_request(rid, prompt_ids, params, arrival_time=arrival,
                                     priority=body.priority, cache_salt=body.cache_salt)
     except AdmissionError as e:
-        err = APIError.from_admission(e)
-        if e.reason == "never_fits":  # name what is wrong: the prompt alone, or prompt + max_tokens
-            cfg = st.llm.config
-            n = len(prompt_ids)
-            err.param = "prompt" if n >= cfg.max_model_len or cfg.blocks_for_tokens(n) > cfg.num_blocks \
-                else "max_tokens"
-        raise err
+        raise APIError.from_admission(e)
     except EngineDeadError as e:
         raise APIError(503, str(e))
     except (ValueError, TypeError) as e:
@@ -195,9 +189,11 @@ async def _sse_stream(stream: RequestStream, first: list[bytes],
 
 
 def _checked_state(request: Request, body: CompletionRequest | ChatCompletionRequest):
-    """The server state after the checks both generate routes share: the model name (404),
-    unsupported OpenAI parameters (400 naming the parameter), a loaded, live engine (503)."""
+    """The server state after the checks both generate routes share: not draining (503), the
+    model name (404), unsupported OpenAI parameters (400 naming the parameter), a loaded, live
+    engine (503)."""
     st = _state(request)
+    st.require_admitting()
     _check_model(st, body.model)
     try:
         body.check_supported()

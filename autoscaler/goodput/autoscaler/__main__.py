@@ -1,0 +1,106 @@
+"""``python -m goodput.autoscaler``: the goodput autoscaler's control loop (see ``loop``).
+
+    python -m goodput.autoscaler [--namespace NS | --all-namespaces] [--period 5] [--metrics-port 9091]
+        [--metrics-host 0.0.0.0] [--scrape-timeout 2] [--prometheus-url URL] [--once] [--log-level info]
+
+Credentials: in-cluster ServiceAccount, else KUBECONFIG / ~/.kube/config. ``--once`` runs one pass,
+prints the decisions as JSON and exits (0; 1 when a pass could not list InferenceServices).
+SIGTERM/SIGINT stop it after the current pass.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0-65535 (0 = no metrics server), got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m goodput.autoscaler",
+                                description="goodput autoscaler: replicas and admission limits from goodput",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--namespace", "-n", default=None, help="only this namespace")
+    where.add_argument("--all-namespaces", "-A", action="store_true", help="every namespace (the default)")
+    p.add_argument("--period", type=_positive, default=5.0, help="seconds between reconcile passes")
+    p.add_argument("--metrics-port", type=_port, default=9091, help="port of its own /metrics (0 = off)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address of its own /metrics")
+    p.add_argument("--scrape-timeout", type=_positive, default=2.0, help="seconds per pod scrape")
+    p.add_argument("--prometheus-url", default=None,
+                   help="read the workers' metrics from this Prometheus (PromQL) instead of scraping pods")
+    p.add_argument("--once", action="store_true", help="one pass, print the decisions as JSON, exit")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+async def _main(ns: argparse.Namespace) -> int:
+    import httpx
+
+    from goodput.autoscaler.loop import Autoscaler, DirectScraper, Kube
+    from goodput.autoscaler.metrics import AutoscalerMetrics
+
+    metrics = AutoscalerMetrics()
+    if ns.metrics_port and not ns.once:
+        from prometheus_client import start_http_server
+        start_http_server(ns.metrics_port, addr=ns.metrics_host, registry=metrics.registry)
+    async with httpx.AsyncClient(timeout=ns.scrape_timeout) as http:
+        if ns.prometheus_url:
+            from goodput.autoscaler.promql import PrometheusSource
+            source = PrometheusSource(http, ns.prometheus_url, timeout_s=ns.scrape_timeout)
+        else:
+            source = DirectScraper(http, ns.scrape_timeout)
+        scaler = Autoscaler(Kube(), source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics)
+        if ns.once:
+            try:
+                decisions = await scaler.tick()
+            except Exception as e:  # noqa: BLE001
+                print(f"autoscaler: {e}", file=sys.stderr)
+                return 1
+            print(json.dumps({f"{k[0]}/{k[1]}": {"replicas": d.replicas, "reason": d.reason, "message": d.message,
+                                                   "limits": {p: [v.max_num_seqs, v.max_waiting]
+                                                              for p, v in d.limits.items()}}
+                              for k, d in decisions.items()}, indent=2))
+            return 0
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        logging.getLogger("goodput.autoscaler").info(
+            "autoscaling InferenceServices in %s every %.3g s (metrics from %s)",
+            ns.namespace or "all namespaces", ns.period, ns.prometheus_url or "the pods' /metrics")
+        await scaler.run(stop)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return asyncio.run(_main(ns))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
