@@ -1,4 +1,4 @@
-"""Adversarial tests: inputs a real OpenAI / vLLM user sends that broke the worker (issue 2).
+"""Adversarial tests: inputs a real OpenAI / vLLM user sends that broke the worker.
 
 Each test is one defect found by probing a live worker as a skeptical user would (F1-F9: all
 fixed; each test now guards against its return). Expected values come from the OpenAI API reference

@@ -111,8 +111,11 @@ def test_autoscaler_status_records_only_changes_and_caps_history():
     same = loop.autoscaler_status(s, _decision(2, "ScaleUpGoodput"), current_replicas=2, now=NOW + 5)
     assert same["decisions"] == s["decisions"] and same["lastScaleTime"] == T(NOW)  # nothing new
     assert not loop.changed(s, _decision(2, "ScaleUpGoodput"), 2)
-    assert loop.changed(s, _decision(2, "Steady"), 2) and loop.changed(s, _decision(3, "ScaleUpGoodput"), 2)
-    assert loop.changed(s, _decision(2, "ScaleUpGoodput", {"p1": policy.Limits(6, 4)}), 2)
+    assert not loop.changed(s, _decision(2, "Steady"), 2)  # a new reason alone: status only, no Event
+    assert loop.changed(s, _decision(3, "ScaleUpGoodput"), 2)  # replicas
+    assert loop.changed(s, _decision(2, "ScaleUpGoodput", {"p1": policy.Limits(6, 4)}), 2)  # limits
+    assert loop.changed(s, _decision(2, "HoldMissingMetrics", ok=False), 2)  # MetricsAvailable flips
+    assert loop.changed(None, _decision(2, "Steady"), 2)  # the first decision
     cur = s
     for i in range(30):
         cur = loop.autoscaler_status(cur, _decision(2 + i % 2, f"R{i}"), current_replicas=2, now=NOW + i)

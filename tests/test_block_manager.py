@@ -97,10 +97,11 @@ def test_prefix_hit_same_identity_miss_other_salt_or_revision():
     assert prefill(bm, c) == (True, 0)
     d = mkreq(prompt, salt="tenant-b")
     assert bm.get_computed_blocks(d) == (c.block_ids[:2], 8)
-    # Another model revision never reads rev1's KV; switching back finds it again.
-    bm.cache_identity = "smollm2@rev2"
-    assert bm.get_computed_blocks(mkreq(prompt)) == ([], 0)
-    bm.cache_identity = "smollm2@rev1"
+    # Another model revision hashes the same tokens differently, so it never reads rev1's KV.
+    other = BlockManager(num_blocks=16, block_size=4, cache_identity="smollm2@rev2")
+    e = mkreq(prompt)
+    assert prefill(other, e) == (True, 0)
+    assert set(e.block_hashes).isdisjoint(a.block_hashes) and len(e.block_hashes) == 2
     assert bm.get_computed_blocks(mkreq(prompt)) == (a.block_ids[:2], 8)
     bm.check_invariants([a, b, c])
 
@@ -193,10 +194,10 @@ def test_check_invariants_detects_corruption():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = mkreq(range(4))
     bm.allocate_slots(a, 4)
-    bm._ref[a.block_ids[0]] += 1
+    bm._blocks[a.block_ids[0]].ref += 1
     with pytest.raises(AssertionError, match="table references"):
         bm.check_invariants()
-    bm._ref[a.block_ids[0]] -= 1
+    bm._blocks[a.block_ids[0]].ref -= 1
     bm._free[a.block_ids[0]] = None
     with pytest.raises(AssertionError, match="free list"):
         bm.check_invariants()

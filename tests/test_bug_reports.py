@@ -1,4 +1,4 @@
-"""Cases from public bug reports against OpenAI-compatible servers (issue 2), each must hold.
+"""Cases from public bug reports against OpenAI-compatible servers; each must hold.
 
 1. an empty prompt gets 400 (or a valid completion) and the server stays healthy;
 2. a prompt longer than --max-model-len gets 400 and the next request still works;

@@ -3,7 +3,7 @@
 The reference (tests/reference_hf.py) loads the same GGUF with transformers' own dequantizer,
 model and KV cache; prompts are tokenized by transformers' tokenizer and sent as token ids, and
 the server returns its generated ids (``return_token_ids``), so the comparison is exact.
-Cases (issue 2): one request at a time; 8 at once; a token budget smaller than the prompt
+Cases: one request at a time; 8 at once; a token budget smaller than the prompt
 (chunked prefill); a warm prefix cache; a pool so small that requests are preempted.
 """
 from __future__ import annotations

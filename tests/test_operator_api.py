@@ -14,7 +14,8 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "crds" / "examples").gl
 
 def test_defaults_and_camel_case_round_trip():
     s = InferenceServiceSpec.model_validate({"engine": {"maxNumSeqs": 8, "kvCacheMemory": "64Mi"}})
-    assert s.engine.max_num_seqs == 8 and s.engine.block_size == 16 and s.replicas == 1
+    assert s.engine.max_num_seqs == 8 and s.engine.block_size is None and s.replicas == 1
+    assert api.engine_value(s.engine, "block_size") == 16  # unset: the worker's default
     assert s.model.name == "smollm2" and s.slo.attainment_target == 0.9
     dumped = s.model_dump(by_alias=True, exclude_none=True)
     assert dumped["engine"]["maxNumSeqs"] == 8 and "max_num_seqs" not in dumped["engine"]

@@ -66,8 +66,10 @@ def test_schema_carries_defaults_bounds_enums_nullable(version):
     p = spec["properties"]
     eng = p["engine"]["properties"]
     assert spec["default"] == {} and p["engine"]["default"] == {}
-    assert eng["blockSize"] == {"default": 16, "description": "--block-size: tokens per KV block",
-                                "maximum": 256, "minimum": 1, "type": "integer"}
+    assert eng["blockSize"] == {"nullable": True, "maximum": 256, "minimum": 1, "type": "integer",
+                                "description": "--block-size: tokens per KV block (PagedAttention; "
+                                               "Kwon et al., SOSP 2023)"}
+    assert eng["enablePrefixCaching"]["default"] is True and eng["vllmMetricAliases"]["default"] is False
     assert eng["maxNumSeqs"]["nullable"] is True and eng["maxNumSeqs"]["minimum"] == 1
     assert eng["dtype"]["enum"] == ["float32", "bfloat16"] and eng["dtype"]["nullable"] is True
     assert eng["kvCacheMemory"]["x-kubernetes-int-or-string"] is True and "type" not in eng["kvCacheMemory"]

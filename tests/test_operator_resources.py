@@ -10,10 +10,10 @@ from goodput.operator import resources as r
 from goodput.operator.api import InferenceServiceSpec
 
 BASE = ["serve", "--model", "smollm2", "--host", "0.0.0.0", "--port", "8000"]
-TAIL = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--attention-backend", "auto"]
+SLO = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]
 
 ARGS_CASES = {
-    "defaults": ({}, BASE + ["--block-size", "16"] + TAIL),
+    "defaults": ({}, BASE + SLO),
     "every-engine-flag": (
         {"model": {"revision": "r1", "servedModelName": "tiny"},
          "engine": {"dtype": "float32", "kvCacheMemory": "16Mi", "blockSize": 32, "maxNumSeqs": 4,
@@ -21,17 +21,16 @@ ARGS_CASES = {
                     "enablePrefixCaching": False, "vllmMetricAliases": True, "schedulingPolicy": "static",
                     "attentionBackend": "torch", "logLevel": "warning", "extraArgs": ["--device", "cpu"]},
          "slo": {"ttftMs": 250.5, "tpotMs": 20}},
-        BASE + ["--revision", "r1", "--served-model-name", "tiny", "--dtype", "float32",
-                "--kv-cache-memory", str(16 * 2**20), "--block-size", "32", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "256", "--max-model-len", "512", "--max-waiting", "10",
-                "--no-enable-prefix-caching", "--vllm-metric-aliases", "--scheduling-policy", "static",
-                "--slo-ttft-ms", "250.5", "--slo-tpot-ms", "20", "--attention-backend", "torch",
-                "--log-level", "warning", "--device", "cpu"]),
+        ["serve", "--model", "smollm2", "--served-model-name", "tiny", "--revision", "r1",
+         "--host", "0.0.0.0", "--port", "8000", "--block-size", "32", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "256", "--max-waiting", "10", "--no-enable-prefix-caching",
+         "--scheduling-policy", "static", "--dtype", "float32", "--kv-cache-memory", str(16 * 2**20),
+         "--max-model-len", "512", "--attention-backend", "torch", "--slo-ttft-ms", "250.5",
+         "--slo-tpot-ms", "20", "--vllm-metric-aliases", "--log-level", "warning", "--device", "cpu"]),
     "kv-bytes-int": ({"engine": {"kvCacheMemory": 1000000}},
-                     BASE + ["--kv-cache-memory", "1000000", "--block-size", "16"] + TAIL),
+                     BASE + ["--kv-cache-memory", "1000000"] + SLO),
     "gguf-path": ({"model": {"name": "/models/m.gguf"}},
-                  ["serve", "--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8000",
-                   "--block-size", "16"] + TAIL),
+                  ["serve", "--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8000"] + SLO),
 }
 
 
@@ -39,6 +38,47 @@ ARGS_CASES = {
 def test_worker_args(case):
     spec, want = ARGS_CASES[case]
     assert r.worker_args(InferenceServiceSpec.model_validate(spec)) == want
+
+
+# Every worker setting the CRD carries, set to a value that differs from the worker's default.
+EVERY_FIELD = {
+    "model": {"name": "/models/m.gguf", "revision": "r7", "servedModelName": "served"},
+    "engine": {"dtype": "float32", "device": "cpu", "kvCacheMemory": "48Mi", "blockSize": 32,
+               "maxNumSeqs": 5, "maxNumBatchedTokens": 96, "maxModelLen": 700, "maxWaiting": 0,
+               "enablePrefixCaching": False, "vllmMetricAliases": True, "schedulingPolicy": "static",
+               "attentionBackend": "torch", "numThreads": 3, "logLevel": "debug", "maxStopStrings": 4,
+               "maxStopStringChars": 50, "maxStopTokenIds": 6, "maxRequestBodyBytes": "1Mi"},
+    "slo": {"ttftMs": 123.25, "tpotMs": 7},
+}
+
+
+def test_worker_args_parse_back_to_what_the_spec_asked_for():
+    """The contract between operator and worker: the generated arguments are accepted by the
+    worker's own parser and give exactly the values of the spec, for every setting the CRD has."""
+    from goodput.worker.cli import build_parser, engine_args_from
+    from goodput.worker.engine.config import EngineArgs, settings
+
+    spec = InferenceServiceSpec.model_validate(EVERY_FIELD)
+    ns = build_parser().parse_args(r.worker_args(spec))
+    a = engine_args_from(ns)
+    want = {"model": "/models/m.gguf", "revision": "r7", "served_model_name": "served", "host": "0.0.0.0",
+            "port": 8000, "dtype": "float32", "device": "cpu", "kv_cache_memory": 48 * 2**20,
+            "block_size": 32, "max_num_seqs": 5, "max_num_batched_tokens": 96, "max_model_len": 700,
+            "max_waiting": 0, "enable_prefix_caching": False, "vllm_metric_aliases": True,
+            "scheduling_policy": "static", "attention_backend": "torch", "num_threads": 3,
+            "log_level": "debug", "slo_ttft_ms": 123.25, "slo_tpot_ms": 7.0, "max_stop_strings": 4,
+            "max_stop_string_chars": 50, "max_stop_token_ids": 6, "max_request_body_bytes": 2**20}
+    assert {s.name for s in settings(EngineArgs)} == set(want), "a setting is missing from this test"
+    assert {name: getattr(a, name) for name in want} == want
+    for name, value in want.items():  # each differs from the default, so the flag really travelled
+        assert name == "port" or value != getattr(EngineArgs(), name), name  # 8000: the worker port
+
+
+def test_every_engine_field_is_a_worker_setting_and_back():
+    from goodput.worker.engine.config import EngineArgs, settings
+    crd_engine = set(InferenceServiceSpec.model_validate({}).engine.model_dump()) - {
+        "image", "image_pull_policy", "extra_args"}
+    assert crd_engine == {s.name for s in settings(EngineArgs) if s.meta.crd == "engine"}
 
 
 def _dep(spec=None, **kw):

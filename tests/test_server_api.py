@@ -1,7 +1,7 @@
 """HTTP API of the live worker: errors, admin, admission (400/429), metrics, disconnects.
 
-Expected values come from the request itself (numbers we chose) and from DESIGN.md's metric
-contract; metrics are read with prometheus_client's own text parser.
+Expected values come from the request itself (numbers we chose) and from the metric contract
+(docs/metrics.md); metrics are read with prometheus_client's own text parser.
 """
 from __future__ import annotations
 

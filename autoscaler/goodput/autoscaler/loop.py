@@ -16,7 +16,7 @@ Every ``period`` seconds, for each InferenceService with ``spec.autoscaling.enab
 5. write ``status.autoscaler`` (decisions with reasons, conditions MetricsAvailable /
    ScalingActive / AbleToScale, desired replicas, policy state) and ``status.admission`` by a
    JSON merge patch of only what changed — the operator writes other status keys and never
-   these — and post an Event when replicas, limits or the reason changed;
+   these — and post an Event when the replicas or limits change or a condition flips;
 6. export its own metrics (``metric_names``) for dashboards and for KEDA/HPA users.
 
 Pure helpers (pod classification, condition bookkeeping, the merge-patch diff) are module
@@ -201,13 +201,17 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
 
 
 def changed(previous: Mapping[str, Any] | None, decision: policy.Decision, current_replicas: int) -> bool:
-    """Whether this decision is news worth an Event: replicas change, or limits/reason differ from
-    the last recorded decision."""
+    """Whether this decision is news worth an Event: the replicas change, the (summarized) limits
+    differ from the last recorded decision, or a condition flips status. A new reason alone (e.g.
+    Steady <-> HoldStabilizing) is recorded in status.autoscaler.decisions only: no Event spam."""
     if decision.replicas != current_replicas:
         return True
-    last = ((previous or {}).get("decisions") or [{}])[-1]
-    seqs, waiting = summarize_limits(decision.limits)
-    return (last.get("reason"), last.get("maxNumSeqs"), last.get("maxWaiting")) != (decision.reason, seqs, waiting)
+    prev = previous or {}
+    last = (prev.get("decisions") or [{}])[-1]
+    if (last.get("maxNumSeqs"), last.get("maxWaiting")) != summarize_limits(decision.limits):
+        return True
+    before = {c.get("type"): c.get("status") for c in prev.get("conditions") or []}
+    return any(before.get(t) != ("True" if ok else "False") for t, (ok, _, _) in decision.conditions.items())
 
 
 # ----------------------------------------------------------------------------------------- metrics I/O

@@ -1,4 +1,4 @@
-"""The seven benchmark experiments of issue 4, run back to back by one command:
+"""The seven benchmark experiments, run back to back by one command:
 
     python -m goodput.bench experiments [--only 1,2,...] [--quick] [--date YYYY-MM-DD]
 
@@ -55,6 +55,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--side-by-side-conc", default="1,8,32", help="experiment 5's concurrency points")
 
 
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _portable(arg: str) -> str:
+    """A command argument as a reader can reuse it: repo paths relative to the repo root, installed
+    files relative to their site-packages, no path of this machine."""
+    if not os.path.isabs(arg):
+        return arg
+    if arg.startswith(_REPO + os.sep):
+        return os.path.relpath(arg, _REPO)
+    head, sep, tail = arg.partition("site-packages" + os.sep)
+    return f"<site-packages>/{tail}" if sep else os.path.basename(arg)
+
 class Ctx:
     """Run-wide state: output paths, the one live server, the markdown sections, summaries."""
 
@@ -107,7 +121,7 @@ class Ctx:
         s = Server(cmd, port, log, ready_path=ready, ready_timeout=600)
         s.__enter__()
         self.server, self.server_key = s, key
-        shown = [os.path.basename(cmd[0]) if os.path.isabs(cmd[0]) else cmd[0]] + cmd[1:]
+        shown = [os.path.basename(cmd[0]) if os.path.isabs(cmd[0]) else cmd[0]] + [_portable(c) for c in cmd[1:]]
         self.commands.append(" ".join(shlex.quote(c) for c in shown).replace(str(port), "$PORT"))
         print(f"[server up in {time.time() - t:.1f}s] {' '.join(cmd)}", file=sys.stderr)
         return s
@@ -164,7 +178,7 @@ class Ctx:
 
 
 def targets_section(summary: dict) -> str:
-    """The issue's targets as measured ratios (printed, never asserted)."""
+    """The targets as measured ratios (printed, never asserted)."""
     rows = []
 
     def add(name, value, target, fmt):

@@ -17,7 +17,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
+from goodput.worker.engine.config import EngineArgs, SettingField, check, settings
+from goodput.worker.engine.units import parse_bytes
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.goodput.dev"
@@ -38,30 +40,9 @@ DEFAULT_IMAGE = "goodput/worker:0.1.0"
 
 # Kubernetes resource quantity (e.g. "500m", "2", "1.5Gi", "512Mi")
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
-# byte sizes as the operator accepts them: a plain number of bytes or a binary/decimal suffix
-_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(|k|K|M|G|T|Ki|Mi|Gi|Ti|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$")
-_BYTES_UNIT = {
-    "": 1, "k": 10**3, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-    "T": 10**12, "TB": 10**12, "Ki": 2**10, "KiB": 2**10, "Mi": 2**20, "MiB": 2**20,
-    "Gi": 2**30, "GiB": 2**30, "Ti": 2**40, "TiB": 2**40,
-}
-
-
-def parse_bytes(value: int | str) -> int:
-    """Parse a byte size: an int, or a string like ``"512Mi"``, ``"1GiB"``, ``"64M"``.
-
-    Returns whole bytes. Raises ``ValueError`` naming the value when it is not a size.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"not a byte size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"byte size must be >= 0, got {value}")
-        return value
-    m = _BYTES_RE.match(str(value))
-    if not m:
-        raise ValueError(f"not a byte size: {value!r} (use bytes or a suffix such as 512Mi, 1Gi)")
-    return int(float(m.group(1)) * _BYTES_UNIT[m.group(2)])
+# Byte sizes (``engine.kvCacheMemory``) are parsed by the worker's own units module, so the CRD
+# and the worker accept exactly the same spellings (512Mi, 512MiB, 1GiB, 64M ...).
+__all__ = ["parse_bytes"]
 
 
 class _Model(BaseModel):
@@ -106,26 +87,41 @@ class ModelSource(_Model):
     volume: ModelVolume | None = None
 
 
-class EngineSpec(_Model):
-    """Worker engine settings; each maps to one ``goodput-worker serve`` flag. Unset = worker default."""
-
+class _EngineSpecBase(_Model):
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="worker container image")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="--dtype")
-    block_size: int = Field(16, ge=1, le=256, description="--block-size: tokens per KV block")
-    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="--max-num-seqs: running-set cap")
-    max_num_batched_tokens: int | None = Field(
-        None, ge=1, le=1048576, description="--max-num-batched-tokens: token budget per step"
-    )
-    max_model_len: int | None = Field(None, ge=1, le=1048576, description="--max-model-len (tokens)")
-    max_waiting: int | None = Field(None, ge=0, le=1000000, description="--max-waiting: queue limit")
-    kv_cache_memory: ByteSize | None = Field(None, description="--kv-cache-memory: KV pool size")
-    enable_prefix_caching: bool = Field(True, description="false adds --no-enable-prefix-caching")
-    vllm_metric_aliases: bool = Field(False, description="--vllm-metric-aliases: also export vllm:* names")
-    attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="--attention-backend")
-    scheduling_policy: Literal["continuous", "static"] | None = Field(None, description="--scheduling-policy")
-    log_level: Literal["debug", "info", "warning", "error"] | None = Field(None, description="--log-level")
     extra_args: list[str] = Field(default_factory=list, description="more worker flags, appended verbatim")
+
+
+def _engine_field(s: SettingField) -> tuple[Any, Any]:
+    """The CRD field of one worker setting: unset (null) means the worker's default, except a
+    boolean, which carries the worker's default. A setting with units takes a number or a
+    string (checked by ``semantic_problems``, as a structural schema cannot)."""
+    description = f"{s.flag}: {s.meta.help}"
+    if s.type is bool:
+        return bool, Field(s.default, description=description)
+    if s.meta.choices is not None:
+        typ: Any = Literal[s.meta.choices]
+    elif s.meta.parse is not None:
+        return ByteSize | None, Field(None, description=description)
+    else:
+        typ = s.type
+    return typ | None, Field(None, ge=s.meta.ge, gt=s.meta.gt, le=s.meta.le, description=description)
+
+
+# Worker engine settings; each maps to one ``goodput-worker serve`` flag. Built from the worker's
+# setting declarations (goodput.worker.engine.config), so a new setting appears here by itself.
+ENGINE_SETTINGS = [s for s in settings(EngineArgs) if s.meta.crd == "engine"]
+EngineSpec = create_model(
+    "EngineSpec", __base__=_EngineSpecBase,
+    __doc__="Worker engine settings; each maps to one goodput-worker serve flag. Unset = worker default.",
+    **{s.name: _engine_field(s) for s in ENGINE_SETTINGS})
+
+
+def engine_value(engine: Any, name: str) -> Any:
+    """The value a worker runs with: the spec's, or the worker's default when unset."""
+    value = getattr(engine, name)
+    return getattr(EngineArgs, name, None) if value is None else value
 
 
 class ResourceSpec(_Model):
@@ -358,26 +354,26 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
             out.append(Problem(reason="InvalidModelVolume", message=(
                 f"model.name {name!r} is not under model.volume.mountPath {vol.mount_path!r}")))
     e = spec.engine
-    if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < e.block_size:
+    for st in ENGINE_SETTINGS:  # what the schema cannot check: values with units
+        value = getattr(e, st.name)
+        if st.meta.parse is not None and value is not None:
+            try:
+                check(st, st.meta.parse(value) if isinstance(value, str) else value)
+            except ValueError as exc:
+                out.append(Problem(reason="InvalidEngineConfig", message=f"engine.{to_camel(st.name)}: {exc}"))
+    block_size = engine_value(e, "block_size")
+    if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < block_size:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             f"engine.maxNumBatchedTokens ({e.max_num_batched_tokens}) is smaller than "
-            f"engine.blockSize ({e.block_size})")))
-    if e.max_model_len is not None and e.max_model_len < e.block_size:
+            f"engine.blockSize ({block_size})")))
+    if e.max_model_len is not None and e.max_model_len < block_size:
         out.append(Problem(reason="InvalidEngineConfig", message=(
-            f"engine.maxModelLen ({e.max_model_len}) is smaller than engine.blockSize ({e.block_size})")))
+            f"engine.maxModelLen ({e.max_model_len}) is smaller than engine.blockSize ({block_size})")))
     context = BUNDLED_MODEL_CONTEXT.get(name)
     if e.max_model_len is not None and context is not None and e.max_model_len > context:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             f"engine.maxModelLen ({e.max_model_len}) exceeds the context length of model {name} "
             f"({context} tokens)")))
-    if e.kv_cache_memory is not None:
-        try:
-            kv = parse_bytes(e.kv_cache_memory)
-        except ValueError as exc:
-            out.append(Problem(reason="InvalidEngineConfig", message=f"engine.kvCacheMemory: {exc}"))
-        else:
-            if kv == 0:
-                out.append(Problem(reason="InvalidEngineConfig", message="engine.kvCacheMemory must be > 0"))
     if e.attention_backend == "triton" and spec.resources.gpu == 0:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             "engine.attentionBackend triton needs a GPU: set resources.gpu >= 1 or use auto/torch")))

@@ -23,6 +23,7 @@ from typing import Any
 
 from goodput.operator import api
 from goodput.operator.api import InferenceServiceSpec
+from goodput.worker.engine.config import EngineArgs, settings, to_cli_args
 
 MANAGED_BY = "goodput-operator"
 LABEL_ISVC = f"{api.GROUP}/inferenceservice"
@@ -97,46 +98,25 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
     }
 
 
-def _fmt_number(x: float) -> str:
-    return format(x, "g") if not float(x).is_integer() else str(int(x))
-
-
 def worker_args(spec: InferenceServiceSpec) -> list[str]:
-    """Arguments after ``goodput-worker``: ``serve --model ... --host 0.0.0.0 --port 8000`` + engine flags.
+    """Arguments after ``goodput-worker``: ``serve`` + one flag per worker setting the spec sets.
 
-    Flags are spelled exactly as ``goodput-worker serve`` spells them; unset optional fields are
-    omitted so the worker's own defaults apply. ``kvCacheMemory`` is passed as whole bytes.
+    Driven by the worker's setting declarations (``goodput.worker.engine.config``): each setting
+    names where the spec holds it (``spec.engine.<name>``, ``spec.model.name``, ``spec.slo.ttftMs``
+    ...), and ``to_cli_args`` spells the flags exactly as ``goodput-worker serve`` parses them.
+    Unset fields are omitted so the worker's own defaults apply; sizes are passed as whole bytes;
+    ``engine.extraArgs`` is appended verbatim.
     """
-    e = spec.engine
-    args = ["serve", "--model", spec.model.name, "--host", "0.0.0.0", "--port", str(api.WORKER_PORT)]
-    if spec.model.revision:
-        args += ["--revision", spec.model.revision]
-    if spec.model.served_model_name:
-        args += ["--served-model-name", spec.model.served_model_name]
-    if e.dtype:
-        args += ["--dtype", e.dtype]
-    if e.kv_cache_memory is not None:
-        args += ["--kv-cache-memory", str(api.parse_bytes(e.kv_cache_memory))]
-    args += ["--block-size", str(e.block_size)]
-    if e.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(e.max_num_seqs)]
-    if e.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
-    if e.max_model_len is not None:
-        args += ["--max-model-len", str(e.max_model_len)]
-    if e.max_waiting is not None:
-        args += ["--max-waiting", str(e.max_waiting)]
-    if not e.enable_prefix_caching:
-        args.append("--no-enable-prefix-caching")
-    if e.vllm_metric_aliases:
-        args.append("--vllm-metric-aliases")
-    if e.scheduling_policy:
-        args += ["--scheduling-policy", e.scheduling_policy]
-    args += ["--slo-ttft-ms", _fmt_number(spec.slo.ttft_ms), "--slo-tpot-ms", _fmt_number(spec.slo.tpot_ms)]
-    args += ["--attention-backend", e.attention_backend]
-    if e.log_level:
-        args += ["--log-level", e.log_level]
-    return args + list(e.extra_args)
+    values: dict[str, Any] = {"host": "0.0.0.0", "port": api.WORKER_PORT}
+    for s in settings(EngineArgs):
+        path = s.meta.crd
+        if path is None:
+            continue
+        obj: Any = spec.engine if path == "engine" else spec
+        for attr in ([s.name] if path == "engine" else path.split(".")):
+            obj = None if obj is None else getattr(obj, attr)
+        values[s.name] = obj
+    return ["serve", *to_cli_args(values), *spec.engine.extra_args]
 
 
 def spec_hash(obj: Any) -> str:

@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from goodput.operator import resources
 from goodput.operator.api import Problem
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
-
 
 def find_condition(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
     """The condition of type ``ctype`` in a conditions list, or None."""

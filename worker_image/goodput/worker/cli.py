@@ -13,112 +13,56 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from goodput.worker.engine_args import EngineArgs
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+from goodput.worker.engine.config import EngineArgs, SettingField, bounds, check, in_flag_order, settings
 
 
-def parse_bytes(text: str) -> int:
-    """``"1073741824"``, ``"512MiB"``, ``"1GiB"``, ``"1.5G"`` -> bytes (KiB/MiB/GiB powers of 1024,
-    K/M/G powers of 1000, as Kubernetes quantities). ArgumentTypeError on anything else."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use bytes or a number with a unit such as 512MiB, 1GiB, 2G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+def _converter(s: SettingField) -> Callable[[str], Any]:
+    """An argparse ``type`` for one setting: parse the text, then check it (a usage error, exit 2,
+    names the flag and the allowed range)."""
+    what = "a size" if s.meta.parse is not None else {int: "an integer", float: "a number"}.get(s.type, "a value")
 
-
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi] (hi None = unbounded), else a usage error."""
-    def parse(text: str) -> int:
+    def convert(text: str) -> Any:
         try:
-            v = int(text)
+            value = s.meta.parse(text) if s.meta.parse is not None else s.type(text)
+        except ValueError as e:  # the units parser says what it accepts
+            raise argparse.ArgumentTypeError(str(e) if s.meta.parse else f"expected {what}, got {text!r}") from None
+        try:
+            check(s, value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            bound = f">= {lo}" if hi is None else f"in {lo}-{hi}"
-            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {v}")
-        return v
-    return parse
+            raise argparse.ArgumentTypeError(f"expected {what} {bounds(s)}, got {text!r}") from None
+        return value
 
-
-_port = _int_in(1, 65535)
-_positive_int = _int_in(1)
-_non_negative_int = _int_in(0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
+    convert.__name__ = s.name  # argparse names the type in some messages
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``goodput-worker serve``'s parser, one flag per :class:`EngineArgs` setting (help, bounds,
+    choices and defaults from the field declarations)."""
     p = argparse.ArgumentParser(prog="goodput-worker", description="goodput LLM worker")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a path to a llama-arch .gguf")
-    s.add_argument("--served-model-name", default=None,
-                   help="name in /v1/models, requests and metrics (default: --model, without .gguf)")
-    s.add_argument("--revision", default=None,
-                   help="model revision for the prefix-cache identity (default: a hash of the GGUF)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    s.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
-                   help="KV cache budget in bytes; suffixes KiB/MiB/GiB or K/M/G (e.g. 512MiB)")
-    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
-    s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
-                   help="token budget of one step (decodes + prefill chunks)")
-    s.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context length)")
-    s.add_argument("--max-waiting", type=_non_negative_int, default=256,
-                   help="waiting-queue limit; beyond it requests get 429 with Retry-After")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of identical prompt prefixes")
-    s.add_argument("--scheduling-policy", choices=("continuous", "static"), default="continuous",
-                   help="static admits a new cohort only when the whole batch finished (a baseline)")
-    s.add_argument("--slo-ttft-ms", type=_positive_float, default=None,
-                   help="TTFT SLO for goodput_requests_slo_met_total (ms)")
-    s.add_argument("--slo-tpot-ms", type=_positive_float, default=None,
-                   help="TPOT SLO for goodput_requests_slo_met_total (ms)")
-    s.add_argument("--vllm-metric-aliases", action="store_true",
-                   help="also export vLLM's metric names (vllm:num_requests_running, ...)")
-    s.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="auto: triton on CUDA, the torch reference on CPU")
-    s.add_argument("--num-threads", type=_positive_int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)")
-    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    serve = sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API")
+    for s in in_flag_order(settings(EngineArgs)):
+        shown = "" if s.default is None else f" (default: {s.default})"
+        kw: dict[str, Any] = {"default": s.default, "help": s.meta.help + shown, "dest": s.name}
+        if s.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif s.meta.choices is not None:
+            kw["choices"] = s.meta.choices
+        elif s.type is not str:
+            kw["type"] = _converter(s)
+        serve.add_argument(s.flag, **kw)
     return p
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model, served_model_name=ns.served_model_name, revision=ns.revision, dtype=ns.dtype,
-        device=ns.device, kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size,
-        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-        max_model_len=ns.max_model_len, max_waiting=ns.max_waiting,
-        enable_prefix_caching=ns.enable_prefix_caching, scheduling_policy=ns.scheduling_policy,
-        slo_ttft_ms=ns.slo_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms,
-        vllm_metric_aliases=ns.vllm_metric_aliases, attention_backend=ns.attention_backend,
-        num_threads=ns.num_threads)
+    """The parsed ``serve`` flags as :class:`EngineArgs`."""
+    return EngineArgs(**{s.name: getattr(ns, s.name) for s in settings(EngineArgs)})
 
 
 # Kubernetes mounts a file at the container's terminationMessagePath (default /dev/termination-log) and
@@ -204,7 +148,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     app = create_app(args, on_load_failure=stop_on_load_failure)
     server = _draining_server_class()(uvicorn.Config(
-        app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=level <= logging.DEBUG,
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=level <= logging.DEBUG,
         timeout_graceful_shutdown=5), app.state.server)
     server.run()
     error = app.state.server.load_error

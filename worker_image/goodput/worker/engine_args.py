@@ -1,4 +1,5 @@
-"""Engine arguments (what the CLI configures) and the model-loading factory :func:`build_engine`.
+"""The model-loading factory :func:`build_engine` (:class:`EngineArgs`, declared with every other
+setting in :mod:`goodput.worker.engine.config`, is re-exported here).
 
 ``build_engine`` loads the GGUF, sizes the paged KV pool from ``kv_cache_memory`` by
 KV bytes = 2·L·n_kv·d_head·bytes·T, and wires scheduler, model runner, tokenizer and metrics into
@@ -7,48 +8,15 @@ an :class:`~goodput.worker.llm_engine.LLMEngine`.
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
-from typing import Any
 
-from goodput.worker.engine.config import EngineConfig
+from goodput.worker.engine.config import EngineArgs, EngineConfig
 from goodput.worker.engine.scheduler import Scheduler
 from goodput.worker.llm_engine import LLMEngine
 from goodput.worker.metrics import WorkerMetrics
 
+__all__ = ["EngineArgs", "build_engine"]
+
 log = logging.getLogger("goodput.worker.engine")
-
-
-@dataclass
-class EngineArgs:
-    """Everything the CLI configures (units: bytes, tokens, milliseconds)."""
-
-    model: str = "smollm2"
-    served_model_name: str | None = None
-    revision: str | None = None
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    kv_cache_memory: int = 1 << 30
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    max_waiting: int = 256
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "continuous"
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    vllm_metric_aliases: bool = False
-    attention_backend: str = "auto"
-    num_threads: int | None = None  # torch intra-op CPU threads (None: torch's default)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        base = os.path.basename(self.model)
-        return base.removesuffix(".gguf")
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -75,11 +43,9 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     revision = args.revision or runner.revision
     eos = {i for i in (getattr(tok, "eos_token_id", None), mc.eos_token_id) if i is not None}
     config = EngineConfig(
-        num_blocks=runner.num_blocks, max_model_len=max_model_len, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting=args.max_waiting, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy, eos_token_ids=tuple(sorted(eos)),
-        model_name=args.model_name, revision=revision, vocab_size=mc.vocab_size)
+        **args.scheduler_settings(), num_blocks=runner.num_blocks, max_model_len=max_model_len,
+        eos_token_ids=tuple(sorted(eos)), model_name=args.model_name, revision=revision,
+        vocab_size=mc.vocab_size)
     per_token = runner.kv_bytes_per_token
     dtype_bytes = per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
     log.info("KV cache: %d blocks x %d tokens = %d tokens of capacity; %d bytes/token "

@@ -33,6 +33,24 @@ from typing import Iterable, Sequence
 from goodput.worker.engine.request import Request
 
 
+class _Block:
+    """One KV block's record: its reference count and, while it holds cached content, the
+    prefix-cache key (hash, parent hash, identity, tokens) that a hit is verified against."""
+
+    __slots__ = ("ref", "hash", "parent", "ident", "tokens")
+
+    def __init__(self) -> None:
+        self.ref = 0
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the cached content (the block is then worth nothing to the prefix cache)."""
+        self.hash: bytes | None = None
+        self.parent: bytes | None = None
+        self.ident: bytes | None = None
+        self.tokens: tuple[int, ...] | None = None
+
+
 class BlockManager:
     """Allocator of KV blocks: ref counts, LRU free list, prefix cache, per-request block tables.
 
@@ -50,13 +68,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._cache_identity = cache_identity
-        self._ref = [0] * num_blocks
-        # Prefix-cache metadata of each block (None when the block holds no cached content).
-        self._hash: list[bytes | None] = [None] * num_blocks
-        self._parent: list[bytes | None] = [None] * num_blocks
-        self._ident: list[bytes | None] = [None] * num_blocks
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cache_identity = cache_identity
+        self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
@@ -70,17 +83,6 @@ class BlockManager:
         """Build from an ``EngineConfig`` (num_blocks, block_size, prefix caching, identity)."""
         return cls(config.num_blocks, config.block_size, config.enable_prefix_caching,
                    config.cache_identity)
-
-    @property
-    def cache_identity(self) -> str:
-        """Model identity (name + revision) mixed into every block hash. Setting a new one (e.g.
-        after swapping weights) makes every block cached under the old identity unreachable."""
-        return self._cache_identity
-
-    @cache_identity.setter
-    def cache_identity(self, value: str) -> None:
-        self._cache_identity = value
-        self._identity_cache.clear()
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -112,7 +114,7 @@ class BlockManager:
         if ident is None:
             # Length-prefixed fields, so no (identity, salt) pair can spell another one.
             h = hashlib.blake2b(digest_size=32)
-            for part in (self._cache_identity, cache_salt):
+            for part in (self.cache_identity, cache_salt):
                 raw = b"" if part is None else part.encode()
                 h.update(b"\x00" if part is None else b"\x01" + len(raw).to_bytes(8, "little") + raw)
             ident = h.digest()
@@ -167,8 +169,9 @@ class BlockManager:
             if bid is None:
                 break
             # Verify: a hash match alone must never hand out another tenant's or prefix's KV.
-            if (self._ident[bid] != ident or self._parent[bid] != parent
-                    or self._tokens[bid] != tuple(toks[i * bs:(i + 1) * bs])):
+            blk = self._blocks[bid]
+            if (blk.ident != ident or blk.parent != parent
+                    or blk.tokens != tuple(toks[i * bs:(i + 1) * bs])):
                 break
             blocks.append(bid)
             parent = h
@@ -184,7 +187,7 @@ class BlockManager:
         """Whether ``allocate_slots`` with the same arguments would succeed (no side effects)."""
         need = self._num_new_blocks(req, num_new_tokens, new_computed_blocks)
         # Cached-but-free hit blocks leave the free list too, so they count against it.
-        taken = sum(1 for b in new_computed_blocks if self._ref[b] == 0)
+        taken = sum(1 for b in new_computed_blocks if self._blocks[b].ref == 0)
         return need + taken <= len(self._free)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
@@ -214,9 +217,10 @@ class BlockManager:
         is_first = not req.block_ids
         table = req.block_ids
         for bid in new_computed_blocks:
-            if self._ref[bid] == 0:
+            blk = self._blocks[bid]
+            if blk.ref == 0:
                 del self._free[bid]
-            self._ref[bid] += 1
+            blk.ref += 1
             table.append(bid)
         for _ in range(need):
             table.append(self._pop_free())
@@ -230,12 +234,12 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         bid, _ = self._free.popitem(last=False)
-        h = self._hash[bid]
-        if h is not None:  # evict its cached content
-            if self._cached.get(h) == bid:
-                del self._cached[h]
-            self._hash[bid] = self._parent[bid] = self._ident[bid] = self._tokens[bid] = None
-        self._ref[bid] = 1
+        blk = self._blocks[bid]
+        if blk.hash is not None:  # evict its cached content
+            if self._cached.get(blk.hash) == bid:
+                del self._cached[blk.hash]
+            blk.forget()
+        blk.ref = 1
         return bid
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -255,17 +259,15 @@ class BlockManager:
         bs = self.block_size
         toks = req.all_token_ids
         for i in range(req.num_cached_blocks, num_full):
-            bid = req.block_ids[i]
+            blk = self._blocks[req.block_ids[i]]
             h = req.block_hashes[i]
-            if self._hash[bid] is not None:  # already cached (a prefix hit or a forked block)
+            if blk.hash is not None or h in self._cached:  # already cached (hit, fork or twin)
                 continue
-            if h in self._cached:
-                continue
-            self._hash[bid] = h
-            self._parent[bid] = req.block_hashes[i - 1] if i else None
-            self._ident[bid] = ident
-            self._tokens[bid] = tuple(toks[i * bs:(i + 1) * bs])
-            self._cached[h] = bid
+            blk.hash = h
+            blk.parent = req.block_hashes[i - 1] if i else None
+            blk.ident = ident
+            blk.tokens = tuple(toks[i * bs:(i + 1) * bs])
+            self._cached[h] = req.block_ids[i]
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:
@@ -280,13 +282,13 @@ class BlockManager:
             self._tables[req.request_id] = owner
             raise ValueError(f"request {req.request_id!r} does not own the blocks registered under its id")
         for bid in reversed(table):
-            ref = self._ref[bid] - 1
-            if ref < 0:
+            blk = self._blocks[bid]
+            if blk.ref <= 0:
                 raise RuntimeError(f"block {bid} freed more often than referenced")
-            self._ref[bid] = ref
-            if ref == 0:
+            blk.ref -= 1
+            if blk.ref == 0:
                 self._free[bid] = None
-                if self._hash[bid] is None:
+                if blk.hash is None:
                     self._free.move_to_end(bid, last=False)
         table.clear()
         req.num_cached_blocks = 0
@@ -312,7 +314,7 @@ class BlockManager:
             raise ValueError("fork target's tokens differ from the parent's computed tokens")
         num_full = min(parent.num_computed_tokens // self.block_size, len(parent.block_ids))
         for bid in parent.block_ids[:num_full]:
-            self._ref[bid] += 1
+            self._blocks[bid].ref += 1
             child.block_ids.append(bid)
         if child.block_ids:
             self._tables[child.request_id] = child.block_ids
@@ -321,17 +323,8 @@ class BlockManager:
         child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
 
     # ---- maintenance / checks ------------------------------------------------------------------
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block's content (e.g. after loading new weights). Returns how many
-        entries were dropped. Referenced blocks stay allocated."""
-        n = len(self._cached)
-        for bid in self._cached.values():
-            self._hash[bid] = self._parent[bid] = self._ident[bid] = self._tokens[bid] = None
-        self._cached.clear()
-        return n
-
     def block_ref_count(self, block_id: int) -> int:
-        return self._ref[block_id]
+        return self._blocks[block_id].ref
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
@@ -358,7 +351,7 @@ class BlockManager:
                 counts[bid] += 1
         allocated = 0
         for bid in range(self.num_blocks):
-            ref = self._ref[bid]
+            ref = self._blocks[bid].ref
             assert ref == counts[bid], f"block {bid}: ref {ref} != {counts[bid]} table references"
             if ref > 0:
                 allocated += 1
@@ -368,14 +361,14 @@ class BlockManager:
         assert allocated + len(self._free) == self.num_blocks, "allocated + free != pool"
         assert allocated <= self.num_blocks
         for h, bid in self._cached.items():
-            assert self._hash[bid] == h, f"cache map entry for block {bid} does not match its hash"
+            assert self._blocks[bid].hash == h, f"cache map entry for block {bid} does not match its hash"
         if requests is not None:
             for req in requests:
                 if req.block_ids:
                     assert self._tables.get(req.request_id) is req.block_ids, \
                         f"request {req.request_id} table not registered"
                 for bid in req.block_ids:
-                    assert self._ref[bid] > 0 and bid not in self._free, \
+                    assert self._blocks[bid].ref > 0 and bid not in self._free, \
                         f"block {bid} of live request {req.request_id} is free"
                 assert len(req.block_ids) * self.block_size >= req.num_computed_tokens, \
                     f"request {req.request_id} computed tokens exceed its table"

@@ -1,36 +1,264 @@
-"""Engine configuration (torch-free): KV pool shape, batching limits, admission limits.
+"""Worker settings and engine configuration (torch-free): the one declaration of every setting.
 
-The knobs follow the usual names of continuous-batching servers (vLLM's ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--max-model-len``, ``--block-size``) so operators can carry their
-intuition over. Every field is validated at construction; a bad value raises ``ValueError`` naming
-the field and the value.
+Each setting is a dataclass field whose metadata holds a :class:`Setting` (help text, bounds,
+choices, where it lives in an ``InferenceService``). Everything else is derived from these
+fields, so a new setting is one new field here:
+
+- ``goodput-worker serve``'s flags (``goodput.worker.cli.build_parser``; as vLLM builds its CLI
+  from its config dataclasses), with ``--help`` text from the metadata;
+- the operator's worker arguments (:func:`to_cli_args`) and the CRD's ``spec.engine`` schema
+  (``goodput.operator.api.EngineSpec``, a pydantic model built from :func:`settings`);
+- validation at construction (a bad value raises ``ValueError`` naming the field and the value).
+
+Flag names follow vLLM's where they mean the same (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--max-model-len``, ``--block-size``), so operators can carry their intuition over.
+
+:class:`SchedulerSettings` are the settings the scheduler reads; :class:`EngineArgs` (what a
+worker is started with) and :class:`EngineConfig` (one loaded engine: KV pool size, EOS ids,
+cache identity) both inherit them, so they are declared and mapped once.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from goodput.worker.engine.units import parse_bytes
 
 SCHEDULING_POLICIES = ("continuous", "static")
+_META = "goodput.setting"
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Static configuration of one engine (scheduler + block manager).
+class Setting:
+    """How one setting is spelled and checked outside Python.
+
+    help: one line for ``--help`` and the CRD's description.
+    choices: the allowed values (CLI choices, CRD enum).
+    ge, gt, le: numeric bounds, checked by the CLI, the CRD schema and at construction.
+    parse: text -> value for a setting with units (sizes: :func:`parse_bytes`); the CRD then
+        accepts a number or a string such as ``512Mi``.
+    crd: where an ``InferenceService`` spec holds the value: ``"engine"`` (``spec.engine``, same
+        name in camelCase), an attribute path such as ``"model.name"`` or ``"slo.ttft_ms"``, or
+        None (set by the operator itself, e.g. the listening address).
+    """
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    parse: Callable[[str], Any] | None = None
+    crd: str | None = "engine"
+
+
+def setting(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field declaring one setting (``kw``: the other :class:`Setting` fields)."""
+    return field(default=default, metadata={_META: Setting(help, **kw)})
+
+
+@dataclass(frozen=True)
+class SettingField:
+    """One declared setting: its Python ``name``, ``flag`` (``--max-num-seqs``), value ``type``
+    (int, float, str or bool), whether None is allowed, its default and its :class:`Setting`."""
+
+    name: str
+    flag: str
+    type: type
+    optional: bool
+    default: Any
+    meta: Setting
+
+
+def settings(cls: type = None) -> list[SettingField]:  # type: ignore[assignment]
+    """The settings of a dataclass (default: :class:`EngineArgs`), in declaration order."""
+    cls = cls or EngineArgs
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        meta = f.metadata.get(_META)
+        if meta is None:
+            continue
+        args = typing.get_args(hints[f.name])
+        optional = type(None) in args
+        base = next(a for a in args if a is not type(None)) if args else hints[f.name]
+        out.append(SettingField(f.name, "--" + f.name.replace("_", "-"), base, optional, f.default, meta))
+    return out
+
+
+def in_flag_order(ss: list[SettingField]) -> list[SettingField]:
+    """What to serve and where first (model, name, revision, host, port), then the rest in
+    declaration order: the order of ``--help`` and of generated argument lists."""
+    return sorted(ss, key=lambda s: not (s.meta.crd is None or s.meta.crd.startswith("model.")))
+
+
+def check(s: SettingField, value: Any) -> None:
+    """Raise ``ValueError`` naming the setting when ``value`` is not allowed."""
+    if value is None:
+        if not s.optional:
+            raise ValueError(f"{s.name} must be set")
+        return
+    m = s.meta
+    if s.type is bool:
+        ok = isinstance(value, bool)
+    elif s.type is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif s.type is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, s.type)
+    if not ok:
+        raise ValueError(f"{s.name} must be {'a finite number' if s.type is float else 'a ' + s.type.__name__}, "
+                         f"got {value!r}")
+    if m.choices is not None and value not in m.choices:
+        raise ValueError(f"{s.name} must be one of {m.choices}, got {value!r}")
+    if (m.ge is not None and value < m.ge) or (m.gt is not None and value <= m.gt) \
+            or (m.le is not None and value > m.le):
+        raise ValueError(f"{s.name} must be {bounds(s)}, got {value!r}")
+
+
+def bounds(s: SettingField) -> str:
+    """The numeric bounds as text: ``">= 1"``, ``"in 1..65535"``, ``"> 0"``."""
+    m = s.meta
+    lo = m.ge if m.ge is not None else m.gt
+    if lo is not None and m.le is not None:
+        return f"in {_num(lo)}..{_num(m.le)}" if m.ge is not None else f"in ({_num(lo)}, {_num(m.le)}]"
+    if lo is not None:
+        return f"{'>=' if m.ge is not None else '>'} {_num(lo)}"
+    return f"<= {_num(m.le)}" if m.le is not None else "any value"
+
+
+def _num(x: float) -> str:
+    """A number as a flag value: ``1000.0`` -> ``"1000"``, ``250.5`` -> ``"250.5"``."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _validate(obj: Any) -> None:
+    for s in settings(type(obj)):
+        check(s, getattr(obj, s.name))
+
+
+def to_cli_args(values: Mapping[str, Any]) -> list[str]:
+    """``goodput-worker serve`` arguments for the given settings (name -> value), in declaration
+    order: the inverse of the CLI parser. None means "unset" (the worker's default applies);
+    a boolean is spelled ``--flag`` / ``--no-flag`` only when it differs from the default; a
+    value with units is passed in its base unit (bytes). Raises ValueError for an unknown name
+    or a value the setting refuses."""
+    known = {s.name: s for s in in_flag_order(settings())}
+    unknown = set(values) - set(known)
+    if unknown:
+        raise ValueError(f"unknown settings: {sorted(unknown)}")
+    out = []
+    for name, s in known.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if s.meta.parse is not None and isinstance(value, str):
+            value = s.meta.parse(value)
+        check(s, value)
+        if s.type is bool:
+            if value != s.default:
+                out.append(s.flag if value else "--no-" + s.flag[2:])
+        else:
+            out += [s.flag, _num(value) if s.type is float else str(value)]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSettings:
+    """The settings the scheduler reads (units: tokens, requests)."""
+
+    block_size: int = setting(16, "tokens per KV block (PagedAttention; Kwon et al., SOSP 2023)",
+                              ge=1, le=256)
+    max_num_seqs: int = setting(
+        64, "most requests in the running set (iteration-level batching, Orca OSDI 2022); also the "
+            "initial runtime admission limit", ge=1, le=4096)
+    max_num_batched_tokens: int = setting(
+        512, "token budget of one step: decodes plus prefill chunks (chunked prefill, "
+             "Sarathi-Serve OSDI 2024)", ge=1, le=1048576)
+    max_waiting: int = setting(
+        256, "waiting-queue limit (preempted requests included); beyond it requests get 429 with "
+             "Retry-After; 0 refuses every new request (drain)", ge=0, le=1000000)
+    enable_prefix_caching: bool = setting(
+        True, "reuse KV blocks of identical prompt prefixes (same model revision and cache_salt)")
+    scheduling_policy: str = setting(
+        "continuous", "continuous admits whenever a slot and blocks are free; static admits a new "
+                      "cohort only when the whole batch finished (a baseline)",
+        choices=SCHEDULING_POLICIES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs(SchedulerSettings):
+    """Everything a worker is started with (``goodput-worker serve``'s flags; units: bytes,
+    tokens, milliseconds). Validated at construction."""
+
+    model: str = setting("smollm2", "'smollm2' (bundled) or a path to a llama-architecture .gguf",
+                         crd="model.name")
+    served_model_name: str | None = setting(
+        None, "name in /v1/models, requests and metrics (default: --model without .gguf)",
+        crd="model.served_model_name")
+    revision: str | None = setting(
+        None, "model revision for the prefix-cache identity (default: a hash of the GGUF)",
+        crd="model.revision")
+    host: str = setting("127.0.0.1", "address to listen on", crd=None)
+    port: int = setting(8000, "TCP port to listen on", ge=1, le=65535, crd=None)
+    dtype: str = setting("bfloat16", "weights and KV cache dtype", choices=("float32", "bfloat16"))
+    device: str = setting("auto", "auto: CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
+    kv_cache_memory: int = setting(
+        1 << 30, "KV cache budget in bytes; units K/M/G (powers of 1000) or Ki/Mi/Gi, KiB/MiB/GiB "
+                 "(powers of 1024), e.g. 512Mi", ge=1, parse=parse_bytes)
+    max_model_len: int | None = setting(
+        None, "longest prompt + output in tokens (default: the model's context length)",
+        ge=1, le=1048576)
+    attention_backend: str = setting("auto", "auto: triton on CUDA, the torch reference on CPU",
+                                     choices=("auto", "torch", "triton"))
+    num_threads: int | None = setting(
+        None, "torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)", ge=1)
+    slo_ttft_ms: float | None = setting(None, "TTFT SLO for goodput_requests_slo_met_total (ms)",
+                                        gt=0, crd="slo.ttft_ms")
+    slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput_requests_slo_met_total (ms)",
+                                        gt=0, crd="slo.tpot_ms")
+    vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)")
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    # Request limits the HTTP server enforces (400, or 413 for the body, naming the flag): one
+    # request may not make the engine do unbounded work per token (stop strings are searched
+    # after every token) nor make the server parse unbounded JSON.
+    max_stop_strings: int = setting(32, "most stop strings in one request (400 beyond)", ge=1, le=1000000)
+    max_stop_string_chars: int = setting(1024, "longest stop string, in characters (400 beyond)",
+                                         ge=1, le=1000000)
+    max_stop_token_ids: int = setting(128, "most stop_token_ids in one request (400 beyond)",
+                                      ge=1, le=1000000)
+    max_request_body_bytes: int = setting(
+        8 << 20, "largest HTTP request body in bytes (413 beyond); units as --kv-cache-memory",
+        ge=1, parse=parse_bytes)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: ``served_model_name``, else the model's file name without .gguf."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".gguf")
+
+    def scheduler_settings(self) -> dict[str, Any]:
+        """The :class:`SchedulerSettings` part, as keyword arguments for :class:`EngineConfig`."""
+        return {s.name: getattr(self, s.name) for s in settings(SchedulerSettings)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(SchedulerSettings):
+    """Configuration of one engine (scheduler + block manager), resolved once the model is loaded.
+
+    The scheduler settings are inherited from :class:`SchedulerSettings`; ``max_num_seqs`` is
+    also the initial runtime admission limit (``Scheduler.set_limits`` changes that).
 
     num_blocks: KV blocks in the pool (capacity in tokens = num_blocks * block_size). The model
         side derives it from a memory budget (m = 2·L·n_kv·d_head·bytes·T).
     max_model_len: longest sequence (prompt + generated tokens) a request may reach, in tokens.
-    block_size: tokens per KV block (PagedAttention, Kwon et al. SOSP 2023; default 16).
-    max_num_seqs: most requests in the running set (iteration-level batching, Orca OSDI 2022).
-        It is also the initial runtime admission limit (``Scheduler.set_limits`` changes that).
-    max_num_batched_tokens: token budget of one step: decodes (1 token each) plus prefill chunks
-        (chunked prefill, Sarathi-Serve OSDI 2024).
-    max_waiting: most requests in the waiting queue (preempted ones included) before new ones are
-        rejected with ``queue_full``; 0 rejects every new request (drain).
-    enable_prefix_caching: reuse full KV blocks whose tokens and identity match (hash chain).
-    scheduling_policy: "continuous" (admit whenever a slot and blocks are free) or "static"
-        (admit a new cohort only when the whole running batch has finished; a baseline for
-        benchmarks).
     eos_token_ids: token ids that finish a request with reason "stop" (unless ``ignore_eos``).
     model_name, revision: the cache identity; blocks are only shared between requests whose
         identity (plus per-request ``cache_salt``) is equal, so a new model revision never reads
@@ -45,12 +273,6 @@ class EngineConfig:
 
     num_blocks: int
     max_model_len: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 256
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "continuous"
     eos_token_ids: tuple[int, ...] = ()
     model_name: str = ""
     revision: str = ""
@@ -59,20 +281,11 @@ class EngineConfig:
     rejecting_window_s: float = 5.0
 
     def __post_init__(self) -> None:
-        def positive(name: str) -> None:
+        _validate(self)
+        for name in ("num_blocks", "max_model_len") + (("vocab_size",) if self.vocab_size is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens"):
-            positive(name)
-        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) \
-                or self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
         if isinstance(self.eos_token_ids, int):
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         eos = tuple(self.eos_token_ids)
@@ -80,14 +293,10 @@ class EngineConfig:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"eos_token_ids must be non-negative integers, got {eos!r}")
         object.__setattr__(self, "eos_token_ids", eos)
-        if self.vocab_size is not None:
-            positive("vocab_size")
         for name in ("queue_full_retry_after_s", "rejecting_window_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
     @property
     def cache_identity(self) -> str:

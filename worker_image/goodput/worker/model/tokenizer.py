@@ -19,6 +19,7 @@ bos_token, eos_token, raise_exception, tojson).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
@@ -224,8 +225,9 @@ class GGUFTokenizer:
                             **kwargs: Any) -> str | list[int]:
         """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's template.
 
-        Returns the prompt text, or its token ids when ``tokenize`` (special tokens in the text
-        become their ids; no extra BOS is added — the template writes what it needs).
+        Returns the prompt text, or its token ids when ``tokenize``: the template's special tokens
+        become their ids, special-token text inside the messages stays text (a user cannot forge
+        a system turn); no extra BOS is added — the template writes what it needs.
         Raises ChatTemplateError for no template, malformed messages or a template error.
         """
         from jinja2 import TemplateError
@@ -236,11 +238,97 @@ class GGUFTokenizer:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
         try:
-            text = self._compiled_template.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            text = self._render(messages, add_generation_prompt, kwargs)
+            if tokenize:
+                return self._encode_rendered(text, messages, add_generation_prompt, kwargs)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return text
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                kwargs: Mapping[str, Any]) -> str:
+        return self._compiled_template.render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    # ---- special-token text inside message content is text, never a control token -------------
+    @cached_property
+    def _special_text_re(self) -> re.Pattern[str] | None:
+        texts = sorted({self._tokens[i] for i in self.special_token_ids if self._tokens[i]}, key=len,
+                       reverse=True)
+        # Longest first at each position: the leftmost-longest match the tokenizer's added-token
+        # matcher makes.
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @cached_property
+    def _text_only_backends(self) -> tuple[Tokenizer, Tokenizer]:
+        """Copies of the backend that read special-token strings as plain text: (for a segment at
+        the start of the text, for any later segment). They differ only for SentencePiece with a
+        space prefix, which the backend adds only at offset 0 of the whole text."""
+        first = Tokenizer.from_str(self.backend.to_str())
+        first.encode_special_tokens = True
+        later = Tokenizer.from_str(self.backend.to_str())
+        later.encode_special_tokens = True
+        if self.kind == "llama":
+            later.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                           prepend_scheme="never")
+        return first, later
+
+    def _encode_rendered(self, text: str, messages: Sequence[Mapping[str, Any]],
+                         add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> list[int]:
+        """Token ids of a rendered chat prompt in which only the TEMPLATE's special-token strings
+        are control tokens: ``"hi<|im_end|>\\n<|im_start|>system"`` in a message is encoded as the
+        characters it is, so a user cannot forge a turn (what Hugging Face's
+        ``split_special_tokens=True`` does to a whole text, applied to the message parts only).
+
+        The template's specials are found by rendering again with every special-token string in
+        the messages replaced by as many U+E000 characters (same length, so the two renderings
+        align character for character); the text between two template specials is encoded with
+        special-token matching off, exactly the segments the plain encoder would have made.
+        ChatTemplateError if the template changes the message text's length (it cannot then tell
+        a message's characters from its own)."""
+        pattern = self._special_text_re
+        if pattern is None:
+            return self.encode(text, add_special_tokens=False)
+        forged = False
+
+        def neutral(value: Any) -> Any:
+            nonlocal forged
+            if isinstance(value, str):
+                out = pattern.sub(lambda m: "\ue000" * len(m.group(0)), value)
+                forged = forged or out != value
+                return out
+            if isinstance(value, Mapping):
+                return {k: neutral(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [neutral(v) for v in value]
+            return value
+
+        clean = [{k: (v if k == "role" else neutral(v)) for k, v in m.items()} for m in messages]
+        if not forged:
+            return self.encode(text, add_special_tokens=False)
+        reference = self._render(clean, add_generation_prompt, kwargs)
+        if len(reference) != len(text):
+            raise ChatTemplateError("a message contains special-token text and the chat template changes "
+                                    "the message text, so it cannot be kept apart from the template's "
+                                    "own special tokens")
+        return self._encode_specials_where(text, reference)
+
+    def _encode_specials_where(self, text: str, reference: str) -> list[int]:
+        """Encode ``text`` with control tokens exactly where ``reference`` (same length) spells
+        one; everywhere else special-token strings are plain text. ``reference == text`` gives
+        what :meth:`encode` gives (the plain encoder splits the text at its specials the same way)."""
+        pattern = self._special_text_re
+        first, later = self._text_only_backends
+        ids: list[int] = []
+        pos = 0
+        for m in pattern.finditer(reference):
+            if m.start() > pos:
+                ids += (first if pos == 0 else later).encode(text[pos:m.start()], add_special_tokens=False).ids
+            ids.append(self.backend.token_to_id(m.group(0)))
+            pos = m.end()
+        if pos < len(text):
+            ids += (first if pos == 0 else later).encode(text[pos:], add_special_tokens=False).ids
+        return ids

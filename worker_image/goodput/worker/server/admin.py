@@ -12,10 +12,17 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from goodput.worker.server.errors import APIError
-from goodput.worker.server.protocol import AdminLimits
+from goodput.worker.server.protocol import AdminLimits, ErrorResponse
 from pydantic import ValidationError
 
 router = APIRouter(prefix="/admin")
+
+_ERR = {400: "invalid limits", 401: "missing or wrong admin bearer token",
+        403: "admin writes disabled (no GOODPUT_ADMIN_TOKEN)", 503: "model loading or engine dead"}
+
+
+def _errors(*codes: int) -> dict:
+    return {c: {"model": ErrorResponse, "description": _ERR[c]} for c in codes}
 
 
 def _require_admin(request: Request) -> None:
@@ -34,14 +41,15 @@ def _limits(st) -> dict[str, int]:
     return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting}
 
 
-@router.get("/limits")
+@router.get("/limits", responses=_errors(503))
 async def get_limits(request: Request) -> dict[str, int]:
     st = request.app.state.server
     st.require_engine()
     return _limits(st)
 
 
-@router.put("/limits")
+@router.put("/limits", responses=_errors(400, 401, 403, 503), openapi_extra={"requestBody": {
+    "required": True, "content": {"application/json": {"schema": AdminLimits.model_json_schema()}}}})
 async def put_limits(request: Request) -> dict[str, int]:
     """Set ``max_num_seqs`` and/or ``max_waiting`` (omitted = unchanged); returns the limits in force.
     Lowering ``max_num_seqs`` preempts nothing: it only stops admitting until the running set shrinks.
@@ -60,7 +68,7 @@ async def put_limits(request: Request) -> dict[str, int]:
     return _limits(st)
 
 
-@router.get("/state")
+@router.get("/state", responses=_errors(503))
 async def get_state(request: Request) -> dict:
     """Engine state (running | waiting | rejecting | blocked), queue sizes, KV blocks, limits, counters."""
     st = request.app.state.server

@@ -13,9 +13,15 @@ pod leaves the Service's endpoints), new generate requests get 503 with an OpenA
 streams included — run to their end. The process exits 0 once none is left; the pod's
 ``terminationGracePeriodSeconds`` bounds the wait (the kubelet's SIGKILL).
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``
-(server/openai_routes.py); ``/admin/limits``, ``/admin/state`` (server/admin.py); ``/health``,
-``/ready``, ``/metrics`` (here).
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{model}``,
+``/tokenize``, ``/detokenize`` (server/openai_routes.py); ``/admin/limits``, ``/admin/state``
+(server/admin.py); ``/health``, ``/ready``, ``/metrics`` (here).
+
+A request body larger than ``EngineArgs.max_request_body_bytes`` is answered 413 (HTTP's
+"Content Too Large", with the OpenAI error body naming the limit and the flag) before it is
+parsed. ``/openapi.json`` declares each route's real response models, the error statuses it
+can answer (OpenAI error body) and the ``text/event-stream`` / Prometheus text content types;
+FastAPI's default 422 is removed (validation errors are 400s here).
 """
 from __future__ import annotations
 
@@ -29,16 +35,102 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from goodput.worker.async_engine import AsyncLLMEngine
 from goodput.worker.engine_args import EngineArgs, build_engine
 from goodput.worker.llm_engine import LLMEngine
 from goodput.worker.server.errors import APIError, install_error_handlers
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 log = logging.getLogger("goodput.worker.server")
 
 ADMIN_TOKEN_ENV = "GOODPUT_ADMIN_TOKEN"
+
+
+class HealthStatus(BaseModel):
+    """``/health`` and ``/ready`` bodies: status is loading | ok | ready | dead | error."""
+
+    status: str
+    heartbeat_age_s: float | None = None
+    model: str | None = None
+    error: str | None = None
+
+
+_PROBE_503 = {503: {"model": HealthStatus, "description": "loading (/ready), load failed or engine dead"}}
+
+
+class BodySizeLimit:
+    """ASGI middleware: answer 413 to a request body over ``limit`` bytes without parsing it
+    (the Content-Length is checked first; a chunked body is counted as it arrives)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        err = APIError(413, f"the request body is {what}; the limit is {self.limit} bytes "
+                            "(--max-request-body-bytes)", code="body_too_large")
+        await err.response()(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send, f"{int(length)} bytes")
+        if length is not None:
+            return await self.app(scope, receive, send)
+        # No Content-Length (chunked): read it here, within the limit, then replay it.
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left
+            size += len(msg.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, f"more than {self.limit} bytes")
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _truthful_openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its default 422 (validation errors are 400s with the OpenAI
+    error body here) and with every route that takes a body declaring 413 (the body-size limit)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes)
+        from goodput.worker.server.protocol import ChatCompletionChunk, ErrorResponse
+        for path_item in schema.get("paths", {}).values():
+            for method, op in path_item.items():
+                responses = op.get("responses", {})
+                responses.pop("422", None)
+                if method in ("post", "put", "patch") and "413" not in responses:
+                    responses["413"] = {"description": "Request body larger than --max-request-body-bytes",
+                                        "content": {"application/json": {
+                                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        # Models only named in hand-written response docs (error bodies, stream chunks).
+        for model in (ErrorResponse, ChatCompletionChunk):
+            sub = model.model_json_schema(mode="serialization", ref_template="#/components/schemas/{model}")
+            for name, d in sub.pop("$defs", {}).items():
+                comps.setdefault(name, d)
+            comps.setdefault(model.__name__, sub)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class ServerState:
@@ -153,6 +245,8 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
 
     app = FastAPI(title="goodput worker", lifespan=lifespan)
     app.state.server = state
+    app.openapi = lambda: _truthful_openapi(app)
+    app.add_middleware(BodySizeLimit, limit=args.max_request_body_bytes)
 
     def count_invalid(request: Request) -> None:
         if request.url.path in ("/v1/completions", "/v1/chat/completions") and state.llm is not None:
@@ -166,7 +260,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
     app.include_router(openai_router)
     app.include_router(admin_router)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses=_PROBE_503)
     async def health() -> JSONResponse:
         if state.load_error is not None:
             return JSONResponse({"status": "error", "error": repr(state.load_error)}, status_code=503)
@@ -177,7 +271,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
         return JSONResponse({"status": "ok",
                              "heartbeat_age_s": round(time.monotonic() - state.engine.heartbeat, 3)})
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=HealthStatus, responses=_PROBE_503)
     async def ready() -> JSONResponse:
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.model_name})
@@ -188,7 +282,10 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
             body["error"] = repr(state.load_error)
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+        503: {"description": "model not loaded yet", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         if state.llm is None or state.llm.metrics is None:
             return Response("# model not loaded yet\n", status_code=503, media_type="text/plain")

@@ -19,7 +19,8 @@ from goodput.worker.server.protocol import UnsupportedParameter, error_body
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 
 
@@ -81,6 +82,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         name = _loc_name(loc)
         if typ == "json_invalid":
             msgs.append(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip())
+            continue
+        if not name and typ == "value_error":  # a whole-body check (e.g. "give prompt or messages")
+            msgs.append(err.get("msg", "invalid request").removeprefix("Value error, "))
             continue
         if not name:  # the body itself: empty, a JSON array, form-encoded ...
             msgs.append("the request body must be a JSON object (Content-Type: application/json)"

@@ -3,9 +3,15 @@
 Request models are strict: an unknown field, or an OpenAI parameter this server does not
 implement (``n > 1``, ``best_of``, ``logit_bias``, ``logprobs``, presence/frequency penalties,
 ``tools``, ``response_format`` other than text, ``echo``, ``suffix`` ...), is a 400 naming the
-parameter — never silently ignored. Extra (non-OpenAI) sampling parameters accepted as vLLM
+parameter — never silently ignored. Field types are strict too (pydantic strict types): a
+boolean is not an integer (``"prompt": [true]``, ``"max_tokens": true`` are 400), a string is
+not a boolean (``"stream": "yes"``), a number is not a string; JSON integers are accepted where
+a number is. OpenAI parameters that do not change generation (``user``, ``store``,
+``metadata``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+``parallel_tool_calls``, ``stream_options.include_obfuscation``) are type-checked and ignored,
+as OpenAI-compatible servers do. Extra (non-OpenAI) sampling parameters accepted as vLLM
 does: ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``cache_salt``,
-``priority``. Field semantics follow the OpenAI API reference for ``/v1/completions`` and
+``priority``, ``return_token_ids``, ``stream_options.continuous_usage_stats``. Field semantics follow the OpenAI API reference for ``/v1/completions`` and
 ``/v1/chat/completions``.
 """
 from __future__ import annotations
@@ -15,7 +21,17 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from goodput.worker.engine.sampling_params import SamplingParams
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 
 def _utf8(s: str) -> str:
@@ -29,7 +45,14 @@ def _utf8(s: str) -> str:
     return s
 
 
-Text = Annotated[str, AfterValidator(_utf8)]
+# Strict field types: JSON true is not 1, "yes" is not true, 1 is not "1" (a JSON integer is a
+# number, as JSON Schema says).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = StrictBool
+Str = StrictStr
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _NullMeansDefault(BaseModel):
@@ -44,6 +67,20 @@ class _NullMeansDefault(BaseModel):
             return {k: v for k, v in data.items()
                     if not (v is None and k in fields and fields[k].default is not None)}
         return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # The schema says what the server accepts: null too, for these defaulted fields.
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        props = schema.get("properties", {})
+        for name, f in cls.model_fields.items():
+            prop = props.get(name)
+            if prop is None or f.default is None or f.is_required():
+                continue
+            inner = {k: v for k, v in prop.items() if k not in ("title", "default", "description")}
+            outer = {k: prop[k] for k in ("title", "default", "description") if k in prop}
+            props[name] = {"anyOf": [inner, {"type": "null"}], **outer}
+        return schema
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -79,8 +116,15 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 # -------------------------------------------------------------------------------------- requests
 
 class StreamOptions(_NullMeansDefault):
+    """``include_usage``: one last chunk with ``usage`` and no choices (OpenAI).
+    ``continuous_usage_stats`` (vLLM's): every chunk carries ``usage`` so far (prompt tokens,
+    completion tokens generated up to that chunk). ``include_obfuscation``: accepted, ignored
+    (no obfuscation padding is sent)."""
+
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
+    include_obfuscation: Bool | None = None
 
 
 class _SamplingRequest(_NullMeansDefault):
@@ -88,27 +132,34 @@ class _SamplingRequest(_NullMeansDefault):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
-    stream: bool = False
+    model: Str | None = None
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    n: Int = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for abuse tracking; it does not change generation
+    seed: Int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: dict[str, Float] | None = None
+    # OpenAI parameters that do not change generation: type-checked, then ignored.
+    user: Str | None = None  # an end-user id for abuse tracking
+    store: Bool | None = None  # OpenAI stores completions for its dashboard; nothing is stored here
+    metadata: dict[Str, Str] | None = None  # tags for stored completions
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: Str | None = None  # OpenAI's cache routing hint; prefix caching is automatic
+    safety_identifier: Str | None = None
     # Extra (non-OpenAI) parameters, as vLLM accepts them.
-    top_k: int = Field(default=0, ge=-1)
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
-    cache_salt: str | None = None
-    priority: int = 0
-    return_token_ids: bool = False  # vLLM's extension: choices[].token_ids (generated ids)
+    top_k: Int = Field(default=0, ge=-1)
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(default=0, ge=0)
+    stop_token_ids: list[Int] | None = None
+    cache_salt: Str | None = Field(default=None, min_length=1)  # "" would silently share the cache
+    priority: Int = 0
+    # vLLM's extension: choices[].token_ids (generated ids) and the prompt's ids (prompt_token_ids).
+    return_token_ids: Bool = False
 
     @field_validator("stop")
     @classmethod
@@ -150,6 +201,10 @@ class _SamplingRequest(_NullMeansDefault):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.min_tokens > max_tokens:
             raise UnsupportedParameter(
@@ -165,11 +220,20 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element list
     of either (batches of prompts need n>1-style fan-out and are refused)."""
 
-    prompt: Text | list[int] | list[Text] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Text | list[Int] | list[Text] | list[list[Int]]
+    echo: Bool = False
+    logprobs: Int | None = None
+    best_of: Int | None = None
+    suffix: Str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_boolean_ids(cls, v: Any) -> Any:
+        # Say it plainly instead of one complaint per member of the union.
+        if isinstance(v, list) and any(isinstance(y, bool) for x in v
+                                       for y in (x if isinstance(x, list) else [x])):
+            raise ValueError("token ids must be integers; true/false are not token ids")
+        return v
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -203,7 +267,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] | None = None
-    name: str | None = None
+    name: Str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -215,21 +279,24 @@ class ChatMessage(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Str
 
 
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``; the prompt is the model's chat template over ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    # Tool calling: accepted only where it changes nothing (no tools, or the model told not to
+    # call any): tools [] / functions [], tool_choice / function_call "none" (or "auto" with no
+    # tools); parallel_tool_calls is ignored.
+    tools: list[dict[Str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[Str, Any] | None = None
+    functions: list[dict[Str, Any]] | None = None
+    function_call: Literal["none", "auto"] | dict[Str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -245,9 +312,16 @@ class ChatCompletionRequest(_SamplingRequest):
             raise UnsupportedParameter("logprobs")
         if self.top_logprobs is not None:
             raise UnsupportedParameter("top_logprobs")
-        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
-            if getattr(self, name) is not None:
-                raise UnsupportedParameter(name, f"{name} is not supported (no tool calling)")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise UnsupportedParameter(name, f"{name} is not supported (no tool calling): send "
+                                                 f"an empty list or leave it out")
+        no_tools = not self.tools and not self.functions
+        for name in ("tool_choice", "function_call"):
+            choice = getattr(self, name)
+            if choice is not None and choice != "none" and not (choice == "auto" and no_tools):
+                raise UnsupportedParameter(name, f"{name}={choice!r} is not supported (no tool calling): "
+                                                 f"only 'none', or 'auto' without tools")
         if self.response_format is not None and self.response_format.type != "text":
             raise UnsupportedParameter(
                 "response_format", f"response_format type {self.response_format.type!r} is not supported")
@@ -258,27 +332,56 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """``POST /tokenize``: ``prompt`` (raw text) or ``messages`` (rendered by the chat template)."""
+    """``POST /tokenize`` (vLLM's): ``prompt`` (raw text; special-token text in it becomes
+    control tokens, as in a completion prompt) or ``messages`` (rendered by the chat template;
+    special-token text in a message stays text). ``add_generation_prompt`` (messages only,
+    default true) appends the assistant header, as a chat completion does.
+    ``add_special_tokens``: prepend BOS where the model asks for it (default true for
+    ``prompt``, false for ``messages``: the template writes its own), as vLLM does."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Str | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: Bool | None = None
+    add_special_tokens: Bool | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.prompt is None and self.messages is None:
+            raise ValueError("missing 'prompt' (text) or 'messages' (a chat): give exactly one")
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give 'prompt' or 'messages', not both")
+        if self.add_generation_prompt is not None and self.messages is None:
+            raise ValueError("'add_generation_prompt' applies to 'messages' only")
         return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int | None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of ``tokens`` (special tokens included, as vLLM
+    does); 400 naming the first id outside the vocabulary."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Str | None = None
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class AdminLimits(BaseModel):
     """``PUT /admin/limits``: runtime admission limits (omitted fields stay unchanged)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_waiting: int | None = Field(default=None, ge=0)
+    max_num_seqs: Int | None = Field(default=None, ge=1)
+    max_waiting: Int | None = Field(default=None, ge=0)
 
 
 # ------------------------------------------------------------------------------------- responses
@@ -303,6 +406,7 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
+    prompt_token_ids: list[int] | None = _OMIT_NONE  # with return_token_ids (first chunk when streamed)
 
 
 class CompletionResponse(BaseModel):
@@ -334,6 +438,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -356,6 +461,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = _OMIT_NONE  # with return_token_ids, on the first chunk
 
 
 class ModelCard(BaseModel):
