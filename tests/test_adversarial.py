@@ -49,14 +49,14 @@ def test_sampler_tiny_temperature_is_greedy(temperature):
     (vLLM treats a near-zero T as greedy). Today 1e-38 picks a wrong token, 1e-45 raises."""
     import torch
     from goodput.worker.engine.sampling_params import SamplingParams
-    from goodput.worker.model.sampler import Sampler
+    from goodput.worker.model.sampler import Row, Sampler
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 49152, generator=g) * 5  # the SmolLM2 vocabulary width, typical scale
-    sampler = Sampler(eos_token_id=2, seed=0)
+    sampler = Sampler(seed=0)
     params = [SamplingParams(temperature=temperature, seed=7), SamplingParams(temperature=temperature)]
-    tokens, _ = sampler.sample(logits, params, [0, 3])
-    assert tokens == logits.argmax(dim=-1).tolist()
+    batch = sampler.prepare([Row(params[0], 0, frozenset({2})), Row(params[1], 3, frozenset({2}))], 49152)
+    assert sampler.sample(logits, batch).token_ids == logits.argmax(dim=-1).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ def test_fraction_le_empty_and_bad_shapes():
 # --------------------------------------------------------------------------------- state
 def test_state_round_trips_through_json():
     st = PolicyState(recommendations=[[1.0, 3.0], [6.0, 4.0]], caps={"a": 48}, service_s=4.2,
-                     last_scale_time=6.0, last_direction=1)
+                     last_scale_time=6.0, last_direction=1, since=1.0)
     back = PolicyState.from_dict(json.loads(json.dumps(st.to_dict())))
     assert back == st
     assert PolicyState.from_dict({"caps": "nonsense"}) == PolicyState()
@@ -146,3 +146,157 @@ def test_missing_metrics_never_scale_down():
     first = pod("a", interval_s=0.0, running=0)
     d = decide(0.0, Observation((first,), (), (), 3), SPEC, None)
     assert (d.replicas, d.reason) == (3, "HoldMissingMetrics")
+
+
+# ----------------------------------------------------------------- rule 2: the best batch
+def _cap_after(**kw) -> int:
+    d = decide(0.0, Observation((pod("a", **kw),), (), (), 1), SPEC, None)
+    return d.limits["a"].max_num_seqs
+
+
+@pytest.mark.parametrize("kw,expected", [
+    # binding (running == cap 64), all TPOT <= 50 ms = half the SLO, kv 0.3:
+    # fast growth ceil(64 * 1.5) = 96; KV room floor(64 * 0.8 / 0.3) = 170
+    (dict(running=64, kv_usage=0.3), 96),
+    # KV room binds: floor(64 * 0.8 / 0.7) = 73 < 96
+    (dict(running=64, kv_usage=0.7), 73),
+    # 80 % of TPOTs <= 50 ms, all <= 100 ms: fraction_le(0.05) = 0.8 < 0.9 (no fast growth);
+    # fraction_le(0.08) = 0.8 + 0.2 * 0.6 = 0.92 >= 0.9 -> 64 + ceil(64 * 0.125) = 72
+    (dict(running=64, tpot=hist(40, 50, 50, 50, 0.05)), 72),
+    # KV over target: no growth even though TPOT is fine
+    (dict(running=64, kv_usage=0.85), 64),
+    # the cap does not bind (40 < 64): no evidence to grow
+    (dict(running=40), 64),
+    # a preemption: floor(min(64, 64) * 0.75) = 48
+    (dict(running=64, preempted=1), 48),
+    # TPOT attainment 0.5 < 0.9 with 30 running: floor(30 * 0.75) = 22
+    (dict(running=30, tpot=hist(10, 25, 50, 50, 0.12)), 22),
+    # first scrape: nothing to learn from
+    (dict(running=64, interval_s=0.0), 64),
+])
+def test_best_batch_table(kw, expected):
+    assert _cap_after(**kw) == expected
+
+
+def test_learned_cap_carries_over_and_to_new_pods():
+    d = decide(0.0, Observation((pod("a", running=64),), (), (), 2), SPEC, None)
+    assert d.limits["a"].max_num_seqs == 96
+    # next tick: pod a keeps its 96 (not binding now), new pod b starts at the fleet median 96
+    d2 = decide(5.0, Observation((pod("a"), pod("b", max_num_seqs=64)), (), (), 2), SPEC, d.state)
+    assert (d2.limits["a"].max_num_seqs, d2.limits["b"].max_num_seqs) == (96, 96)
+
+
+# --------------------------------------------------------- rule 5: the waiting-queue limit
+def test_queue_limit_tightens_while_capacity_loads():
+    # capacity per replica min(64, 20 * 0.8 / 0.3) = 53.33; service 4.16 s -> mu = 12.82 req/s;
+    # k_ttft = floor(1.0 s * 12.82) = 12. Nothing loading: 12 * queue_slack 2 = 24.
+    d = decide(0.0, Observation((pod("a"), pod("b")), (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {24}
+    # 2 ready + 2 starting: floor(12 * (1 + 1 * 2 / 4)) = 18
+    starting = (StartingPod("s0", 5.0), StartingPod("s1", 5.0))
+    d = decide(0.0, Observation((pod("a"), pod("b")), starting, (), 4), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {18}
+    # 1 ready + 3 loading (2 starting, 1 not created yet): floor(12 * (1 + 1/4)) = 15
+    d = decide(0.0, Observation((pod("a"),), starting, (), 4), SPEC, None)
+    assert d.limits["a"].max_waiting == 15
+
+
+# ------------------------------------------------------- rule 6: preemption is saturation
+def test_preemptions_scale_up_as_saturation():
+    # 5 preemptions, attainment 30 / 50 = 0.6: cap -> floor(20 * 0.75) = 15, capacity
+    # min(15, 53.3) = 15, demand 41.6 -> ceil(41.6 / 15) = 3
+    d = decide(0.0, Observation((pod("a", preempted=5, slo_met=30),), (), (), 1), SPEC, None)
+    assert (d.replicas, d.reason, d.limits["a"].max_num_seqs) == (3, "ScaleUpSaturation", 15)
+
+
+# ------------------------------------------- rules 7-9: windows, tolerance, bounded steps
+def _quiet(name: str, rps: float = 5.0) -> PodObservation:
+    n = rps * 5
+    return pod(name, admitted=n, finished=n, slo_met=n, generation_tokens=100 * n,
+               ttft=hist(0, 0, n, n, 0.2), tpot=tpot_fast(n))
+
+
+def test_scale_down_after_the_window_and_one_step_at_a_time():
+    # 3 pods at 5 req/s: demand 15 * 4.16 = 62.4, capacity 53.33 -> rec 2
+    obs = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
+    old = PolicyState(since=-400.0)           # 400 s of history
+    d = decide(0.0, obs, SPEC, old)
+    assert (d.replicas, d.reason) == (2, "ScaleDown")
+    # no history (fresh or lost state): a whole window must pass first
+    assert decide(0.0, obs, SPEC, None).reason == "HoldStabilizing"
+    assert decide(299.0, obs, SPEC, PolicyState(since=0.0)).reason == "HoldStabilizing"
+    # a recommendation of 3 from 200 s ago is inside the 300 s window: hold
+    st = PolicyState(recommendations=[[-200.0, 3.0]], since=-400.0)
+    assert decide(0.0, obs, SPEC, st).reason == "HoldStabilizing"
+    # ... from 400 s ago it is not
+    st = PolicyState(recommendations=[[-400.0, 3.0]], since=-400.0)
+    assert decide(0.0, obs, SPEC, st).replicas == 2
+    # idle fleet of 4: rec = min_replicas 1, but at most max_scale_down_step = 1 per decision
+    idle = tuple(pod(n, running=0, admitted=0, finished=0, slo_met=0, generation_tokens=0, ttft=None,
+                     tpot=None, kv_usage=0.0) for n in "abcd")
+    d = decide(0.0, Observation(idle, (), (), 4), SPEC, old)
+    assert (d.replicas, d.reason) == (3, "ScaleDownIdle")
+
+
+def test_no_scale_down_while_starting_or_rejecting():
+    obs = Observation(tuple(_quiet(n) for n in "abc"), (StartingPod("s", 1.0),), (), 4)
+    assert decide(0.0, obs, SPEC, None).reason == "HoldStarting"
+    # 429s on one pod (attainment 72 / 75 = 0.96 >= 0.9, rec still 2): remaining may not hold
+    pods = (_quiet("a"), _quiet("b"), pod("c", admitted=25, finished=25, slo_met=22, rejected_429=3,
+                                          ttft=hist(0, 0, 25, 25, 0.2), tpot=tpot_fast(25),
+                                          generation_tokens=2500))
+    d = decide(0.0, Observation(pods, (), (), 3), SPEC, PolicyState(since=-400.0))
+    assert (d.replicas, d.reason) == (3, "HoldStabilizing")
+
+
+def test_tolerance_band_and_bounded_scale_up():
+    # 10 pods at 13 req/s: demand 130 * 4.16 = 540.8 / 53.33 = 10.14 -> 11; 11/10 - 1 = 0.1: in band
+    obs = Observation(tuple(pod(f"p{i}", admitted=65) for i in range(10)), (), (), 10)
+    assert (decide(0.0, obs, SPEC, None).replicas, decide(0.0, obs, SPEC, None).reason) == (10, "Steady")
+    # 1 pod offered 200 req/s: 832 / 53.33 -> 16, clamped to max 10, step max(4, 1) -> 5
+    d = decide(0.0, Observation((pod("a", admitted=1000),), (), (), 1), SPEC, None)
+    assert d.replicas == 5
+
+
+def test_scale_up_window_needs_evidence_unless_panic():
+    spec = PolicySpec(**{**SPEC.__dict__, "scale_up_window_s": 30.0})
+    # rec 4 (40 req/s, see test_scale_up_from_little_law) with current 3: a rec of 3 from 10 s ago
+    # is the window's minimum -> no scale-up yet
+    pods = (pod("a", admitted=200, finished=50), pod("b", running=0, admitted=0, finished=0, slo_met=0,
+                                                     generation_tokens=0, ttft=None, tpot=None,
+                                                     kv_usage=0.0), pod("c", running=0, admitted=0,
+                                                                         finished=0, slo_met=0,
+                                                                         generation_tokens=0,
+                                                                         ttft=None, tpot=None,
+                                                                         kv_usage=0.0))
+    st = PolicyState(recommendations=[[-10.0, 3.0]])
+    # demand = max(in flight 20, 40 * 4.16 = 166.4); capacity mean (53.33 + 64 + 64) / 3 = 60.4
+    # -> ceil(166.4 / 60.4) = 3: equal to current, so steady
+    d = decide(0.0, Observation(pods, (), (), 3), spec, st)
+    assert (d.replicas, d.reason) == (3, "Steady")
+    one = Observation((pod("a", admitted=200, finished=50),), (), (), 1)
+    # rec 4 >= panic_ratio 2 * current 1: immediate despite a rec of 1 five seconds ago
+    d = decide(0.0, one, spec, PolicyState(recommendations=[[-5.0, 1.0]]))
+    assert d.replicas == 4
+    # 40 + 5 + 5 req/s on 3 pods: demand 50 * 4.16 = 208 / 53.33 = 3.9 -> rec 4 < panic 2 * 3;
+    # window minimum min(3, 4) = 3 -> HoldStabilizing
+    three = Observation((pod("a", admitted=200, finished=50), _quiet("b"), _quiet("c")), (), (), 3)
+    d = decide(0.0, three, spec, PolicyState(recommendations=[[-10.0, 3.0]]))
+    assert (d.replicas, d.reason) == (3, "HoldStabilizing")
+
+
+def test_restart_from_saved_state_does_not_flap():
+    # scale up to 4 at t=0, then light load (4 pods at 2 req/s: 33.3 / 53.33 -> rec 1): at t=30
+    # the state holds (the 4 is in the window), and so does a state restored from its JSON
+    up = decide(0.0, Observation((pod("a", admitted=200, finished=50),), (), (), 1), SPEC, None)
+    assert up.replicas == 4
+    light = Observation(tuple(_quiet(n, rps=2.0) for n in "abcd"), (), (), 4)
+    kept = decide(30.0, light, SPEC, up.state)
+    restored = decide(30.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(up.state.to_dict()))))
+    assert (kept.replicas, kept.reason) == (4, "HoldStabilizing")
+    assert (restored.replicas, restored.reason) == (kept.replicas, kept.reason)
+    # at t=330 the 4 has left the window and 330 s of history exist: one step down, restored or
+    # not; a fresh state (history lost) holds another whole window instead of acting on one sample
+    later = decide(330.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(kept.state.to_dict()))))
+    assert (later.replicas, later.reason) == (3, "ScaleDown")
+    assert decide(330.0, light, SPEC, None).reason == "HoldStabilizing"

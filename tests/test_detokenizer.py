@@ -157,9 +157,30 @@ def test_real_tokenizer_stop_string_across_tokens(real_tokenizer):
 
 
 def test_min_tokens_holds_off_stop_strings():
-    # "ab" completes at token 2 < min_tokens=4: ignored and released; the later "ab" stops.
-    d = IncrementalDetokenizer(TOK, stop=["ab"], min_tokens=4)
+    # "ab" in the first min_tokens=3 tokens is released, not searched; the later "ab" stops.
+    d = IncrementalDetokenizer(TOK, stop=["ab"], min_tokens=3)
     deltas = [d.add_tokens([ord(c)]) for c in "abxab"]
     assert [x.text for x in deltas[:3]] == ["a", "b", "x"]
     assert deltas[3].text == "" and deltas[4].stopped
     assert d.released_text == "abx"
+
+
+class PieceTokenizer:
+    """Multi-character tokens: id i is PIECES[i]."""
+
+    PIECES = [" r", " red", ",", " green", " blue", "e"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def test_min_tokens_protects_the_whole_text_of_its_tokens():
+    """The issue's case: min_tokens=1 and stop "e"; the first token is " red". Its "e" must not
+    stop the request (it did: the answer was " r"); the search starts after that token."""
+    d = IncrementalDetokenizer(PieceTokenizer(), stop=["e"], min_tokens=1)
+    out = [d.add_tokens([i]) for i in (1, 2, 3)]  # " red" "," " green"
+    assert [x.text for x in out[:2]] == [" red", ","]
+    assert out[2].stopped and d.released_text == " red, gr"
+    # without min_tokens the first token's "e" stops at once
+    d0 = IncrementalDetokenizer(PieceTokenizer(), stop=["e"])
+    assert d0.add_tokens([1]).stopped and d0.released_text == " r"

@@ -75,7 +75,8 @@ def value(fams, name, **labels):
 @pytest.mark.parametrize("aliases", [False, True])
 def test_live_scrape_matches_the_documented_contract(aliases):
     table = doc_table()
-    m = WorkerMetrics("smollm2", lambda: STATS, vllm_aliases=aliases, max_model_len=64)
+    m = WorkerMetrics("smollm2", lambda: STATS, vllm_aliases=aliases, max_model_len=64, slo_ttft_s=0.5,
+                      slo_tpot_s=0.05)  # the SLO gauges are exported only when the SLOs are set
     m.observe_finished("stop", finished_request(0.1, 0.01))
     fams = parse(m)
     assert {n for n in fams if n.startswith("goodput_")} == set(table)
@@ -105,6 +106,15 @@ def test_metric_names_module_agrees_with_the_doc_and_the_enums():
     assert metric_names.ENGINE_STATES == ("running", "waiting", "rejecting", "blocked")
     assert set(metric_names.REJECT_REASONS) == {r.value for r in RejectReason}
     assert set(metric_names.FINISH_REASONS) == {"stop", "length", "abort"} == {r.value for r in FinishReason}
+
+
+def test_every_scheduler_counter_is_exported():
+    """A counter added to SchedulerStats cannot be left out of /metrics (nor a name left dangling)."""
+    from dataclasses import fields
+    counters = {f.name for f in fields(SchedulerStats) if f.name.endswith("_total")}
+    assert counters == set(metric_names.SCHEDULER_COUNTERS)
+    for name, label, _help in metric_names.SCHEDULER_COUNTERS.values():
+        assert label is None or label in metric_names.LABEL_VALUES
 
 
 def test_values_come_from_the_stats_snapshot():
@@ -176,6 +186,16 @@ def test_slo_met_counts_finished_requests_within_both_slos():
     assert value(fams, "goodput_requests_slo_met_total") == 2
     assert value(fams, "goodput_e2e_request_latency_seconds_count") == 5
     assert value(fams, "goodput_time_per_output_token_seconds_count") == 4
+    # the thresholds themselves, for the dashboards' SLO lines
+    assert fams["goodput_slo_ttft_seconds"].type == "gauge"
+    assert value(fams, "goodput_slo_ttft_seconds", model_name="m") == 0.5
+    assert value(fams, "goodput_slo_tpot_seconds", model_name="m") == 0.05
+
+
+def test_slo_gauges_only_for_the_slos_that_are_set():
+    fams = parse(WorkerMetrics("m", lambda: STATS, slo_ttft_s=0.25))
+    assert value(fams, "goodput_slo_ttft_seconds") == 0.25
+    assert "goodput_slo_tpot_seconds" not in fams
 
 
 def test_slo_rule():
@@ -237,3 +257,4 @@ def test_vllm_metrics_test_counts_on_a_live_worker(server_tiny):
     assert delta("goodput_batched_tokens_total") == N * (P + M - 1)  # the last token is never fed back
     assert metric(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="4",
                   enable_prefix_caching="True") == 1
+

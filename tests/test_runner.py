@@ -250,11 +250,14 @@ def test_runner_rejects_malformed_chunks_and_writes_nothing(runner):
 def test_runner_samples_only_final_chunks(runner):
     assert runner.execute(SchedulerOutput()).sampled_token_ids == {}
     ids = tuple(runner.tokenizer.encode("The capital of France is"))
+    with_lp = SamplingParams(temperature=0.0, logprobs=2)
     out = runner.execute(SchedulerOutput([
         ScheduledChunk("x", ids[:3], 0, (0,), False, GREEDY),
-        ScheduledChunk("y", ids, 0, (1, 2), True, GREEDY)]))
-    assert set(out.sampled_token_ids) == {"y"} and set(out.logprobs) == {"y"}
-    assert out.logprobs["y"] <= 0.0 and math.isfinite(out.logprobs["y"])
+        ScheduledChunk("y", ids, 0, (1, 2), True, with_lp),
+        ScheduledChunk("w", ids, 0, (3, 4), True, GREEDY)]))
+    assert set(out.sampled_token_ids) == {"y", "w"} and set(out.logprobs) == {"y"}  # only who asked
+    lp = out.logprobs["y"]
+    assert lp.logprob <= 0.0 and math.isfinite(lp.logprob) and lp.top[0] == (lp.token_id, lp.logprob)
     assert runner.tokenizer.decode([out.sampled_token_ids["y"]]).strip() == "Paris"
 
 

@@ -152,3 +152,22 @@ def test_async_abort_frees_blocks_and_failure_marks_dead():
             bad.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_forks_count_n_once_and_every_sample_finished():
+    """n = 3 (one request + two forks): three finished samples with their prompt and generated
+    tokens, one observation of n = 3; a plain request observes n = 1."""
+    from prometheus_client.parser import text_string_to_metric_families
+    eng = make_engine()
+    eng.add_request("p", [ord("a"), ord("b")], greedy(4, ignore_eos=True),
+                    forks=[("p-1", greedy(4, ignore_eos=True)), ("p-2", greedy(4, ignore_eos=True))])
+    eng.add_request("q", [ord("x")], greedy(2))
+    while eng.has_unfinished():
+        eng.step()
+    samples = {s.name: s.value for f in text_string_to_metric_families(eng.metrics.render().decode())
+               for s in f.samples}
+    assert (samples["goodput_request_params_n_count"], samples["goodput_request_params_n_sum"]) == (2, 4)
+    assert samples["goodput_request_prompt_tokens_count"] == 4
+    assert samples["goodput_request_prompt_tokens_sum"] == 3 * 2 + 1
+    assert samples["goodput_request_generation_tokens_sum"] == 3 * 4 + 2
+    assert eng.stats().finished_total == {"stop": 0, "length": 4, "abort": 0}

@@ -20,10 +20,13 @@ How each rule follows from the ideas it rests on:
    ``max_num_seqs`` is tuned AIMD-style from its own signals over the interval: TPOT attainment
    (``tpot.fraction_le(slo_tpot_s)``) below ``attainment_target`` or any preemption (the batch
    outgrew the KV pool) cuts it multiplicatively to ``floor(min(cap, running) * batch_decrease)``;
-   when the cap binds (``running >= cap``), TPOT attainment holds with margin
-   (``fraction_le(slo_tpot_s * tpot_margin) >= attainment_target``), KV usage is below
-   ``kv_target`` and nothing was preempted, it grows by ``max(1, ceil(cap * batch_increase))``.
-   Otherwise it stays (too little evidence moves nothing). A new replica starts at the fleet's
+   when the cap binds (``running >= cap``), KV usage is below ``kv_target`` and nothing was
+   preempted, it grows: by ``batch_fast_increase`` times while TPOT attainment holds at half the
+   SLO (``fraction_le(slo_tpot_s * tpot_fast_margin) >= attainment_target``: far from the
+   contract, step time grows only linearly with the batch), by ``max(1, ceil(cap *
+   batch_increase))`` while it holds at ``tpot_margin`` of it, never past the batch whose KV,
+   extrapolated from the KV per running request, reaches ``kv_target``. Otherwise it stays (too
+   little evidence moves nothing). A new replica starts at the fleet's
    median learned cap, so what one replica learned is not re-learned.
 
 3. Size from demand in flight (Little's law). The concurrency the fleet must carry is
@@ -53,7 +56,8 @@ How each rule follows from the ideas it rests on:
 
 7. Scale down only after the stabilization window and only when the rest holds the SLO. The
    scale-down target is the LARGEST recommendation of the last ``stabilization_window_s``
-   (Kubernetes HPA's scale-down stabilization); it applies only when there were no 429s and no
+   (Kubernetes HPA's scale-down stabilization), over a history at least that long (a fresh or
+   lost state waits a window); it applies only when there were no 429s and no
    preemptions in the interval, attainment met the target, nothing is starting, and the
    remaining replicas carry L at no more than ``target_utilization`` of their capacity.
 
@@ -209,7 +213,8 @@ class PolicySpec:
     min_num_seqs, max_num_seqs: bounds on the ``max_num_seqs`` limit set on replicas.
     min_waiting, max_waiting: bounds on the ``max_waiting`` limit set on replicas.
     queue_slack: how far past the TTFT-bound queue the limit loosens when nothing loads (rule 5).
-    batch_increase, batch_decrease, tpot_margin: AIMD factors of rule 2.
+    batch_increase, batch_fast_increase, batch_decrease, tpot_margin, tpot_fast_margin: the
+        AIMD factors of rule 2.
     """
 
     min_replicas: int = 1
@@ -233,8 +238,10 @@ class PolicySpec:
     max_waiting: int = 1024
     queue_slack: float = 2.0
     batch_increase: float = 0.125
+    batch_fast_increase: float = 1.5
     batch_decrease: float = 0.75
     tpot_margin: float = 0.8
+    tpot_fast_margin: float = 0.5
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
@@ -274,20 +281,8 @@ class PolicySpec:
             "kv_target": float(targets.get("kvCacheUsage", 0.8)),
             "queue_target": int(targets.get("queueDepth", 4)),
         }
-        optional = {
-            "tolerance": ("tolerance", float),
-            "max_scale_up_step": ("maxScaleUpStep", int),
-            "max_scale_down_step": ("maxScaleDownStep", int),
-            "target_utilization": ("targetUtilization", float),
-            "model_load_s": ("modelLoadSeconds", float),
-            "min_num_seqs": ("minNumSeqs", int),
-            "max_num_seqs": ("maxNumSeqs", int),
-            "max_waiting": ("maxWaiting", int),
-        }
-        for attr, (key, conv) in optional.items():
-            if a.get(key) is not None:
-                kw[attr] = conv(a[key])
-        if "max_num_seqs" not in kw and engine.get("maxNumSeqs"):
+        # the other PolicySpec fields keep their defaults (the CRD does not expose them)
+        if engine.get("maxNumSeqs"):
             kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), cls.max_num_seqs)
         return cls(**kw)
 
@@ -303,6 +298,9 @@ class PolicyState:
     caps: pod name -> learned ``max_num_seqs`` (the best batch, rule 2).
     service_s: last estimate of the service time of one request (seconds; 0 = unknown).
     last_scale_time: when replicas last changed (None = never). last_direction: +1, -1 or 0.
+    since: when this history started (the first call with metrics); no scale-down before a whole
+        stabilization window of history exists, so an autoscaler that lost its state waits
+        instead of acting on one sample.
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -310,6 +308,7 @@ class PolicyState:
     service_s: float = 0.0
     last_scale_time: float | None = None
     last_direction: int = 0
+    since: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -328,6 +327,7 @@ class PolicyState:
                 service_s=float(d.get("service_s", 0.0)),
                 last_scale_time=None if d.get("last_scale_time") is None else float(d["last_scale_time"]),
                 last_direction=int(d.get("last_direction", 0)),
+                since=None if d.get("since") is None else float(d["since"]),
             )
         except (TypeError, ValueError, AttributeError):
             return cls()
@@ -393,17 +393,25 @@ def _pod_service_s(p: PodObservation, slo_ttft_s: float) -> float | None:
 
 def _tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
     """Rule 2 (AIMD on the best batch) for one pod."""
-    if p.interval_s <= 0:
+    if p.interval_s <= 0 or p.tpot is None:
         return cap
-    tpot_ok = p.tpot.fraction_le(spec.slo_tpot_s) if p.tpot is not None else None
+    tpot_ok = p.tpot.fraction_le(spec.slo_tpot_s)
     if p.preempted > 0 or (tpot_ok is not None and tpot_ok < spec.attainment_target):
         base = min(cap, max(p.running, spec.min_num_seqs))
         return max(spec.min_num_seqs, min(cap - 1, math.floor(base * spec.batch_decrease)))
-    margin_ok = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin) if p.tpot is not None else None
-    if (p.running >= cap and margin_ok is not None and margin_ok >= spec.attainment_target
-            and p.kv_usage < spec.kv_target):
-        return min(spec.max_num_seqs, cap + max(1, math.ceil(cap * spec.batch_increase)))
-    return cap
+    if p.running < cap or p.kv_usage >= spec.kv_target:
+        return cap          # the cap does not bind, or KV binds first: no evidence to grow
+    # KV at the new cap, extrapolated from KV per running request now, must stay <= kv_target
+    kv_room = math.floor(p.running * spec.kv_target / p.kv_usage) if p.kv_usage > 0 else spec.max_num_seqs
+    fast = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_fast_margin)
+    margin = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin)
+    if fast is not None and fast >= spec.attainment_target:
+        grown = math.ceil(cap * spec.batch_fast_increase)
+    elif margin is not None and margin >= spec.attainment_target:
+        grown = cap + max(1, math.ceil(cap * spec.batch_increase))
+    else:
+        return cap
+    return max(cap, min(spec.max_num_seqs, grown, kv_room))
 
 
 def _replica_capacity(p: PodObservation, cap: int, spec: PolicySpec) -> float:
@@ -480,10 +488,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         or f.preempted > 0 or f.kv_hot
     missing_attainment = (f.attainment is not None
                           and f.attainment < spec.attainment_target * (1 - spec.tolerance / 2))
-    up_reason = "ScaleUpGoodput"
+    up_reason = "ScaleUpSaturation" if (f.preempted > 0 or f.kv_hot) else "ScaleUpGoodput"
     if missing_attainment and saturated and wanted <= n_ready:
         wanted = n_ready + 1
-        up_reason = "ScaleUpSaturation" if (f.preempted > 0 or f.kv_hot) else "ScaleUpGoodput"
     rec = max(spec.min_replicas, min(spec.max_replicas, wanted))
 
     # --- metrics health (rule 10) ---
@@ -500,6 +507,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     # --- windows (rules 7, 8) ---
     if metrics_ok:
         st.recommendations.append([now, float(rec)])
+        if st.since is None:
+            st.since = now
+    history_s = now - st.since if st.since is not None else 0.0
     horizon = max(spec.stabilization_window_s, spec.scale_up_window_s)
     st.recommendations = [r for r in st.recommendations if now - r[0] <= horizon]
     up_window = [r for t, r in st.recommendations if now - t <= spec.scale_up_window_s] or [rec]
@@ -512,7 +522,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     down_target = int(max(down_window))
 
     coming = len(obs.starting) + max(0, current - n_ready - len(obs.unreachable) - len(obs.starting))
-    in_band = current > 0 and abs(rec / current - 1.0) <= spec.tolerance
+    in_band = current > 0 and abs(rec / current - 1.0) <= spec.tolerance + 1e-9
     replicas, reason = current, "Steady"
     if current < spec.min_replicas:
         replicas, reason = spec.min_replicas, "ScaleUpMinReplicas"
@@ -521,8 +531,8 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     elif up_target > current and not in_band:
         step = max(spec.max_scale_up_step, current)
         replicas, reason = min(up_target, current + step), up_reason
-    elif rec > current:
-        reason = "Steady"
+    elif rec > current and not in_band:
+        reason = "HoldStabilizing"   # the scale-up window has not confirmed it yet
     elif rec < current and not metrics_ok:
         reason = "HoldMissingMetrics"
     elif rec < current and coming > 0:
@@ -531,7 +541,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         holds = (f.rejected_429 == 0 and f.preempted == 0
                  and (f.attainment is None or f.attainment >= spec.attainment_target)
                  and demand <= down_target * per_replica)
-        if down_target < current and holds:
+        if down_target < current and holds and history_s >= spec.stabilization_window_s:
             replicas = max(down_target, current - spec.max_scale_down_step, spec.min_replicas)
             reason = "ScaleDownIdle" if demand == 0 else "ScaleDown"
         else:

@@ -181,27 +181,36 @@ def default_output() -> Path:
     return Path(__file__).resolve().parents[3] / "crds" / CRD_FILENAME
 
 
+def chart_copy() -> Path:
+    """The Helm chart's copy (helm/goodput/files/crds/), written and checked with the default output."""
+    return Path(__file__).resolve().parents[3] / "helm" / "goodput" / "files" / "crds" / CRD_FILENAME
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m goodput.operator.crdgen", description=__doc__.split("\n")[0])
-    p.add_argument("--output", type=Path, default=None, help=f"default: crds/{CRD_FILENAME}")
+    p.add_argument("--output", type=Path, default=None,
+                   help=f"default: crds/{CRD_FILENAME} and the Helm chart's copy helm/goodput/files/crds/")
     p.add_argument("--check", action="store_true", help="exit 1 when the file differs from the models")
     p.add_argument("--stdout", action="store_true", help="print instead of writing")
     a = p.parse_args(argv)
     text = render()
-    out = a.output or default_output()
     if a.stdout:
         sys.stdout.write(text)
         return 0
+    outs = [a.output] if a.output else [default_output()] + ([chart_copy()] if chart_copy().parent.parent.is_dir()
+                                                              else [])
     if a.check:
-        current = out.read_text() if out.exists() else None
-        if current != text:
+        stale = [out for out in outs if (out.read_text() if out.exists() else None) != text]
+        for out in stale:
             print(f"{out} is stale: run `python -m goodput.operator.crdgen`", file=sys.stderr)
+        if stale:
             return 1
-        print(f"{out} is up to date")
+        print(" and ".join(str(o) for o in outs) + " up to date")
         return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"wrote {out}")
+    for out in outs:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
     return 0
 
 

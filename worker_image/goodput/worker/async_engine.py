@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.llm_engine import LLMEngine, RequestDelta
 
 log = logging.getLogger("goodput.worker.engine")
@@ -147,18 +148,31 @@ class AsyncLLMEngine:
         """Admit a request now (raises :class:`AdmissionError` at once: never_fits, queue_full,
         invalid; :class:`EngineDeadError` when the loop has died) and return its
         :class:`RequestStream`. Call from the event loop's thread."""
+        return self.add_request_group(request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                                      priority=priority, cache_salt=cache_salt)[0]
+
+    def add_request_group(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                          *, arrival_time: float | None = None, priority: int = 0,
+                          cache_salt: str | None = None,
+                          forks: Sequence[tuple[str, SamplingParams]] = ()) -> list[RequestStream]:
+        """:meth:`add_request` plus ``forks`` (id, params) sharing the prompt's KV (``n > 1``):
+        all admitted or none; one stream per id, the request's first."""
         if self.error is not None:
             raise EngineDeadError(f"engine is dead: {self.error!r}")
-        stream = RequestStream(request_id, self.abort, self._forget)
-        self._streams[request_id] = stream
+        ids = [request_id] + [cid for cid, _ in forks]
+        streams = [RequestStream(i, self.abort, self._forget) for i in ids]
+        if any(i in self._streams for i in ids):
+            raise AdmissionError("invalid", f"a request id of {ids} is already in use")
+        self._streams.update(zip(ids, streams))
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                                    priority=priority, cache_salt=cache_salt)
+                                    priority=priority, cache_salt=cache_salt, forks=forks)
         except BaseException:
-            self._streams.pop(request_id, None)
+            for i in ids:
+                self._streams.pop(i, None)
             raise
         self._wake.set()
-        return stream
+        return streams
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        *, arrival_time: float | None = None, priority: int = 0,

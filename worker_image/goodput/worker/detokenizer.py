@@ -55,10 +55,11 @@ class IncrementalDetokenizer:
     prompt_token_ids: the request's prompt (only its last few tokens are used, as left context).
     stop: stop strings; an empty string is rejected (it would match everywhere).
     skip_special_tokens: passed to ``decode`` (True: EOS/chat markers never appear in text).
-    min_tokens: stop strings are not looked for (and nothing is held back for them) until this
-        many output tokens exist, as vLLM's ``min_tokens`` ("minimum tokens before EOS, stop
-        token ids or stop strings can end the request"). A match must then start in text not yet
-        released, so released text is never taken back.
+    min_tokens: the text of the first ``min_tokens`` output tokens is released as it comes and
+        never searched for stop strings (nothing is held back for them); stop strings are looked
+        for only in the text of later tokens ("minimum tokens before EOS, stop token ids or stop
+        strings can end the request"). A match must start in text not yet released, so
+        released text is never taken back.
 
     Cost per token: one decode of a window of a few tokens (not of the whole output).
     """
@@ -124,8 +125,9 @@ class IncrementalDetokenizer:
         self._num_output += len(token_ids)
         if token_ids or final:
             self.text += self._decode_new(final)
-        if self._num_output < self._min_tokens:
-            final = True  # stop strings may not end the request yet: nothing to hold back
+        if self._num_output <= self._min_tokens:
+            # the first min_tokens tokens' text is never searched for stop strings: release it
+            final = True
         elif self._stop:
             # Released text never holds a possible stop-string start (see _held_back_len), so a
             # new match can only start in the unreleased tail.

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from goodput.worker.detokenizer import IncrementalDetokenizer, SupportsDecode
 from goodput.worker.engine.config import EngineConfig
-from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, TokenLogprobs
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import Scheduler, SchedulerStats
@@ -53,6 +53,10 @@ class RequestDelta:
         max_model_len) or "abort".
     num_prompt_tokens, num_output_tokens: running totals for ``usage``.
     error: set when the engine failed; the request is finished with reason "abort".
+    logprobs: one :class:`TokenLogprobs` per id in ``token_ids`` when the request asked
+        (``SamplingParams.logprobs``), else None.
+    prompt_logprobs: on a request's first delta when it asked (``SamplingParams.prompt_logprobs``):
+        one entry per prompt token, None for the first (nothing predicts it).
     """
 
     request_id: str
@@ -63,6 +67,8 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -71,6 +77,9 @@ class _Tracked:
     detok: IncrementalDetokenizer
     num_tokens_seen: int = 0
     done: bool = False
+    children: tuple[str, ...] = ()  # forks (n > 1) that end with this request if it never ran
+    is_fork: bool = False  # one of another request's forks (its n is counted with that request)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class ModelExecutor(Protocol):
@@ -108,15 +117,28 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> Request:
-        """Admit a request (or raise :class:`AdmissionError`: never_fits / queue_full / invalid)."""
+                    cache_salt: str | None = None,
+                    forks: Sequence[tuple[str, SamplingParams]] = ()) -> Request:
+        """Admit a request (or raise :class:`AdmissionError`: never_fits / queue_full / invalid).
+
+        forks: (request id, params) of further samples of the same prompt (OpenAI's ``n > 1``):
+        admitted or refused together, they share the prompt's KV blocks once it is computed
+        (``Scheduler.add_request``) and produce deltas under their own ids. Their params must
+        have the same ``max_tokens``; prompt log-probabilities come only with the first."""
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
                       priority=priority, cache_salt=cache_salt)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop,
-                                       min_tokens=params.min_tokens)
+        children = [Request(cid, req.prompt_token_ids, cp, arrival_time=arrival_time, priority=priority,
+                            cache_salt=cache_salt) for cid, cp in forks]
         with self._lock:
-            self.scheduler.add_request(req)  # duplicate ids are refused there ("invalid")
-            self._tracked[request_id] = _Tracked(req, detok)
+            self.scheduler.add_request(req, children)  # duplicate ids are refused there ("invalid")
+            for r in (req, *children):
+                sp = r.sampling_params
+                detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, stop=sp.stop,
+                                               min_tokens=sp.min_tokens)
+                self._tracked[r.request_id] = _Tracked(
+                    r, detok, children=tuple(c.request_id for c in children) if r is req else (),
+                    is_fork=r is not req,
+                    prompt_logprobs=[None] * r.num_prompt_tokens if sp.prompt_logprobs is not None else None)
         return req
 
     def count_invalid(self) -> None:
@@ -150,7 +172,9 @@ class LLMEngine:
             deltas.extend(self._apply_aborts())
             sched_out: SchedulerOutput = self.scheduler.schedule()
         try:
-            runner_out = self.runner.execute(sched_out) if not sched_out.is_empty else RunnerOutput()
+            # an empty step still tells the runner which requests finished (it drops their state)
+            runner_out = self.runner.execute(sched_out) \
+                if not sched_out.is_empty or sched_out.finished_ids else RunnerOutput()
         except Exception as exc:
             return deltas + self._fail_step(sched_out, exc)
         self._consecutive_step_failures = 0
@@ -159,6 +183,11 @@ class LLMEngine:
             if self.metrics is not None and not sched_out.is_empty:
                 self.metrics.observe_iteration(
                     sched_out.num_prefill_tokens + sum(len(o.new_token_ids) for o in outputs))
+            for rid, (first, entries) in runner_out.prompt_logprobs.items():
+                t = self._tracked.get(rid)
+                if t is not None and t.prompt_logprobs is not None:
+                    # by position: a recompute after preemption writes the same entries again
+                    t.prompt_logprobs[first:first + len(entries)] = entries
             for out in outputs:
                 d = self._process(out)
                 if d is not None:
@@ -187,6 +216,16 @@ class LLMEngine:
                 if t is not None and not t.done:
                     deltas.append(self._finish(t, "abort", t.detok.flush().text, [],
                                                f"engine error: {exc!r}"))
+                    deltas += self._end_unstarted_children(t, f"engine error: {exc!r}")
+        return deltas
+
+    def _end_unstarted_children(self, parent: _Tracked, error: str | None = None) -> list[RequestDelta]:
+        """Forks whose parent ended before its prompt was computed ended with it (scheduler)."""
+        deltas = []
+        for cid in parent.children:
+            ct = self._tracked.get(cid)
+            if ct is not None and not ct.done and ct.request.is_finished:
+                deltas.append(self._finish(ct, "abort", "", [], error))
         return deltas
 
     def _apply_aborts(self) -> list[RequestDelta]:
@@ -198,6 +237,7 @@ class LLMEngine:
                 continue
             self.scheduler.abort_request(rid)
             deltas.append(self._finish(t, "abort", t.detok.flush().text, []))
+            deltas += self._end_unstarted_children(t)
         return deltas
 
     def _process(self, out: RequestOutput) -> RequestDelta | None:
@@ -208,6 +248,8 @@ class LLMEngine:
         new_ids = list(out.new_token_ids)
         if self.metrics is not None and new_ids:
             self._observe_tokens(t)
+        extra = {"logprobs": out.logprobs if req.sampling_params.logprobs is not None else None,
+                 "prompt_logprobs": t.prompt_logprobs if req.num_output_tokens == len(new_ids) else None}
         text_ids = new_ids
         if out.finished and out.finish_reason == "stop" and new_ids and new_ids[-1] in req.stop_token_ids:
             text_ids = new_ids[:-1]  # a stop token (EOS or stop_token_ids) is never part of the text
@@ -217,13 +259,13 @@ class LLMEngine:
             if delta.stopped and reason != FinishReason.STOP:
                 reason = FinishReason.STOP.value
                 self.scheduler.restate_finish_reason(req, FinishReason.STOP)
-            return self._finish(t, reason, delta.text, new_ids)
+            return self._finish(t, reason, delta.text, new_ids, **extra)
         delta = t.detok.add_tokens(text_ids)
         if delta.stopped:
             self.scheduler.finish_request(req.request_id, "stop")
-            return self._finish(t, "stop", delta.text, new_ids)
+            return self._finish(t, "stop", delta.text, new_ids, **extra)
         return RequestDelta(req.request_id, delta.text, new_ids, False, None,
-                            req.num_prompt_tokens, req.num_output_tokens)
+                            req.num_prompt_tokens, req.num_output_tokens, **extra)
 
     def _observe_tokens(self, t: _Tracked) -> None:
         req = t.request
@@ -236,14 +278,15 @@ class LLMEngine:
         t.num_tokens_seen = len(times)
 
     def _finish(self, t: _Tracked, reason: str, text: str, new_ids: list[int],
-                error: str | None = None) -> RequestDelta:
+                error: str | None = None, logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestDelta:
         t.done = True
         req = t.request
         self._tracked.pop(req.request_id, None)
         if self.metrics is not None:
-            self.metrics.observe_finished(reason, req)
+            self.metrics.observe_finished(reason, req, n=None if t.is_fork else 1 + len(t.children))
         return RequestDelta(req.request_id, text, new_ids, True, reason, req.num_prompt_tokens,
-                            req.num_output_tokens, error)
+                            req.num_output_tokens, error, logprobs, prompt_logprobs)
 
     def fail_all(self, error: str) -> list[RequestDelta]:
         """Abort every unfinished request with an error (used when a step raised)."""

@@ -53,6 +53,27 @@ REQUEST_GENERATION_TOKENS = "goodput_request_generation_tokens"
 REQUEST_PARAMS_N = "goodput_request_params_n"
 REQUEST_PARAMS_MAX_TOKENS = "goodput_request_params_max_tokens"
 ITERATION_TOKENS = "goodput_iteration_tokens"
+# gauges: the SLO thresholds the worker judges goodput_requests_slo_met by (exported only when set),
+# so dashboards draw each service's own SLO line
+SLO_TTFT_SECONDS = "goodput_slo_ttft_seconds"
+SLO_TPOT_SECONDS = "goodput_slo_tpot_seconds"
+
+# The scheduler's counters: SchedulerStats field -> (metric name, label or None, HELP). The worker
+# exports each from the scheduler's snapshot; a labelled counter has one series per label value.
+SCHEDULER_COUNTERS = {
+    "admitted_total": (REQUESTS_ADMITTED, None, "Admitted requests."),
+    "rejected_total": (REQUESTS_REJECTED, "reason", "Requests refused at admission, by reason."),
+    "finished_total": (REQUESTS_FINISHED, "finished_reason", "Finished requests by reason."),
+    "prompt_tokens_total": (PROMPT_TOKENS, None, "Prompt tokens of requests that started running."),
+    "generation_tokens_total": (GENERATION_TOKENS, None, "Generated tokens."),
+    "prefix_cache_queries_total": (PREFIX_CACHE_QUERIES, None, "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits_total": (PREFIX_CACHE_HITS, None, "Prompt tokens served from the prefix cache."),
+    "preemptions_total": (PREEMPTIONS, None, "Preemptions by recompute."),
+    "steps_total": (ENGINE_STEPS, None, "Engine steps that ran at least one chunk."),
+    "batched_tokens_total": (BATCHED_TOKENS, None,
+                             "Tokens computed by the model in those steps (prefill chunks + decodes)."),
+}
+LABEL_VALUES = {"reason": REJECT_REASONS, "finished_reason": FINISH_REASONS, "state": ENGINE_STATES}
 
 # goodput name -> vLLM name, for --vllm-metric-aliases. Same value, same type; vLLM's
 # cache_config_info carries its own label names (docs/metrics.md).

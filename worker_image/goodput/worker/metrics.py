@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,24 +33,16 @@ from goodput.worker.engine.states import FinishReason
 from goodput.worker.metric_names import (
     ADMISSION_MAX_NUM_SEQS,
     ADMISSION_MAX_WAITING,
-    BATCHED_TOKENS,
     CACHE_CONFIG_INFO,
     E2E_BUCKETS,
     E2E_REQUEST_LATENCY,
     ENGINE_STATE,
     ENGINE_STATES,
-    ENGINE_STEPS,
-    FINISH_REASONS,
-    GENERATION_TOKENS,
     INTER_TOKEN_LATENCY,
     ITERATION_TOKENS,
     KV_CACHE_BLOCKS,
     KV_CACHE_USAGE_RATIO,
-    PREEMPTIONS,
-    PREFIX_CACHE_HITS,
-    PREFIX_CACHE_QUERIES,
-    PROMPT_TOKENS,
-    REJECT_REASONS,
+    LABEL_VALUES,
     REQUEST_DECODE_TIME,
     REQUEST_GENERATION_TOKENS,
     REQUEST_INFERENCE_TIME,
@@ -59,12 +51,12 @@ from goodput.worker.metric_names import (
     REQUEST_PREFILL_TIME,
     REQUEST_PROMPT_TOKENS,
     REQUEST_QUEUE_TIME,
-    REQUESTS_ADMITTED,
-    REQUESTS_FINISHED,
-    REQUESTS_REJECTED,
     REQUESTS_RUNNING,
     REQUESTS_SLO_MET,
     REQUESTS_WAITING,
+    SCHEDULER_COUNTERS,
+    SLO_TPOT_SECONDS,
+    SLO_TTFT_SECONDS,
     TIME_PER_OUTPUT_TOKEN,
     TIME_TO_FIRST_TOKEN,
     TOKEN_LATENCY_BUCKETS,
@@ -159,23 +151,12 @@ class _StatsCollector(Collector):
         yield from self._gauge(ADMISSION_MAX_WAITING, "Current admission limit on waiting requests.",
                                s.max_waiting)
         yield from self._cache_config(s)
-        yield from self._counter(REQUESTS_ADMITTED, "Admitted requests.", s.admitted_total)
-        yield from self._labelled_counter(REQUESTS_REJECTED, "Rejected requests by reason.", "reason",
-                                          REJECT_REASONS, s.rejected_total)
-        yield from self._labelled_counter(REQUESTS_FINISHED, "Finished requests by reason.",
-                                          "finished_reason", FINISH_REASONS, s.finished_total)
-        yield from self._counter(PROMPT_TOKENS, "Prompt tokens of requests that started running.",
-                                 s.prompt_tokens_total)
-        yield from self._counter(GENERATION_TOKENS, "Generated tokens.", s.generation_tokens_total)
-        yield from self._counter(PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
-                                 s.prefix_cache_queries_total)
-        yield from self._counter(PREFIX_CACHE_HITS, "Prompt tokens served from the prefix cache.",
-                                 s.prefix_cache_hits_total)
-        yield from self._counter(PREEMPTIONS, "Preemptions by recompute.", s.preemptions_total)
-        yield from self._counter(ENGINE_STEPS, "Engine steps that ran at least one chunk.", s.steps_total)
-        yield from self._counter(BATCHED_TOKENS,
-                                 "Tokens computed by the model in those steps (prefill chunks + decodes).",
-                                 s.batched_tokens_total)
+        for field_name, (name, label, doc) in SCHEDULER_COUNTERS.items():
+            value = getattr(s, field_name)
+            if label is None:
+                yield from self._counter(name, doc, value)
+            else:
+                yield from self._labelled_counter(name, doc, label, LABEL_VALUES[label], value)
 
 
 class _Hist:
@@ -213,6 +194,10 @@ class WorkerMetrics:
         self.model_name = model_name
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.registry.register(_StatsCollector(model_name, stats_fn, vllm_aliases))
+        for gname, value, what in ((SLO_TTFT_SECONDS, slo_ttft_s, "TTFT"), (SLO_TPOT_SECONDS, slo_tpot_s, "TPOT")):
+            if value is not None:  # the thresholds themselves, for the dashboards' SLO lines
+                Gauge(gname, f"The {what} SLO in seconds (threshold of goodput_requests_slo_met_total).",
+                      ["model_name"], registry=self.registry).labels(model_name).set(value)
         self._slo_met = Counter(REQUESTS_SLO_MET,
                                 "Finished requests (stop or length) meeting both the TTFT and TPOT SLOs.",
                                 ["model_name"], registry=self.registry).labels(model_name)
@@ -253,10 +238,11 @@ class WorkerMetrics:
         tokens sampled."""
         self.iteration_tokens.observe(num_tokens)
 
-    def observe_finished(self, finish_reason: str, req: Request, n: int = 1) -> None:
+    def observe_finished(self, finish_reason: str, req: Request, n: int | None = 1) -> None:
         """Record one finished request from its timestamps (TTFT/ITL were observed as its tokens
-        arrived). ``n``: the OpenAI ``n`` of the request it belongs to. A request finished
-        without a ``finished_time`` (the engine failed) gets E2E up to now."""
+        arrived). ``n``: the OpenAI ``n`` of the request (observed once per OpenAI request: None
+        for the other samples of an ``n > 1`` request). A request finished without a
+        ``finished_time`` (the engine failed) gets E2E up to now."""
         e2e_s = req.e2e
         if e2e_s is None and req.arrival_time is not None:
             e2e_s = time.monotonic() - req.arrival_time
@@ -271,7 +257,8 @@ class WorkerMetrics:
                 hist.observe(value)
         self.prompt_tokens.observe(req.num_prompt_tokens)
         self.generation_tokens.observe(req.num_output_tokens)
-        self.params_n.observe(n)
+        if n is not None:
+            self.params_n.observe(n)
         self.params_max_tokens.observe(req.sampling_params.max_tokens)
         if finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and slo_met(req.ttft, tpot_s, self.slo_ttft_s,
                                                              self.slo_tpot_s):

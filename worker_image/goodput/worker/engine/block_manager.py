@@ -301,7 +301,9 @@ class BlockManager:
         full-block boundary, so the tokens of the parent's partial tail block are recomputed
         into a fresh block on the child's next step ("copy by recompute"; at most
         block_size - 1 tokens). Hence no block that anyone still appends to is ever shared, and
-        the runner needs no block-copy operation.
+        the runner needs no block-copy operation. The child always keeps at least one token to
+        compute (a prompt that ends on a block boundary shares one block fewer), so it gets
+        logits of its own.
         """
         if child.block_ids or child.num_computed_tokens:
             raise ValueError(f"fork target {child.request_id!r} already has KV")
@@ -312,7 +314,9 @@ class BlockManager:
         if child.all_token_ids[:parent.num_computed_tokens] != \
                 parent.all_token_ids[:parent.num_computed_tokens]:
             raise ValueError("fork target's tokens differ from the parent's computed tokens")
-        num_full = min(parent.num_computed_tokens // self.block_size, len(parent.block_ids))
+        # the child keeps at least one token to compute: it needs logits of its own to sample
+        num_full = min(parent.num_computed_tokens // self.block_size, len(parent.block_ids),
+                       (child.num_tokens - 1) // self.block_size)
         for bid in parent.block_ids[:num_full]:
             self._blocks[bid].ref += 1
             child.block_ids.append(bid)

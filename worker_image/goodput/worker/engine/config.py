@@ -221,6 +221,10 @@ class EngineArgs(SchedulerSettings):
     slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput_requests_slo_met_total (ms)",
                                         gt=0, crd="slo.tpot_ms")
     vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)")
+    logprobs_mode: str = setting(
+        "processed", "log-probabilities returned with logprobs: processed = of the distribution each "
+                     "token was sampled from (after penalties, temperature, top-k/top-p); raw = the "
+                     "model's log_softmax", choices=("processed", "raw"), crd=None)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
     # Request limits the HTTP server enforces (400, or 413 for the body, naming the flag): one
     # request may not make the engine do unbounded work per token (stop strings are searched

@@ -16,6 +16,20 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (natural log) at one position.
+
+    token_id, logprob: the token at this position (sampled, or the prompt's) and its
+        log-probability; ``-inf`` when the distribution gave it probability 0.
+    top: the ``k`` most likely tokens as (token id, logprob), most likely first (empty for k=0).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """One request's slice of a step: a prefill chunk or a single decode token.
 
@@ -35,6 +49,8 @@ class ScheduledChunk:
         (seed, num_output_tokens) so results do not depend on batching or preemption).
     stop_token_ids: the request's resolved stop ids (``Request.stop_token_ids``); the sampler
         masks them while ``num_output_tokens < min_tokens``.
+    prompt_token_ids, output_token_ids: the request's history, filled only when the sampler or
+        the runner needs it (penalties, a grammar, prompt log-probabilities), else empty.
     """
 
     request_id: str
@@ -45,6 +61,8 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     num_output_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -91,11 +109,16 @@ class RunnerOutput:
     """What the model runner returns: one sampled token per chunk with ``sample=True``.
 
     sampled_token_ids: request_id -> new token id.
-    logprobs: request_id -> log-probability of the sampled token (optional, may be empty).
+    logprobs: request_id -> the sampled token's :class:`TokenLogprobs`, only for requests with
+        ``sampling_params.logprobs`` set.
+    prompt_logprobs: request_id -> (first prompt position, entries): entry i is the
+        log-probability of prompt token ``first + i`` given the tokens before it, only for
+        requests with ``sampling_params.prompt_logprobs`` set (one run per prefill chunk).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, float] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,7 +131,7 @@ class RequestOutput:
         max_model_len -> "length"); its KV blocks are already freed.
     finish_reason: a ``FinishReason`` (a ``str`` enum: "stop", "length", "abort") or None.
     request: the engine's Request (token lists and timestamps: TTFT, ITL, TPOT, E2E).
-    logprobs: the runner's log-probability for each new token, when it returned one.
+    logprobs: the runner's log-probabilities for each new token, when the request asked.
     """
 
     request_id: str
@@ -116,4 +139,4 @@ class RequestOutput:
     finished: bool
     finish_reason: "FinishReason | None"
     request: "Request"
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprobs] | None = None

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, fields
+from typing import Callable, Sequence
 
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
@@ -67,6 +67,10 @@ class SchedulerStats:
     ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs).
 
     kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
+
+    Every field ending in ``_total`` is a counter the :class:`Scheduler` keeps under the same
+    name; ``goodput.worker.metric_names.SCHEDULER_COUNTERS`` names its metric (a test checks
+    that none is left unexported).
     """
 
     engine_state: EngineState
@@ -91,6 +95,9 @@ class SchedulerStats:
     prefix_cache_hits_total: int
     steps_total: int
     batched_tokens_total: int
+
+
+_COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name.endswith("_total"))
 
 
 @dataclass
@@ -132,6 +139,8 @@ class Scheduler:
         self._admit_seq: dict[str, int] = {}
         self._next_seq = 0
         self._finished_ids: list[str] = []
+        # parent request id -> children forked from it when its prompt's KV is computed (n > 1)
+        self._pending_forks: dict[str, list[Request]] = {}
         # What limited the waiting queue in the last step (for engine_state()).
         self._kv_blocked = False
         self._last_queue_full: float | None = None
@@ -159,8 +168,13 @@ class Scheduler:
         self.count_rejection(reason)
         return AdmissionError(reason, message, retry_after, param)
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, forks: Sequence[Request] = ()) -> None:
         """Admit ``req`` to the waiting queue, or raise ``AdmissionError`` at once.
+
+        forks: children with the same prompt (OpenAI's ``n > 1``), admitted or refused together
+        with ``req``. When ``req``'s prompt KV has been computed they share its full KV blocks
+        (``BlockManager.fork``) and join the running set directly (beyond ``max_num_seqs``:
+        they are part of an admitted request); each then samples on its own.
 
         invalid: empty prompt, token id out of range, duplicate id, a request already used.
         never_fits: prompt + max_tokens > max_model_len, or its KV (prompt + max_tokens - 1
@@ -171,8 +185,15 @@ class Scheduler:
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
         cfg = self.config
         rid = req.request_id
-        if rid in self.requests:
-            raise self._reject(RejectReason.INVALID, f"request id {rid!r} is already in use")
+        ids = [rid] + [c.request_id for c in forks]
+        for i in ids:
+            if i in self.requests or i in self._pending_forks or ids.count(i) > 1:
+                raise self._reject(RejectReason.INVALID, f"request id {i!r} is already in use")
+        for c in forks:
+            if tuple(c.prompt_token_ids) != tuple(req.prompt_token_ids) or c.cache_salt != req.cache_salt \
+                    or c.sampling_params.max_tokens != req.sampling_params.max_tokens or c.output_token_ids:
+                raise self._reject(RejectReason.INVALID, f"fork {c.request_id!r} must have its parent's "
+                                                         "prompt, cache_salt and max_tokens")
         if req.status is not RequestStatus.WAITING or req.output_token_ids or req.block_ids:
             raise self._reject(RejectReason.INVALID, f"request {rid!r} was already scheduled once")
         n = req.num_prompt_tokens
@@ -204,8 +225,11 @@ class Scheduler:
             raise self._reject(
                 RejectReason.QUEUE_FULL, f"the waiting queue is full ({len(self.waiting)} requests, "
                                          f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
-        sp = req.sampling_params
-        req.stop_token_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
+        for r in (req, *forks):
+            sp = r.sampling_params
+            r.stop_token_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
+        if forks:
+            self._pending_forks[rid] = list(forks)
         now = self.clock()
         if req.arrival_time is None:
             req.arrival_time = now
@@ -265,7 +289,9 @@ class Scheduler:
             self.config.scheduling_policy == "static" and self.running)
         while admit and self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit_blocks, num_hit = self.block_manager.get_computed_blocks(req)
+            # prompt log-probabilities need the logits of every prompt position: no cache hits
+            hit_blocks, num_hit = ([], 0) if req.sampling_params.prompt_logprobs is not None \
+                else self.block_manager.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, plan.budget)
             if not self.block_manager.allocate_slots(req, n, hit_blocks):
                 kv_blocked = True
@@ -284,6 +310,8 @@ class Scheduler:
         for rid, n in plan.scheduled.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
+            sp = req.sampling_params
+            history = sp.has_penalties or sp.json_schema is not None
             out.chunks.append(ScheduledChunk(
                 request_id=rid,
                 token_ids=tuple(req.all_token_ids[start:start + n]),
@@ -293,6 +321,8 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 num_output_tokens=req.num_output_tokens,
                 stop_token_ids=req.stop_token_ids,
+                prompt_token_ids=req.prompt_token_ids if history or sp.prompt_logprobs is not None else (),
+                output_token_ids=tuple(req.output_token_ids) if history else (),
             ))
             out.num_batched_tokens += n
         out.preempted_ids = plan.preempted
@@ -350,6 +380,8 @@ class Scheduler:
             bm.cache_full_blocks(req)
             if not chunk.sample:
                 continue
+            if req.request_id in self._pending_forks:
+                self._fork(req, now)
             tok = runner_out.sampled_token_ids[req.request_id]
             req.append_output_token(tok, now)
             self.generation_tokens_total += 1
@@ -360,6 +392,20 @@ class Scheduler:
             outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, req,
                                          None if lp is None else [lp]))
         return outputs
+
+    def _fork(self, parent: Request, now: float) -> None:
+        """Children share the parent's computed prompt blocks and start running."""
+        for child in self._pending_forks.pop(parent.request_id):
+            self.block_manager.fork(parent, child)
+            child.arrival_time = parent.arrival_time
+            child.queued_time = parent.queued_time
+            child.first_scheduled_time = now
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self._admit_seq[child.request_id] = self._next_seq
+            self._next_seq += 1
+            self.running.append(child)
+            self.admitted_total += 1
 
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
         sp = req.sampling_params
@@ -382,6 +428,11 @@ class Scheduler:
         req.finished_time = now
         del self.requests[req.request_id]
         del self._admit_seq[req.request_id]
+        for child in self._pending_forks.pop(req.request_id, ()):
+            # the parent ended before its prompt was computed (abort): so do its children
+            child.status, child.finish_reason, child.finished_time = RequestStatus.FINISHED, reason, now
+            self.finished_total[reason.value] += 1
+            self._finished_ids.append(child.request_id)
         self._finished_ids.append(req.request_id)
         self.finished_total[reason.value] += 1
 
@@ -391,9 +442,21 @@ class Scheduler:
         reason = FinishReason(reason)
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return self._drop_pending_fork(request_id, reason)
         self._finish(req, reason, self.clock())
         return req
+
+    def _drop_pending_fork(self, request_id: str, reason: FinishReason) -> Request | None:
+        for parent_id, children in self._pending_forks.items():
+            for c in children:
+                if c.request_id == request_id:
+                    children.remove(c)
+                    if not children:
+                        del self._pending_forks[parent_id]
+                    c.status, c.finish_reason, c.finished_time = RequestStatus.FINISHED, reason, self.clock()
+                    self.finished_total[reason.value] += 1
+                    return c
+        return None
 
     def restate_finish_reason(self, req: Request, reason: FinishReason | str) -> None:
         """Change the reason of a request that finished this step, keeping the counters true.
@@ -474,17 +537,20 @@ class Scheduler:
             enable_prefix_caching=bm.enable_prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_waiting=self.max_waiting,
-            admitted_total=self.admitted_total,
-            rejected_total=dict(self.rejected_total),
-            finished_total=dict(self.finished_total),
-            preemptions_total=self.preemptions_total,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prefix_cache_queries_total=bm.prefix_cache_queries,
-            prefix_cache_hits_total=bm.prefix_cache_hits,
-            steps_total=self.steps_total,
-            batched_tokens_total=self.batched_tokens_total,
+            # Counters: the scheduler's attributes of the same names (copies of the dicts).
+            **{name: (dict(v) if isinstance(v, dict) else v)
+               for name in _COUNTER_FIELDS for v in (getattr(self, name),)},
         )
+
+    @property
+    def prefix_cache_queries_total(self) -> int:
+        """Prompt tokens looked up in the prefix cache (kept by the block manager)."""
+        return self.block_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits_total(self) -> int:
+        """Prompt tokens found in the prefix cache (kept by the block manager)."""
+        return self.block_manager.prefix_cache_hits
 
     def check_invariants(self) -> None:
         """Block-manager invariants plus queue consistency (tests; O(pool))."""

@@ -5,7 +5,9 @@ back to back: ``input_ids`` and ``positions`` [T], the flat KV ``slot_mapping`` 
 (``block_table[p // block_size] * block_size + p % block_size``), and per sequence
 ``query_start_loc`` [B+1], ``seq_lens``, ``context_lens`` and a padded ``block_tables`` [B, nb]
 (the varlen layout of vLLM / flash-attn). Logits are computed only for chunks with
-``sample=True`` (the last row of each), then the sampler draws one token per such chunk.
+``sample=True`` (the last row of each) and for the rows of requests that asked for prompt
+log-probabilities; the sampler then draws one token per sampled chunk (a JSON-schema grammar,
+if any, masks the logits first: ``structured.py``).
 """
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ import time
 from typing import Any
 
 import torch
-from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
+from goodput.worker.engine.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprobs
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
 from goodput.worker.model.gguf_loader import load_gguf, parse_dtype
 from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.llama import LlamaModel
-from goodput.worker.model.sampler import Sampler
+from goodput.worker.model.sampler import Sampler, prompt_logprobs
+from goodput.worker.model.structured import StructuredOutputs
 from goodput.worker.model.tokenizer import GGUFTokenizer
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class ModelRunner:
     attention_backend: "auto" | "torch" | "triton" or an AttentionBackend instance.
     weight_cache_dir: see ``gguf_loader.load_gguf`` (None = default, False = off).
     seed: seed of the generator used by requests without their own seed.
+    logprobs_mode: "processed" (the distribution sampled from) or "raw"; see ``sampler.py``.
     num_threads: torch intra-op CPU threads for this process (None = torch's default, one per
     core). On a CPU shared with other busy processes, fewer threads (or OMP_WAIT_POLICY=PASSIVE
     set before torch is imported) avoid OpenMP spin-waiting that can slow steps down ~10x.
@@ -68,7 +72,8 @@ class ModelRunner:
                  device: str | torch.device = "cpu", kv_cache_memory_bytes: int = 256 << 20,
                  block_size: int = 16, attention_backend: str | AttentionBackend = "auto",
                  num_blocks: int | None = None, weight_cache_dir: Any = None,
-                 seed: int | None = None, num_threads: int | None = None):
+                 seed: int | None = None, num_threads: int | None = None,
+                 logprobs_mode: str = "processed"):
         t0 = time.perf_counter()
         if num_threads is not None:
             if num_threads < 1:
@@ -101,7 +106,9 @@ class ModelRunner:
                                             c.head_dim, self.dtype, self.device)
         self.attention_backend = make_attention_backend(attention_backend, self.device)
         self.max_model_len = c.max_position_embeddings
-        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id, seed=seed, device=self.device)
+        self.sampler = Sampler(seed=seed, device=self.device, logprobs_mode=logprobs_mode)
+        self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), c.vocab_size,
+                                            self.tokenizer.eos_token_id)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, rev %s) in %.1fs: %d KV blocks x %d tokens = %d tokens, %d B/token",
                  c.name, self.dtype, self.revision[:12], self.load_seconds, self.num_blocks, block_size,
@@ -122,6 +129,7 @@ class ModelRunner:
         tables: list[tuple[int, ...]] = []
         logits_rows: list[int] = []
         sample_idx: list[int] = []
+        plp: list[tuple[int, int, int]] = []  # (chunk index, first logits row, rows)
         seen: set[str] = set()
         for ci, ch in enumerate(sched_out.chunks):
             if ch.request_id in seen:
@@ -152,6 +160,12 @@ class ModelRunner:
             if ch.sample:
                 logits_rows.append(qsl[-1] - 1)
                 sample_idx.append(ci)
+            if ch.sampling_params.prompt_logprobs is not None:
+                # row p predicts prompt token p + 1: rows up to the prompt's second-last position
+                m = min(end, len(ch.prompt_token_ids) - 1) - start
+                if m > 0:
+                    plp.append((ci, qsl[-2], m))
+        plp_rows = [r for _, first, m in plp for r in range(first, first + m)]
         nb = max(len(t) for t in tables)
         dev = self.device
         i32, i64 = torch.int32, torch.int64
@@ -168,7 +182,7 @@ class ModelRunner:
             seq_lens_list=seq_lens,
         )
         return (torch.tensor(input_ids, dtype=i64, device=dev), torch.tensor(positions, dtype=i64, device=dev),
-                meta, torch.tensor(logits_rows, dtype=i64, device=dev), sample_idx)
+                meta, torch.tensor(logits_rows + plp_rows, dtype=i64, device=dev), sample_idx, plp)
 
     def forward_logits(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step (KV written as by :meth:`execute`) and return float32 logits
@@ -176,7 +190,7 @@ class ModelRunner:
         For tests and prompt log-probabilities."""
         if sched_out.is_empty:
             return {}
-        input_ids, positions, meta, _, _ = self._build_inputs(sched_out)
+        input_ids, positions, meta, _, _, _ = self._build_inputs(sched_out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend)
         qsl = meta.query_start_loc_list
         return {c.request_id: logits[qsl[i]:qsl[i + 1]] for i, c in enumerate(sched_out.chunks)}
@@ -188,17 +202,32 @@ class ModelRunner:
         context length, a block table too short or with ids outside the pool, token ids outside
         the vocabulary, or a request twice in one step. Nothing is written in that case.
         """
+        self.structured.drop(sched_out.finished_ids)
         if sched_out.is_empty:
             return RunnerOutput()
-        input_ids, positions, meta, logits_rows, sample_idx = self._build_inputs(sched_out)
-        if not sample_idx:
-            logits_rows = logits_rows[:0]
+        input_ids, positions, meta, logits_rows, sample_idx, plp = self._build_inputs(sched_out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend,
                                     logits_rows)
+        out = RunnerOutput()
+        n_sampled = len(sample_idx)
+        for ci, first, m in plp:
+            ch = sched_out.chunks[ci]
+            row0 = n_sampled + sum(mm for cj, _, mm in plp if cj < ci)
+            targets = ch.prompt_token_ids[ch.start_pos + 1:ch.start_pos + 1 + m]
+            out.prompt_logprobs[ch.request_id] = (ch.start_pos + 1, prompt_logprobs(
+                logits[row0:row0 + m], targets, ch.sampling_params.prompt_logprobs or 0))
         if not sample_idx:
-            return RunnerOutput()
+            return out
         chunks = [sched_out.chunks[i] for i in sample_idx]
-        tokens, logprobs = self.sampler.sample(logits, [c.sampling_params for c in chunks],
-                                               [c.num_output_tokens for c in chunks])
-        return RunnerOutput(sampled_token_ids={c.request_id: t for c, t in zip(chunks, tokens)},
-                            logprobs={c.request_id: lp for c, lp in zip(chunks, logprobs)})
+        out.sampled_token_ids, out.logprobs = self._sample(logits[:n_sampled], chunks)
+        return out
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]
+                ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        allowed = self.structured.allowed_mask(chunks)
+        batch = self.sampler.prepare(chunks, logits.shape[-1], allowed)
+        res = self.sampler.sample(logits, batch)
+        if allowed is not None:
+            self.structured.advance(chunks, res.token_ids)
+        return ({c.request_id: t for c, t in zip(chunks, res.token_ids)},
+                {c.request_id: lp for c, lp in zip(chunks, res.logprobs) if lp is not None})

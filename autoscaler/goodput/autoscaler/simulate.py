@@ -1,0 +1,868 @@
+"""Trace-driven discrete-event simulation of an autoscaled fleet, against the usual policies.
+
+``python -m goodput.autoscaler.simulate [--trace bursty|diurnal|long-prompt|two-class|azure-code|all]
+[--hardware h200|cpu] [--policies goodput,static-peak,hpa-queue,kpa,saturation] [--seed 0]
+[--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler]``
+
+Each replica is the engine's REAL torch-free ``Scheduler`` + ``BlockManager``
+(``goodput.worker.engine``); only the model runner is replaced by a step-time model
+
+    t_step = a + b * batched_tokens + c * attended_context
+
+(``attended_context`` = sum over the step's chunks of ``start_pos + len``: the KV a step reads).
+Two parameter sets: ``cpu`` fitted to the real engine on the development machine
+(``python -m goodput.bench.fit_step_time``, numbers in ``step_time_fits.json``), and ``h200``
+derived from one H200's roofline (``h200_step_time``: assumptions in its docstring).
+
+What is simulated, per policy, on the same trace:
+- arrivals are routed round-robin over ready, non-draining replicas (kube-proxy in IPVS ``rr``
+  mode); with none ready a request is refused (counted as a rejection);
+- ``Scheduler.add_request`` decides admission: ``queue_full`` is a 429, ``never_fits`` a 400;
+  a refused request is not retried;
+- a new replica is ready ``load_time_s`` after it is created (model load), and costs replica time
+  from creation; a removed replica leaves routing at once and finishes its in-flight requests
+  (drain), costing time until it is empty; pods still starting are removed first, then the
+  newest ready ones (a ReplicaSet's order);
+- every policy sees an ``Observation`` built exactly as the real loop builds it (gauges now,
+  counter and histogram deltas since its previous tick, worker histogram buckets) and the
+  decision is applied at once (replicas, and for ``goodput`` the per-replica limits).
+
+Per policy: goodput (requests meeting their class's TTFT and TPOT SLO per second of trace),
+attainment (SLO-meeting / OFFERED requests), rejection rate (refused / offered), replica-hours
+(integrated over the trace's duration) and direction changes (reversals of the sign of
+successive replica changes). Requests still running at the end are run to completion.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from goodput.autoscaler.policy import (
+    HistogramDelta,
+    Observation,
+    PodObservation,
+    PolicySpec,
+    PolicyState,
+    StartingPod,
+    decide,
+)
+from goodput.worker.engine.config import EngineConfig
+from goodput.worker.engine.outputs import RunnerOutput
+from goodput.worker.engine.request import Request
+from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.scheduler import AdmissionError, Scheduler
+from goodput.worker.metric_names import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+
+POLICIES = ("goodput", "static-peak", "hpa-queue", "kpa", "saturation")
+FITS_PATH = os.path.join(os.path.dirname(__file__), "step_time_fits.json")
+
+
+# ------------------------------------------------------------------------------------ step time
+@dataclass(frozen=True)
+class StepTime:
+    """t = a + b * batched_tokens + c * attended_context (seconds), and the KV pool it goes with."""
+
+    name: str
+    a: float
+    b: float
+    c: float
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 512
+    note: str = ""
+
+    def __call__(self, tokens: int, attended: int) -> float:
+        return self.a + self.b * tokens + self.c * attended
+
+
+def h200_step_time(params: float = 70.6e9, weight_bytes_per_param: float = 1.0, layers: int = 80,
+                   kv_heads: int = 8, head_dim: int = 128, kv_bytes_per_elem: int = 2,
+                   hbm_bytes_s: float = 4.8e12, dense_flops: float = 1979e12, hbm_gb: float = 141.0,
+                   mem_eff: float = 0.7, flop_eff: float = 0.5, overhead_s: float = 1.5e-3,
+                   max_num_batched_tokens: int = 512) -> StepTime:
+    """Step time of Llama-3-70B with FP8 weights and a bf16 KV cache on ONE H200, from its roofline.
+
+    Assumptions: HBM 4.8 TB/s reached at ``mem_eff`` (70 %); dense FP8 1979 TFLOP/s reached at
+    ``flop_eff`` (50 %, typical of mixed decode/prefill batches); the weights (1 byte/parameter,
+    70.6 GB) are read once per step: ``a = overhead + weight_bytes / (HBM * mem_eff)`` = 22.5 ms
+    (overhead: launches and scheduling, 1.5 ms); each batched token costs ``2 * params`` FLOPs:
+    ``b = 2 * params / (FLOPS * flop_eff)`` = 0.143 ms; each attended context token reads its K and
+    V (2 * 80 layers * 8 KV heads * 128 * 2 bytes = 320 KiB): ``c = kv_bytes / (HBM * mem_eff)`` =
+    97.5 ns. The sum of the terms (not their max) slightly overestimates mid-size batches
+    (conservative). Attention FLOPs of long prefills (< 10 % of the linear layers' below 4k tokens)
+    are left out. KV pool: 90 % of 141 GB minus the weights = 56 GB = 171k tokens, in 16-token
+    blocks. A 70B model makes the KV pool a real limit on the batch (what the policy's best-batch
+    rule is about) and keeps the simulation's step count moderate.
+    """
+    weight_bytes = weight_bytes_per_param * params
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_elem
+    a = overhead_s + weight_bytes / (hbm_bytes_s * mem_eff)
+    b = 2.0 * params / (dense_flops * flop_eff)
+    c = kv_bytes_per_token / (hbm_bytes_s * mem_eff)
+    pool = 0.9 * hbm_gb * 1e9 - weight_bytes
+    num_blocks = int(pool // (kv_bytes_per_token * 16))
+    return StepTime("h200-llama3-70b-fp8", a, b, c, num_blocks, 16, 8192, max_num_batched_tokens,
+                    note=f"roofline: HBM {hbm_bytes_s / 1e12:.1f} TB/s x {mem_eff}, "
+                         f"{dense_flops / 1e12:.0f} TFLOP/s x {flop_eff}, {params / 1e9:.1f}B params")
+
+
+def cpu_step_time(path: str = FITS_PATH, key: str = "cpu-smollm2") -> StepTime:
+    """The step time fitted to the real engine on the development machine (see the module doc).
+    KV pool: 1 GiB of bf16 KV for SmolLM2-135M (30 layers x 3 KV heads x 64 x 2 x 2 bytes =
+    23,040 B/token), the worker's default budget."""
+    with open(path) as f:
+        fit = json.load(f)[key]
+    num_blocks = (1 << 30) // (23040 * 16)
+    return StepTime(key, fit["a_s"], fit["b_s_per_token"], fit["c_s_per_context_token"], num_blocks,
+                    16, 8192, 512, note=f"fitted: {fit['machine']}")
+
+
+HARDWARE: dict[str, Callable[[], StepTime]] = {"h200": h200_step_time, "cpu": cpu_step_time}
+
+
+# ---------------------------------------------------------------------------------------- traces
+@dataclass
+class Trace:
+    """Arrivals (seconds from 0, ascending), token counts, class per request, class SLOs."""
+
+    name: str
+    t: list[float]
+    prompt: list[int]
+    output: list[int]
+    cls: list[int]
+    slos: list[tuple[float, float]]         # class -> (ttft_s, tpot_s)
+    duration: float
+    max_replicas: int
+    initial_replicas: int
+    note: str = ""
+    static_replicas: int | None = None      # static-peak's N (None: max_replicas)
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+
+def _poisson(rng: random.Random, rate_fn: Callable[[float], float], rate_max: float,
+             duration: float) -> list[float]:
+    """Non-homogeneous Poisson arrivals by thinning (Lewis & Shedler 1979)."""
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate_max)
+        if t >= duration:
+            return out
+        if rng.random() * rate_max <= rate_fn(t):
+            out.append(t)
+
+
+def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
+
+
+def synthetic_trace(kind: str, seed: int = 0, rate: float = 6.0, duration: float = 600.0,
+                    prompt_median: int = 512, output_median: int = 128,
+                    slo: tuple[float, float] = (1.0, 0.1), max_replicas: int = 10,
+                    initial_replicas: int = 2) -> Trace:
+    """Seeded synthetic traces (rates in req/s, lengths in tokens, lognormal sigma 0.6 / 0.8):
+
+    bursty: Poisson at ``rate`` with a 5x burst lasting 60 s every 300 s (first at 150 s).
+    diurnal: Poisson swinging between 0.25x and 1.25x ``rate`` on one sine period over the trace.
+    long-prompt: Poisson at ``rate``; for 60 s every 300 s prompts are 8x longer (spikes of
+        prefill work at the same request rate).
+    two-class: ``rate`` split 70/30 between interactive requests (SLO 0.5 s / 50 ms, outputs
+        median 64) and batch-like ones (SLO 5 s / 200 ms, outputs median 384), with the bursts of
+        ``bursty``.
+    """
+    rng = random.Random(seed)
+    slos = [slo]
+    burst = lambda t: 5.0 if (t - 150.0) % 300.0 < 60.0 and t >= 150.0 else 1.0  # noqa: E731
+    if kind == "bursty":
+        ts = _poisson(rng, lambda t: rate * burst(t), rate * 5.0, duration)
+    elif kind == "diurnal":
+        f = lambda t: rate * (0.75 - 0.5 * math.cos(2 * math.pi * t / duration))  # noqa: E731
+        ts = _poisson(rng, f, rate * 1.25, duration)
+    elif kind in ("long-prompt", "two-class"):
+        ts = _poisson(rng, (lambda t: rate) if kind == "long-prompt" else (lambda t: rate * burst(t)),
+                      rate * (1.0 if kind == "long-prompt" else 5.0), duration)
+    else:
+        raise ValueError(f"unknown synthetic trace {kind!r}")
+    prompt, output, cls = [], [], []
+    for t in ts:
+        c = 0
+        p_med, o_med = prompt_median, output_median
+        if kind == "long-prompt" and burst(t) > 1.0:
+            p_med = prompt_median * 8
+        if kind == "two-class":
+            c = 0 if rng.random() < 0.7 else 1
+            o_med = 64 if c == 0 else 384
+        prompt.append(_lognormal_int(rng, p_med, 0.6, 8, 6000))
+        output.append(_lognormal_int(rng, o_med, 0.8, 2, 1500))
+        cls.append(c)
+    if kind == "two-class":
+        slos = [(0.5, 0.05), (5.0, 0.2)]
+    return Trace(kind, ts, prompt, output, cls, slos, duration, max_replicas, initial_replicas,
+                 note=f"seed {seed}, base {rate} req/s, prompts median {prompt_median}, outputs "
+                      f"median {output_median}")
+
+
+def azure_trace(path: str | None = None, rate_scale: float = 4.0, slo: tuple[float, float] = (1.0, 0.1),
+                max_replicas: int = 10, initial_replicas: int = 2, max_output: int = 1500) -> Trace:
+    """The Azure LLM inference 2023 code trace (8,818 requests over ~57 min), replayed with time
+    compressed ``rate_scale`` times (arrival t -> t / rate_scale: 2.57 -> ~10 req/s at 4x, the
+    same burst shape in 1/4 the time); token counts as recorded (prompt + output clipped to the
+    8k context)."""
+    from goodput.bench.workloads import read_azure_trace
+
+    if path is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.join(here, "..", "..", "..", "bench", "data", "azure-llm-inference-2023",
+                            "code.csv")
+    rows = read_azure_trace(os.path.normpath(path))
+    ts = [r.t / rate_scale for r in rows]
+    prompt = [max(1, min(r.prompt_tokens, 6000)) for r in rows]
+    output = [max(1, min(r.output_tokens, max_output, 8000 - p)) for r, p in zip(rows, prompt)]
+    return Trace("azure-code", ts, prompt, output, [0] * len(ts), [slo], ts[-1] + 1.0, max_replicas,
+                 initial_replicas, note=f"time compressed {rate_scale}x")
+
+
+# -------------------------------------------------------------------------------------- replicas
+class _Hist:
+    """Cumulative histogram in the worker's buckets (+Inf last)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds) + (math.inf,)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, x: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if x <= b:
+                self.counts[i] += 1
+                break
+        self.sum += x
+
+    def snapshot(self) -> tuple[tuple[int, ...], float]:
+        return tuple(itertools.accumulate(self.counts)), self.sum
+
+
+def _hist_delta(bounds: tuple[float, ...], now: tuple[tuple[int, ...], float],
+                prev: tuple[tuple[int, ...], float]) -> HistogramDelta:
+    counts = tuple(a - b for a, b in zip(now[0], prev[0]))
+    return HistogramDelta(bounds, counts, counts[-1], now[1] - prev[1])
+
+
+class Replica:
+    """One simulated worker: the real Scheduler with a simulated clock and step time."""
+
+    def __init__(self, name: str, created: float, ready_at: float, cfg: EngineConfig,
+                 slos: list[tuple[float, float]]) -> None:
+        self.name = name
+        self.created = created
+        self.ready_at = ready_at
+        self.now = created
+        self.sched = Scheduler(cfg, clock=lambda: self.now)
+        self.slos = slos
+        self.stepping = False
+        self.draining = False
+        self.gone_at: float | None = None
+        self.slo_met = 0
+        self.ttft = _Hist(TTFT_BUCKETS)
+        self.tpot = _Hist(TOKEN_LATENCY_BUCKETS)
+        self.cls: dict[str, int] = {}
+        self.prev: dict | None = None     # counters at the previous policy tick
+        self.prev_t = 0.0
+
+    def counters(self) -> dict:
+        s = self.sched
+        rej = s.rejected_total
+        return {"admitted": s.admitted_total, "finished": sum(s.finished_total.values()),
+                "slo_met": self.slo_met, "r429": rej["queue_full"],
+                "r400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
+                "gen": s.generation_tokens_total, "ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot()}
+
+    def observe(self, now: float) -> PodObservation:
+        """The PodObservation the real loop would build from two scrapes (this tick's and the
+        previous one); the first one has interval 0."""
+        cur = self.counters()
+        prev, interval = self.prev, now - self.prev_t
+        self.prev, self.prev_t = cur, now
+        s = self.sched
+        if prev is None:
+            prev, interval = cur, 0.0
+        return PodObservation(
+            name=self.name, running=len(s.running), waiting=len(s.waiting),
+            kv_usage=s.block_manager.usage, max_num_seqs=s.max_num_seqs, max_waiting=s.max_waiting,
+            interval_s=interval, admitted=cur["admitted"] - prev["admitted"],
+            finished=cur["finished"] - prev["finished"], slo_met=cur["slo_met"] - prev["slo_met"],
+            rejected_429=cur["r429"] - prev["r429"], rejected_400=cur["r400"] - prev["r400"],
+            preempted=cur["preempted"] - prev["preempted"], generation_tokens=cur["gen"] - prev["gen"],
+            ttft=_hist_delta(self.ttft.bounds, cur["ttft"], prev["ttft"]),
+            tpot=_hist_delta(self.tpot.bounds, cur["tpot"], prev["tpot"]),
+            age_s=max(0.0, now - self.ready_at))
+
+
+# ---------------------------------------------------------------------------------- the policies
+@dataclass
+class SimView:
+    """What a policy's tick sees beyond the Observation (baselines need nothing more)."""
+
+    obs: Observation
+    now: float
+
+
+class SimPolicy:
+    """A policy under simulation: ``tick(now, obs) -> (replicas, limits or None)``."""
+
+    name = "base"
+    period_s = 5.0
+
+    def tick(self, now: float, obs: Observation) -> tuple[int, dict | None]:
+        raise NotImplementedError
+
+
+class GoodputPolicy(SimPolicy):
+    """Ours: ``goodput.autoscaler.policy.decide``, state carried between ticks through its JSON
+    form (as the loop stores it in status)."""
+
+    name = "goodput"
+
+    def __init__(self, spec: PolicySpec, period_s: float = 5.0) -> None:
+        self.spec, self.period_s = spec, period_s
+        self.state: dict | None = None
+        self.reasons: dict[str, int] = {}
+
+    def tick(self, now, obs):
+        d = decide(now, obs, self.spec, PolicyState.from_dict(self.state))
+        self.state = d.state.to_dict()
+        self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
+        return d.replicas, d.limits
+
+
+class StaticPeak(SimPolicy):
+    """Static provisioning for the peak: ``n`` replicas all the time."""
+
+    name = "static-peak"
+    period_s = 60.0
+
+    def __init__(self, n: int) -> None:
+        self.n = self.initial_replicas = n
+
+    def tick(self, now, obs):
+        return self.n, None
+
+
+class HpaQueue(SimPolicy):
+    """Kubernetes HPA on a Pods metric, the vLLM production-stack recipe: average
+    ``num_requests_waiting`` target 5. Every 15 s: ratio = mean waiting / 5 with pods that have
+    no metric yet (starting) counted as 0 on scale-up; inside the 10 % tolerance nothing moves;
+    desired = ceil(current * ratio); scale-up limited to max(+100 %, +4) per period, scale-down
+    to the largest recommendation of the last 300 s (the HPA controller's algorithm)."""
+
+    name = "hpa-queue"
+    period_s = 15.0
+
+    def __init__(self, lo: int, hi: int, target: float = 5.0, tolerance: float = 0.1,
+                 window_s: float = 300.0) -> None:
+        self.lo, self.hi, self.target, self.tol, self.window = lo, hi, target, tolerance, window_s
+        self.recs: list[tuple[float, int]] = []
+
+    def tick(self, now, obs):
+        cur = obs.current_replicas
+        ready = [p for p in obs.ready]
+        if not ready:
+            return cur, None
+        total = sum(p.waiting for p in ready)
+        mean_ready = total / len(ready)
+        if mean_ready > self.target:   # scale-up direction: missing pods count as 0
+            n = cur
+            ratio = total / max(1, n) / self.target
+        else:                          # scale-down direction: missing pods count as at target
+            n = len(ready)
+            ratio = mean_ready / self.target
+        if abs(ratio - 1.0) <= self.tol:
+            desired = cur
+        else:
+            desired = math.ceil(ratio * n)
+        desired = max(self.lo, min(self.hi, desired))
+        self.recs.append((now, desired))
+        self.recs = [(t, r) for t, r in self.recs if now - t <= self.window]
+        if desired < cur:
+            desired = max(r for _, r in self.recs)
+        desired = min(desired, max(2 * cur, cur + 4))
+        return desired, None
+
+
+class Kpa(SimPolicy):
+    """Knative Pod Autoscaler: concurrency (running + waiting per pod) target 100 at 70 %
+    utilization (70 per pod); every 2 s, desired = ceil(window average of total concurrency / 70)
+    over the 60 s stable window, or over the 6 s panic window when that asks for >= 2x the ready
+    pods (panic: never scale down, stay >= 60 s); scale-down at most halves per tick."""
+
+    name = "kpa"
+    period_s = 2.0
+
+    def __init__(self, lo: int, hi: int, target: float = 100.0, util: float = 0.7, stable_s: float = 60.0,
+                 panic_s: float = 6.0, panic_threshold: float = 2.0) -> None:
+        self.lo, self.hi = lo, hi
+        self.per_pod = target * util
+        self.stable_s, self.panic_s, self.threshold = stable_s, panic_s, panic_threshold
+        self.samples: list[tuple[float, float]] = []
+        self.panic_since: float | None = None
+        self.max_panic = 0
+
+    def tick(self, now, obs):
+        cur = obs.current_replicas
+        conc = float(sum(p.running + p.waiting for p in obs.ready))
+        self.samples.append((now, conc))
+        self.samples = [(t, c) for t, c in self.samples if now - t < self.stable_s]
+        stable = [c for _, c in self.samples]
+        panic = [c for t, c in self.samples if now - t < self.panic_s]
+        d_stable = math.ceil(sum(stable) / len(stable) / self.per_pod)
+        d_panic = math.ceil(sum(panic) / len(panic) / self.per_pod)
+        ready = max(1, len(obs.ready))
+        if d_panic / ready >= self.threshold:
+            if self.panic_since is None:
+                self.max_panic = cur
+            self.panic_since = now
+        elif self.panic_since is not None and now - self.panic_since >= self.stable_s:
+            self.panic_since = None
+        if self.panic_since is not None:
+            self.max_panic = max(self.max_panic, d_panic, cur)
+            desired = self.max_panic
+        else:
+            desired = max(d_stable, math.ceil(cur / 2))
+        return max(self.lo, min(self.hi, desired)), None
+
+
+class Saturation(SimPolicy):
+    """Saturation ±1 (llm-d's variant autoscaler in saturation mode): every 15 s, +1 replica when
+    any ready replica has KV usage >= 0.8 or >= 5 waiting; -1 when there is no queue anywhere and
+    the load spread over one replica fewer keeps KV < 0.8 and the running requests within
+    max_num_seqs; nothing while a pod is pending (the pending guard)."""
+
+    name = "saturation"
+    period_s = 15.0
+
+    def __init__(self, lo: int, hi: int, kv: float = 0.8, queue: int = 5) -> None:
+        self.lo, self.hi, self.kv, self.queue = lo, hi, kv, queue
+
+    def tick(self, now, obs):
+        cur = obs.current_replicas
+        ready = obs.ready
+        pending = cur - len(ready)
+        if not ready or pending > 0:
+            return cur, None
+        if any(p.kv_usage >= self.kv or p.waiting >= self.queue for p in ready):
+            return min(self.hi, cur + 1), None
+        n = len(ready)
+        if n > self.lo and n > 1 and all(p.waiting == 0 for p in ready):
+            kv = sum(p.kv_usage for p in ready) / (n - 1)
+            run = sum(p.running for p in ready) / (n - 1)
+            if kv < self.kv and run < min(p.max_num_seqs for p in ready):
+                return max(self.lo, cur - 1), None
+        return cur, None
+
+
+# -------------------------------------------------------------------------------------- the fleet
+@dataclass
+class Result:
+    """Outcome of one policy on one trace (see the module doc for each metric)."""
+
+    policy: str
+    offered: int
+    slo_met: int
+    rejected: int
+    finished: int
+    replica_hours: float
+    direction_changes: int
+    duration: float
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, replicas, ready)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.slo_met / self.duration
+
+    @property
+    def attainment(self) -> float:
+        return self.slo_met / self.offered if self.offered else 1.0
+
+    @property
+    def rejection_rate(self) -> float:
+        return self.rejected / self.offered if self.offered else 0.0
+
+    def summary(self) -> dict:
+        return {"goodput_rps": round(self.goodput_rps, 4), "attainment": round(self.attainment, 4),
+                "rejection_rate": round(self.rejection_rate, 4),
+                "replica_hours": round(self.replica_hours, 4), "direction_changes": self.direction_changes}
+
+
+def direction_changes(replicas: Iterable[int]) -> int:
+    """Reversals in a sequence of replica counts: signs of the non-zero successive differences,
+    counted where one differs from the previous (1, 2, 3, 2, 2, 4 -> up, up, down, up -> 2)."""
+    signs = []
+    prev = None
+    for r in replicas:
+        if prev is not None and r != prev:
+            signs.append(1 if r > prev else -1)
+        prev = r
+    return sum(1 for a, b in zip(signs, signs[1:]) if a != b)
+
+
+def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: float = 60.0,
+             max_num_seqs: int = 64, max_waiting: int = 256, progress: bool = False) -> Result:
+    """Run ``trace`` through a fleet scaled by ``policy``; deterministic for a given trace.
+
+    Replicas start with the engine defaults ``max_num_seqs`` / ``max_waiting`` (the worker's);
+    ``trace.initial_replicas`` (``policy.initial_replicas`` when it has one) are ready at t = 0.
+    """
+    cfg = EngineConfig(num_blocks=hw.num_blocks, max_model_len=hw.max_model_len,
+                       block_size=hw.block_size, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=hw.max_num_batched_tokens, max_waiting=max_waiting,
+                       enable_prefix_caching=False)
+    pods: list[Replica] = []
+    serial = itertools.count()
+    events: list[tuple[float, int, str, object]] = []   # (time, seq, kind, payload)
+    seq = itertools.count()
+
+    def new_pod(now: float, ready: bool) -> Replica:
+        r = Replica(f"pod-{next(serial)}", now, now if ready else now + load_time_s, cfg, trace.slos)
+        pods.append(r)
+        if not ready:
+            heapq.heappush(events, (r.ready_at, next(seq), "ready", r))
+        return r
+
+    initial = getattr(policy, "initial_replicas", None) or trace.initial_replicas
+    for _ in range(initial):
+        new_pod(0.0, True)
+    rr = itertools.count()
+    unrouted = 0
+    slo_met_total = 0
+    finished_total = 0
+    spec_replicas = initial
+    timeline: list[tuple[float, int, int]] = [(0.0, initial, initial)]
+
+    def live() -> list[Replica]:
+        return [p for p in pods if not p.draining and p.gone_at is None]
+
+    def ready_pods(now: float) -> list[Replica]:
+        return [p for p in pods if not p.draining and p.gone_at is None and p.ready_at <= now]
+
+    def start_step(r: Replica, now: float) -> None:
+        r.now = now
+        out = r.sched.schedule()
+        if not out.chunks:
+            r.stepping = False
+            if r.draining and not r.sched.has_unfinished():
+                r.gone_at = now
+            return
+        attended = 0
+        for c in out.chunks:
+            attended += c.start_pos + len(c.token_ids)
+        dt = hw(out.num_batched_tokens, attended)
+        r.stepping = True
+        heapq.heappush(events, (now + dt, next(seq), "step", (r, out)))
+
+    def finish_step(r: Replica, out, now: float) -> None:
+        nonlocal slo_met_total, finished_total
+        r.now = now
+        ro = RunnerOutput(sampled_token_ids={c.request_id: 1 for c in out.chunks if c.sample})
+        for o in r.sched.update_from_output(out, ro):
+            req = o.request
+            if req.num_output_tokens == 1:
+                r.ttft.observe(req.ttft)
+            if o.finished:
+                c = r.cls.pop(req.request_id, 0)
+                ttft, tpot = req.ttft, req.tpot
+                if tpot is not None:
+                    r.tpot.observe(tpot)
+                finished_total += 1
+                slo_ttft, slo_tpot = r.slos[c]
+                if ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot):
+                    r.slo_met += 1
+                    slo_met_total += 1
+        start_step(r, now)
+
+    def apply(desired: int, now: float) -> None:
+        nonlocal spec_replicas
+        cur = len(live())
+        if desired > cur:
+            for _ in range(desired - cur):
+                new_pod(now, False)
+        elif desired < cur:
+            # starting pods first (newest first), then the newest ready ones
+            victims = sorted(live(), key=lambda p: (p.ready_at <= now, -p.created))[:cur - desired]
+            for p in victims:
+                p.draining = True
+                if p.ready_at > now or not p.sched.has_unfinished():
+                    p.gone_at = now
+        spec_replicas = desired
+
+    n = len(trace)
+    i = 0
+    next_tick = policy.period_s
+    end = trace.duration
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=n, desc=f"{trace.name}/{policy.name}", unit="req", leave=False,
+                       file=sys.stderr, mininterval=1.0)
+        except ImportError:  # pragma: no cover - tqdm is in the bench extra
+            bar = None
+    while True:
+        t_arr = trace.t[i] if i < n else math.inf
+        t_ev = events[0][0] if events else math.inf
+        t_tick = next_tick if next_tick <= end else math.inf
+        now = min(t_arr, t_ev, t_tick)
+        if now == math.inf:
+            break
+        if now == t_ev:
+            _, _, kind, payload = heapq.heappop(events)
+            if kind == "step":
+                r, out = payload
+                finish_step(r, out, now)
+            elif kind == "ready":
+                pass
+            continue
+        if now == t_tick:
+            obs_ready = []
+            for p in ready_pods(now):
+                obs_ready.append(p.observe(now))
+            starting = tuple(StartingPod(p.name, now - p.created) for p in live() if p.ready_at > now)
+            obs = Observation(tuple(obs_ready), starting, (), spec_replicas)
+            desired, limits = policy.tick(now, obs)
+            if limits:
+                for p in ready_pods(now):
+                    lim = limits.get(p.name)
+                    if lim is not None:
+                        p.sched.set_limits(lim.max_num_seqs, lim.max_waiting)
+                        if not p.stepping and p.sched.has_unfinished():
+                            start_step(p, now)
+            if desired != spec_replicas:
+                apply(desired, now)
+            timeline.append((now, spec_replicas, len(ready_pods(now))))
+            next_tick += policy.period_s
+            continue
+        # an arrival
+        k = i
+        i += 1
+        if bar is not None and i % 500 == 0:
+            bar.update(500)
+        targets = ready_pods(now)
+        if not targets:
+            unrouted += 1
+            continue
+        r = targets[next(rr) % len(targets)]
+        r.now = now
+        req = Request(f"q{k}", range(1, trace.prompt[k] + 1),
+                      SamplingParams(max_tokens=trace.output[k], ignore_eos=True), arrival_time=now)
+        try:
+            r.sched.add_request(req)
+        except AdmissionError:
+            continue
+        r.cls[req.request_id] = trace.cls[k]
+        if not r.stepping:
+            start_step(r, now)
+    if bar is not None:
+        bar.close()
+
+    hours = sum(min(p.gone_at if p.gone_at is not None else end, end) - min(p.created, end)
+                for p in pods) / 3600.0
+    rejected = unrouted + sum(p.sched.rejected_total["queue_full"] + p.sched.rejected_total["never_fits"]
+                              + p.sched.rejected_total["invalid"] for p in pods)
+    return Result(policy.name, n, slo_met_total, rejected, finished_total, hours,
+                  direction_changes(r for _, r, _ in timeline), end, timeline,
+                  dict(getattr(policy, "reasons", {})))
+
+
+def default_goodput_spec(trace: Trace, **kw) -> PolicySpec:
+    """Our policy's spec for a trace: the strictest class SLO, the trace's replica bounds."""
+    ttft = min(s[0] for s in trace.slos)
+    tpot = min(s[1] for s in trace.slos)
+    base = dict(min_replicas=1, max_replicas=trace.max_replicas, slo_ttft_s=ttft, slo_tpot_s=tpot,
+                attainment_target=0.9)
+    base.update(kw)
+    return PolicySpec(**base)
+
+
+def make_policy(name: str, trace: Trace, **goodput_kw) -> SimPolicy:
+    """One of POLICIES, configured for ``trace`` (bounds 1..trace.max_replicas)."""
+    hi = trace.max_replicas
+    if name == "goodput":
+        return GoodputPolicy(default_goodput_spec(trace, **goodput_kw))
+    if name == "static-peak":
+        return StaticPeak(trace.static_replicas or hi)
+    if name == "hpa-queue":
+        return HpaQueue(1, hi)
+    if name == "kpa":
+        return Kpa(1, hi)
+    if name == "saturation":
+        return Saturation(1, hi)
+    raise ValueError(f"unknown policy {name!r}; one of {', '.join(POLICIES)}")
+
+
+# ------------------------------------------------------------------------------------- reporting
+TRACES = ("bursty", "diurnal", "long-prompt", "two-class", "azure-code")
+
+
+def make_trace(name: str, seed: int = 0, hardware: str = "h200", duration: float | None = None,
+               rate: float | None = None) -> Trace:
+    """The traces of the committed results, sized so the fleet spans a few to ~10 replicas.
+    ``duration`` (s) and ``rate`` (req/s) override the synthetic traces' defaults (quick runs)."""
+    if duration is not None or rate is not None:
+        if name == "azure-code":
+            raise ValueError("--duration/--rate apply to the synthetic traces only")
+        kw = {k: v for k, v in (("duration", duration), ("rate", rate)) if v is not None}
+        return synthetic_trace(name, seed, max_replicas=10, initial_replicas=2, **kw)
+    if hardware == "cpu":   # the fitted CPU engine is ~100x slower: scale rates and lengths down
+        if name == "azure-code":
+            t = azure_trace(rate_scale=1.0, max_replicas=10, initial_replicas=2)
+            t.prompt = [max(1, p // 16) for p in t.prompt]
+            t.output = [max(1, min(o, 64)) for o in t.output]
+            t.note += ", prompts / 16, outputs <= 64 (CPU engine)"
+            return t
+        return synthetic_trace(name, seed, rate=0.5, prompt_median=64, output_median=32,
+                               slo=(3.0, 0.5), max_replicas=10, initial_replicas=2)
+    if name == "azure-code":
+        # 70B, 512-token chunks: a step carrying a prefill chunk takes ~100 ms, and in this
+        # prefill-heavy trace most do; the SLO is set for that (TTFT 2 s, TPOT 200 ms)
+        t = azure_trace(rate_scale=4.0, slo=(2.0, 0.2), max_replicas=10, initial_replicas=2)
+    else:
+        t = synthetic_trace(name, seed, max_replicas=10, initial_replicas=2)
+    # static-peak's N: the smallest static fleet found to meet >= 99 % attainment on the trace
+    # (searched with this simulator: bursty 4 -> 0.47, 6 -> 0.998)
+    t.static_replicas = STATIC_PEAK.get(name)
+    return t
+
+
+STATIC_PEAK = {"bursty": 6}
+
+
+def markdown_table(trace: Trace, hw: StepTime, results: list[Result], load_time_s: float) -> str:
+    lines = [f"### {trace.name} ({len(trace)} requests over {trace.duration:.0f} s; {trace.note}; "
+             f"{hw.name}; model load {load_time_s:.0f} s)", "",
+             "| policy | goodput (req/s) | attainment | rejection rate | replica-hours | direction changes |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        s = r.summary()
+        lines.append(f"| {r.policy} | {s['goodput_rps']:.2f} | {s['attainment']:.3f} | "
+                     f"{s['rejection_rate']:.3f} | {s['replica_hours']:.3f} | {s['direction_changes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict(results: list[Result]) -> str:
+    """The target check: ours vs the baseline with the best goodput (and vs the best autoscaling
+    baseline, static provisioning aside)."""
+    ours = next((r for r in results if r.policy == "goodput"), None)
+    if ours is None:
+        return ""
+    out = []
+    for label, pool in (("best baseline", [r for r in results if r.policy != "goodput"]),
+                        ("best autoscaling baseline",
+                         [r for r in results if r.policy not in ("goodput", "static-peak")])):
+        if not pool:
+            continue
+        best = max(pool, key=lambda r: (r.goodput_rps, -r.replica_hours))
+        ok = (ours.goodput_rps >= best.goodput_rps - 1e-9
+              and ours.replica_hours <= 0.8 * best.replica_hours
+              and ours.direction_changes <= best.direction_changes)
+        out.append(f"{label} ({best.policy}): goodput {ours.goodput_rps:.2f} vs {best.goodput_rps:.2f} req/s, "
+                   f"replica-hours {ours.replica_hours / best.replica_hours:.2f}x, direction changes "
+                   f"{ours.direction_changes} vs {best.direction_changes} -> "
+                   f"{'target met' if ok else 'target NOT met'}")
+    return "\n".join(f"- {x}" for x in out) + "\n"
+
+
+def plot(trace: Trace, results: list[Result], path: str) -> None:
+    """Replicas (spec and ready) per policy over time, with the offered load (req/s, 10 s bins)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 1.9 * len(results) + 0.6), sharex=True)
+    axes = axes if len(results) > 1 else [axes]
+    nbins = max(1, int(math.ceil(trace.duration / 10.0)))
+    load = [0] * nbins
+    for t in trace.t:
+        load[min(nbins - 1, int(t // 10))] += 1
+    xs = [10.0 * k + 5 for k in range(nbins)]
+    for ax, r in zip(axes, results):
+        ax2 = ax.twinx()
+        ax2.fill_between(xs, [v / 10.0 for v in load], color="0.85", step="mid")
+        ax2.set_ylabel("req/s", color="0.5")
+        ax.set_zorder(ax2.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ts = [t for t, _, _ in r.timeline]
+        ax.step(ts, [n for _, n, _ in r.timeline], where="post", label="replicas (spec)", color="C0")
+        ax.step(ts, [n for _, _, n in r.timeline], where="post", label="ready", color="C1", ls="--")
+        s = r.summary()
+        ax.set_title(f"{r.policy}: goodput {s['goodput_rps']:.2f} req/s, attainment {s['attainment']:.3f}, "
+                     f"{s['replica_hours']:.2f} replica-h, {s['direction_changes']} direction changes",
+                     fontsize=9)
+        ax.set_ylabel("replicas")
+        ax.set_ylim(0, trace.max_replicas + 1)
+    axes[0].legend(loc="upper left", fontsize=8)
+    axes[-1].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m goodput.autoscaler.simulate",
+                                 description="Simulate autoscaling policies on a trace (see the module doc).")
+    ap.add_argument("--trace", default="bursty", choices=TRACES + ("all",))
+    ap.add_argument("--hardware", default="h200", choices=tuple(HARDWARE))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated subset of " + ", ".join(POLICIES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load-time", type=float, default=60.0, help="model load seconds (default 60)")
+    ap.add_argument("--json", metavar="OUT", help="write {trace, policies: {name: metrics}} here "
+                                                  "(with --trace all: {trace name: that object})")
+    ap.add_argument("--out-dir", default=None, help="write <trace>.md and <trace>.png here")
+    ap.add_argument("--duration", type=float, help="synthetic trace length in seconds (quick runs)")
+    ap.add_argument("--rate", type=float, help="synthetic trace base rate in req/s (quick runs)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in names:
+        if p not in POLICIES:
+            ap.error(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    if args.load_time < 0:
+        ap.error("--load-time must be >= 0")
+    hw = HARDWARE[args.hardware]()
+    traces = TRACES if args.trace == "all" else (args.trace,)
+    all_json = {}
+    for tname in traces:
+        trace = make_trace(tname, args.seed, args.hardware, args.duration, args.rate)
+        results = [simulate(trace, make_policy(p, trace), hw, load_time_s=args.load_time,
+                            progress=not args.no_progress) for p in names]
+        table = markdown_table(trace, hw, results, args.load_time) + "\n" + verdict(results)
+        print(table)
+        all_json[tname] = {"trace": tname, "hardware": hw.name, "load_time_s": args.load_time,
+                           "policies": {r.policy: r.summary() for r in results}}
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"{tname}-{args.hardware}.md"), "w") as f:
+                f.write(table)
+            plot(trace, results, os.path.join(args.out_dir, f"{tname}-{args.hardware}.png"))
+    if args.json:
+        out = all_json[traces[0]] if len(traces) == 1 else all_json
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

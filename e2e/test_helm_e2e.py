@@ -1,0 +1,462 @@
+"""The Helm chart on a real API server, its operator and autoscaler running as pods, a real Prometheus.
+
+README's "Try it on a local cluster (no GPU)" steps, in file order (run.sh does `cluster.sh up`/`down`):
+`helm install` (crds.install=false: `cluster.sh up` applied the CRD; the chart's CRD template is
+checked by a server-side dry run) -> the chart's operator and autoscaler pods run: the test kubelet
+starts their commands as processes in network namespaces with their ServiceAccount tokens, so they
+act with exactly the chart's RBAC -> `kubectl apply -f crds/examples/local.yaml` -> `kubectl get gisvc`
+Ready -> a completion through the pod IP. Then a Prometheus (Debian package, 127.0.0.1) scrapes the
+worker pods with the chart's PodMonitor relabelings (and the autoscaler with its ServiceMonitor's;
+the targets come from the API server, see KubernetesFileSD), load is driven, and every PromQL expression of the two dashboards and of the
+chart's rules is evaluated through its HTTP API. Then `helm upgrade` with a changed value and
+`helm uninstall`, after which nothing of the release is left.
+
+The test kubelet does not enforce securityContext (runAsUser, read-only root): processes run as root.
+Test traffic goes only to 127.0.0.1 and pod IPs in 10.244.0.0/24.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from conftest import ROOT, Kubectl, LogFile, wait_for
+from test_operator_e2e import POD_READY_S, pod_ip
+
+pytestmark = [pytest.mark.e2e]
+
+CHART = ROOT / "helm" / "goodput"
+RELEASE, RELEASE_NS = "gp", "goodput-system"
+EXAMPLE = ROOT / "crds" / "examples" / "local.yaml"
+NAME = "smollm2-local"
+PROM_PORT = 19390
+RATE_WINDOW = "5m"  # stands in for $__rate_interval: covers the whole load phase
+_spec = importlib.util.spec_from_file_location("helm_dashboards", ROOT / "helm" / "dashboards.py")
+dash = importlib.util.module_from_spec(_spec)  # helm/dashboards.py: the panels' queries
+_spec.loader.exec_module(dash)
+
+# Queries allowed to return no series under this load, and why.
+MAY_BE_EMPTY = {
+    "Scrape errors/s": "the autoscaler's scrape-error counter has a series only after a failed scrape",
+}
+
+
+def helm_bin() -> str:
+    h = shutil.which("helm") or str(Path(os.environ.get("K8S_HOME", Path.home() / ".cache" / "goodput-k8s"))
+                                     / "bin" / "helm")
+    assert Path(h).exists(), "no helm: run `bash e2e/cluster.sh install`"
+    return h
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([helm_bin(), *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert r.returncode == 0, f"helm {' '.join(args)}: {r.stdout}\n{r.stderr}"
+    return r
+
+
+def rendered(*args: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(helm("template", RELEASE, str(CHART), "-n", RELEASE_NS, *args).stdout) if d]
+
+
+def release_pods(kubectl: Kubectl, component: str) -> list[dict[str, Any]]:
+    pods = kubectl.json("-n", RELEASE_NS, "get", "pods", "-l",
+                        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready(p: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+
+
+def processes_of(pod: str) -> list[tuple[int, list[str], dict[str, str]]]:
+    """(pid, argv, env) of live processes the test kubelet started for ``pod`` (it sets HOSTNAME)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in kv)
+            argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if env.get("HOSTNAME") == pod and "ip" not in argv[:1]:
+            out.append((int(d.name), argv, env))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ns(namespace: str, kubectl: Kubectl):
+    yield namespace
+    kubectl.run("-n", namespace, "delete", "inferenceservice", "--all", "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def release(kubectl: Kubectl, crd: dict, kubelet: LogFile, operator, ns: str):
+    """The chart installed as README says; the suite's own operator process is paused meanwhile (two
+    operators would both reconcile)."""
+    operator.stop()
+    try:
+        helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--set", "crds.install=false",
+             "--set", "operator.resyncSeconds=10", "--set", "autoscaler.period=2")
+        yield RELEASE
+    finally:
+        helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", check=False)
+        operator.start()
+
+
+@pytest.fixture
+def diag(kubectl: Kubectl, ns: str, kubelet: LogFile):
+    def dump() -> str:
+        out = [kubectl.run("get", "pods", "-A", "-o", "wide", check=False).stdout,
+               kubectl.run("-n", ns, "get", "gisvc", "-o", "yaml", check=False).stdout[-3000:], kubelet.log(40)]
+        for f in sorted((kubelet.log_path.parent / "pods").glob(f"{RELEASE_NS}_{RELEASE}-*.log")):
+            out.append(LogFile(f.name, f).log(25))
+        return "\n".join(out)
+    return dump
+
+
+# ------------------------------------------------------------------------------------------ install
+@pytest.mark.timeout(120)
+def test_chart_crd_template_is_accepted_by_the_server(kubectl: Kubectl):
+    text = helm("template", RELEASE, str(CHART), "-n", RELEASE_NS, "-s", "templates/crds.yaml").stdout
+    r = kubectl.run("apply", "--dry-run=server", "-f", "-", input=text)
+    assert "inferenceservices.serving.goodput.dev" in r.stdout
+
+
+@pytest.mark.timeout(240)
+def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl: Kubectl, release: str, diag):
+    for component, module in (("operator", "goodput.operator"), ("autoscaler", "goodput.autoscaler")):
+        pods = wait_for(lambda: [p for p in release_pods(kubectl, component) if ready(p)], 180,
+                        f"the {component} pod Ready", on_timeout=diag)
+        (pod,) = pods
+        assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-goodput-{component}"
+        procs = wait_for(lambda: [p for p in processes_of(pod["metadata"]["name"]) if module in p[1]], 30,
+                         f"the {component} process", on_timeout=diag)
+        _, argv, env = procs[0]
+        assert argv[argv.index("-m") + 1] == module
+        assert env["KUBERNETES_SERVICE_HOST"] == "10.244.0.1"  # in-cluster config, through the kubelet's forward
+    # Ready came from the readiness probe on kopf's health endpoint, which answers at the pod IP
+    (op,) = release_pods(kubectl, "operator")
+    assert httpx.get(f"http://{pod_ip(op)}:8080/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(POD_READY_S + 120)
+def test_example_is_reconciled_by_the_chart_operator_ready_and_serves(kubectl: Kubectl, release: str, ns: str, diag):
+    kubectl.run("-n", ns, "apply", "-f", str(EXAMPLE))
+    r = kubectl.run("-n", ns, "wait", "--for=condition=Ready", f"gisvc/{NAME}", f"--timeout={POD_READY_S}s",
+                    check=False)
+    assert r.returncode == 0, r.stderr + diag()
+    table = kubectl.run("-n", ns, "get", "gisvc").stdout
+    assert re.search(rf"^{NAME}\s+True\s+1\s+1\s+smollm2\s", table, re.M), table
+    (pod,) = [p for p in kubectl.json("-n", ns, "get", "pods", "-l",
+                                      f"serving.goodput.dev/inferenceservice={NAME}")["items"] if ready(p)]
+    r = httpx.post(f"http://{pod_ip(pod)}:8000/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].strip()
+
+
+# --------------------------------------------------------------------------------------- Prometheus
+def _meta(prefix: str, labels: dict[str, str]) -> dict[str, str]:
+    return {f"{prefix}_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v for k, v in (labels or {}).items()}
+
+
+class KubernetesFileSD:
+    """Kubernetes service discovery for Prometheus through file_sd.
+
+    Debian's Prometheus is built without kubernetes_sd_configs, so this thread lists pods (role "pod")
+    and Endpoints (role "endpoints") from the API server every second and writes them as file_sd
+    targets carrying the same ``__meta_kubernetes_*`` labels kubernetes_sd would; the chart's
+    PodMonitor/ServiceMonitor relabelings then apply unchanged.
+    """
+
+    def __init__(self, kubectl: Kubectl, directory: Path, pod_ns: str, endpoints_ns: str):
+        self.kubectl, self.dir, self.pod_ns, self.endpoints_ns = kubectl, directory, pod_ns, endpoints_ns
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.refresh()
+
+    def _write(self, name: str, groups: list[dict[str, Any]]) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(self.dir / name)
+
+    def refresh(self) -> None:
+        pods = []
+        for p in self.kubectl.json("-n", self.pod_ns, "get", "pods")["items"]:
+            ip = p["status"].get("podIP")
+            if not ip or p["metadata"].get("deletionTimestamp"):
+                continue
+            for c in p["spec"]["containers"]:
+                for port in c.get("ports") or []:
+                    pods.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": {
+                        "__meta_kubernetes_namespace": self.pod_ns, "__meta_kubernetes_pod_name": p["metadata"]["name"],
+                        "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                        **_meta("__meta_kubernetes_pod_label", p["metadata"].get("labels"))}})
+        self._write("pods.json", pods)
+        eps = []
+        services = {s["metadata"]["name"]: s for s in
+                    self.kubectl.json("-n", self.endpoints_ns, "get", "services")["items"]}
+        for e in self.kubectl.json("-n", self.endpoints_ns, "get", "endpoints")["items"]:
+            svc = services.get(e["metadata"]["name"])
+            for subset in e.get("subsets") or []:
+                for addr in subset.get("addresses") or []:
+                    for port in subset.get("ports") or []:
+                        eps.append({"targets": [f"{addr['ip']}:{port['port']}"], "labels": {
+                            "__meta_kubernetes_namespace": self.endpoints_ns,
+                            "__meta_kubernetes_endpoint_port_name": port.get("name", ""),
+                            **_meta("__meta_kubernetes_service_label", svc["metadata"].get("labels") if svc else {})}})
+        self._write("endpoints.json", eps)
+
+    def _run(self) -> None:
+        while not self.stop_ev.wait(1.0):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - an API hiccup; the next round rewrites the files
+                pass
+
+    def start(self) -> KubernetesFileSD:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        self.thread.join(timeout=10)
+
+
+def _scrape_configs(sd_dir: Path) -> list[dict[str, Any]]:
+    """Prometheus scrape configs equivalent to the chart's PodMonitor and ServiceMonitor."""
+    objs = {o["kind"]: o for o in rendered("--set", "metrics.podMonitor.enabled=true",
+                                           "--set", "metrics.serviceMonitor.enabled=true")}
+    pm, sm = objs["PodMonitor"]["spec"], objs["ServiceMonitor"]["spec"]
+    ep = pm["podMetricsEndpoints"][0]
+
+    def keep(prefix: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return [{"source_labels": [k], "regex": v, "action": "keep"} for k, v in _meta(prefix, labels).items()]
+
+    workers = {
+        "job_name": "goodput-workers", "metrics_path": ep["path"],
+        "file_sd_configs": [{"files": [str(sd_dir / "pods.json")], "refresh_interval": "2s"}],
+        "relabel_configs": keep("__meta_kubernetes_pod_label", pm["selector"]["matchLabels"]) + [
+            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": ep["port"], "action": "keep"}] + [
+            {"source_labels": r["sourceLabels"], "target_label": r["targetLabel"]} for r in ep["relabelings"]],
+    }
+    sep = sm["endpoints"][0]
+    autoscaler = {
+        "job_name": "goodput-autoscaler", "metrics_path": sep["path"], "honor_labels": sep["honorLabels"],
+        "file_sd_configs": [{"files": [str(sd_dir / "endpoints.json")], "refresh_interval": "2s"}],
+        "relabel_configs": keep("__meta_kubernetes_service_label", sm["selector"]["matchLabels"]) + [
+            {"source_labels": ["__meta_kubernetes_endpoint_port_name"], "regex": sep["port"], "action": "keep"}],
+    }
+    return [workers, autoscaler]
+
+
+@pytest.fixture(scope="module")
+def rules_file(tmp_path_factory) -> Path:
+    (rule,) = rendered("--set", "metrics.prometheusRule.enabled=true", "-s", "templates/prometheusrule.yaml")
+    path = tmp_path_factory.mktemp("rules") / "goodput.rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prometheus(kubectl: Kubectl, release: str, ns: str, rules_file: Path, logs_dir: Path, tmp_path_factory):
+    prom = shutil.which("prometheus")
+    assert prom, "no prometheus binary: run `bash e2e/cluster.sh install`"
+    d = tmp_path_factory.mktemp("prometheus")
+    sd = KubernetesFileSD(kubectl, d, ns, RELEASE_NS).start()
+    cfg = {"global": {"scrape_interval": "2s", "evaluation_interval": "2s", "scrape_timeout": "2s"},
+           "rule_files": [str(rules_file)], "scrape_configs": _scrape_configs(d)}
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    log = open(logs_dir / "prometheus.log", "ab")
+    p = subprocess.Popen([prom, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{PROM_PORT}", "--log.level=warn"],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{PROM_PORT}"
+    try:
+        wait_for(lambda: httpx.get(f"{url}/-/ready", timeout=2).status_code == 200, 60, "Prometheus ready")
+        yield url
+    finally:
+        sd.stop()
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log.close()
+
+
+def query(url: str, expr: str) -> dict[str, Any]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+    return body["data"]
+
+
+def substitute(expr: str, ns: str) -> str:
+    return (expr.replace("$__rate_interval", RATE_WINDOW).replace("$namespace", ns)
+            .replace("$inferenceservice", NAME).replace("$pod", ".*"))
+
+
+def drive_load(ip: str) -> dict[str, int]:
+    """Shared-prefix requests (prefix-cache hits), a concurrent burst (queueing, maybe 429s), one request
+    that can never fit (400). Returns status code counts."""
+    codes: dict[int, int] = {}
+    lock = threading.Lock()
+    prefix = "You are a helpful assistant. Answer briefly and precisely. " * 4
+
+    def one(prompt: str, max_tokens: int) -> None:
+        try:
+            r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=300, json={
+                "model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+            code = r.status_code
+        except httpx.HTTPError:
+            code = -1
+        with lock:
+            codes[code] = codes.get(code, 0) + 1
+
+    for wave in ([(prefix + f"Question {i}: name a colour.", 8) for i in range(4)],
+                 [(f"Burst request {i}: count to ten.", 12) for i in range(14)],
+                 [("x " * 600, 16)]):
+        threads = [threading.Thread(target=one, args=a) for a in wave]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    return codes
+
+
+@pytest.mark.timeout(600)
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(kubectl: Kubectl, release: str, ns: str,
+                                                                   prometheus: str, logs_dir: Path, diag):
+    (pod,) = [p for p in kubectl.json("-n", ns, "get", "pods", "-l",
+                                      f"serving.goodput.dev/inferenceservice={NAME}")["items"] if ready(p)]
+    wait_for(lambda: query(prometheus, f'up{{namespace="{ns}", inferenceservice="{NAME}"}} == 1')["result"], 60,
+             "Prometheus scraping the worker", on_timeout=diag)
+    codes = drive_load(pod_ip(pod))
+    assert codes.get(200, 0) >= 5 and codes.get(400, 0) == 1, codes
+    # the load is in Prometheus (no sleeps: wait for the counters), and the autoscaler has decided
+    def finished() -> float:
+        result = query(prometheus, f'sum(goodput_requests_finished_total{{namespace="{ns}"}})')["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+    wait_for(lambda: finished() >= codes[200], 60, "the finished requests scraped", on_timeout=diag)
+    wait_for(lambda: query(prometheus, f'goodput_autoscaler_decisions_total{{namespace="{ns}"}}')["result"], 60,
+             "the autoscaler's decisions scraped", on_timeout=diag)
+
+    report, failures = [], []
+    for file in ("serving.json", "autoscaler.json"):
+        board = json.loads((CHART / "dashboards" / file).read_text())
+        for title, expr in dash.queries(board):
+            if title.startswith("variable "):
+                m = re.fullmatch(r"label_values\((.*), (\w+)\)", expr)
+                assert m, expr
+                result = query(prometheus, substitute(m.group(1), ns))["result"]
+                values = sorted({r["metric"].get(m.group(2), "") for r in result} - {""})
+                report.append((file, title, expr, len(values), bool(values)))
+                if not values:
+                    failures.append((title, expr, "no label values"))
+                continue
+            result = query(prometheus, substitute(expr, ns))["result"]
+            finite = [r for r in result if not math.isnan(float(r["value"][1]))]
+            report.append((file, title, expr, len(result), bool(finite)))
+            if not result and title not in MAY_BE_EMPTY:
+                failures.append((title, expr, "empty"))
+            elif result and not finite and "histogram_quantile" in expr:
+                failures.append((title, expr, "only NaN"))
+    lines = ["| dashboard | panel | query | series | data |", "|---|---|---|---|---|"]
+    lines += ["| {} | {} | `{}` | {} | {} |".format(f, t, e.replace("|", "\\|"), n, "yes" if ok else "no")
+              for f, t, e, n, ok in report]
+    (logs_dir / "dashboard-queries.md").write_text("\n".join(lines) + "\n")
+    assert not failures, failures
+
+
+@pytest.mark.timeout(300)
+def test_chart_rules_pass_promtool_load_and_evaluate(release: str, ns: str, prometheus: str, rules_file: Path,
+                                                     logs_dir: Path):
+    r = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(rules_file)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def evaluated() -> list[dict[str, Any]] | None:
+        groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [rule for g in groups for rule in g["rules"]]
+        return rules if rules and all(x["health"] == "ok" and x.get("lastEvaluation", "").startswith("20")
+                                      for x in rules) else None
+
+    rules = wait_for(evaluated, 60, "every rule evaluated with health ok")
+    report = []
+    for rule in rules:
+        if rule["type"] == "recording":
+            # the recorded series exists for our InferenceService
+            result = wait_for(lambda: query(prometheus, f'{rule["name"]}{{namespace="{ns}"}}')["result"], 30,
+                              f"recorded {rule['name']}")
+            report.append((rule["name"], rule["query"], len(result), "recorded"))
+        else:
+            # alerts may legitimately be empty (nothing is wrong); the expression must parse and run
+            result = query(prometheus, rule["query"])["result"]
+            report.append((rule["name"], rule["query"], len(result), rule["state"]))
+    (logs_dir / "rule-queries.md").write_text("\n".join(f"| {n} | `{q}` | {k} | {s} |" for n, q, k, s in report))
+    assert {x[0] for x in report} >= {"GoodputEngineDown", "GoodputKVCacheSaturated", "GoodputSLOBurnRateFast",
+                                      "goodput:slo_attainment:ratio_rate5m"}
+
+
+# ------------------------------------------------------------------------------------ upgrade/remove
+@pytest.mark.timeout(300)
+def test_helm_upgrade_rolls_the_operator_with_the_new_value(kubectl: Kubectl, release: str, ns: str, diag):
+    (old,) = release_pods(kubectl, "operator")
+    helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values", "--set", "operator.resyncSeconds=7")
+
+    def new_pod() -> dict[str, Any] | None:
+        pods = release_pods(kubectl, "operator")
+        if len(pods) == 1 and pods[0]["metadata"]["uid"] != old["metadata"]["uid"] and ready(pods[0]):
+            return pods[0]
+        return None
+
+    pod = wait_for(new_pod, 180, "the upgraded operator pod Ready", on_timeout=diag)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["GOODPUT_OPERATOR_RESYNC_SECONDS"] == "7"
+    assert not processes_of(old["metadata"]["name"]), "the old operator process still runs"
+    procs = wait_for(lambda: processes_of(pod["metadata"]["name"]), 30, "the new operator process")
+    assert any(p[2].get("GOODPUT_OPERATOR_RESYNC_SECONDS") == "7" for p in procs)
+    # the new operator works: a deleted child comes back on its next resync
+    kubectl.run("-n", ns, "delete", "service", NAME)
+    wait_for(lambda: kubectl.run("-n", ns, "get", "service", NAME, check=False).returncode == 0, 90,
+             "the Service recreated by the upgraded operator", on_timeout=diag)
+    assert helm("history", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout.count('"revision"') == 2
+
+
+@pytest.mark.timeout(300)
+def test_helm_uninstall_leaves_no_operator_objects(kubectl: Kubectl, release: str, ns: str, diag):
+    pods = release_pods(kubectl, "operator") + release_pods(kubectl, "autoscaler")
+    helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait")
+    sel = f"app.kubernetes.io/instance={RELEASE}"
+
+    def leftovers() -> list[str]:
+        names = kubectl.run("-n", RELEASE_NS, "get", "deploy,rs,pods,svc,sa,cm,role,rolebinding", "-l", sel,
+                            "-o", "name", check=False).stdout.split()
+        names += kubectl.run("get", "clusterrole,clusterrolebinding", "-l", sel, "-o", "name",
+                             check=False).stdout.split()
+        return names
+
+    wait_for(lambda: not leftovers(), 120, "no object of the release left",
+             on_timeout=lambda: "\n".join(leftovers()) + diag())
+    wait_for(lambda: not any(processes_of(p["metadata"]["name"]) for p in pods), 60,
+             "the operator and autoscaler processes stopped")
+    # what the user made stays: the CRD (never the release's here) and the InferenceService with its workers
+    assert kubectl.run("get", "crd", "inferenceservices.serving.goodput.dev", check=False).returncode == 0
+    assert kubectl.run("-n", ns, "get", "gisvc", NAME, check=False).returncode == 0

