@@ -13,8 +13,9 @@ restartCount, lastState.terminated with exitCode, reason and message. The messag
 termination-message file (at most 4096 bytes) or, with ``terminationMessagePolicy:
 FallbackToLogsOnError`` and an error exit, the tail of its log (80 lines, 2048 bytes), as the kubelet
 reads them. Processes share the host's /dev, so instead of a file mounted at the container's
-terminationMessagePath each run gets its own file, named by GOODPUT_TERMINATION_MESSAGE_PATH. When a pod is deleted it stops the processes (SIGTERM, then SIGKILL
-after the grace period, at most 10 s), removes the namespace and veth, and deletes the pod object.
+terminationMessagePath each run gets its own file, named by GOODPUT_TERMINATION_MESSAGE_PATH.
+When a pod is deleted it stops the processes (SIGTERM, then SIGKILL after the pod's grace period, at
+most MAX_GRACE_S), removes the namespace and veth, and deletes the pod object.
 On SIGTERM/SIGINT it stops everything it started and removes the bridge.
 
 Pods that talk to the API server (the operator and autoscaler of the Helm chart) get what a kubelet
@@ -58,6 +59,9 @@ BRIDGE = "gpe2e-br0"
 PREFIX = "gpe2e"
 HOST_IP = "10.244.0.1"
 POD_NET = "10.244.0"
+# a worker drains its in-flight streams after SIGTERM, then exits: honour the pod's grace period up to
+# this long (a real kubelet honours all of it; the bound keeps a stuck process from stalling a test)
+MAX_GRACE_S = 60.0
 SECRETS_ROOT = Path("/run/goodput-e2e-kubelet")  # per-pod copies of mounted Secret volumes
 # the only mount paths made on the host when missing (empty directories; the bind mount is per process)
 MOUNTABLE_PREFIXES = ("/var/run/secrets/", "/run/secrets/")
@@ -504,7 +508,7 @@ class Kubelet:
 
     def _terminate(self, runner: PodRunner | None, pod: Any, etype: str) -> None:
         if runner is not None:
-            grace = min(float(pod.spec.termination_grace_period_seconds or 30), 10.0)
+            grace = min(float(pod.spec.termination_grace_period_seconds or 30), MAX_GRACE_S)
             runner.stop(grace)
             with self.lock:
                 self.releasing.discard(runner.net.index)

@@ -14,6 +14,7 @@ e2e/autoscaler-rbac.yaml. Test traffic goes only to pod IPs in 10.244.0.0/24.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import re
@@ -25,9 +26,10 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from conftest import Kubectl, Proc, _child_env, _service_account_kubeconfig, wait_for
-from test_operator_e2e import POD_READY_S, cond, isvc, manifest, pod_ip
+from goodput.autoscaler.loop import parse_time
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("kubelet", "operator")]
 
@@ -43,6 +45,7 @@ SPEC: dict[str, Any] = {
     "resources": {"cpu": "100m", "memory": "1Gi"},
     "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
     "probes": {"startupTimeoutSeconds": 300, "periodSeconds": 1},
+    "terminationGracePeriodSeconds": 30,  # the drain budget on a busy shared CPU
     # generous latency SLOs on a shared 2-core CPU: replicas follow demand in flight (Little's law)
     "slo": {"ttftMs": 3000, "tpotMs": 500, "attainmentTarget": 0.8},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
@@ -50,6 +53,33 @@ SPEC: dict[str, Any] = {
 }
 HEAVY_CLIENTS = 6   # L = 6 in flight against maxNumSeqs 4 per replica: one replica is not enough
 # then a trickle: one client per replica (one stream at a time each), which one replica carries
+
+
+POD_READY_S = 240  # model load on 2 shared CPU cores
+POD_NET = ipaddress.ip_network("10.244.0.0/24")
+
+
+def manifest(ns: str, name: str, spec: dict[str, Any]) -> str:
+    return yaml.safe_dump({"apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService",
+                           "metadata": {"name": name, "namespace": ns}, "spec": spec})
+
+
+def isvc(kubectl: Kubectl, ns: str, name: str = NAME) -> dict[str, Any]:
+    return kubectl.json("-n", ns, "get", "inferenceservice", name)
+
+
+def cond(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
+    """The condition of type ``ctype`` in ``obj["status"]["conditions"]``, or {}."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c
+    return {}
+
+
+def pod_ip(pod: dict[str, Any]) -> str:
+    ip = pod["status"]["podIP"]
+    assert ipaddress.ip_address(ip) in POD_NET, f"pod IP {ip} is not a test pod address"
+    return ip
 
 
 def pods(kubectl: Kubectl, ns: str) -> list[dict[str, Any]]:
@@ -200,6 +230,8 @@ def test_autoscaled_service_reports_status(kubectl: Kubectl, ns: str, autoscaler
         60, "status.autoscaler MetricsAvailable=True", on_timeout=diag)
     st = obj["status"]["autoscaler"]
     assert st["desiredReplicas"] == 1 and obj["spec"]["replicas"] == 1
+    [pod] = pods(kubectl, ns)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 30
     assert {c["type"] for c in st["conditions"]} == {"MetricsAvailable", "ScalingActive", "AbleToScale"}
     assert st["policyState"]  # what a restarted autoscaler resumes from
     # the operator's status writes leave the autoscaler's fields alone
@@ -268,7 +300,7 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
     World.load.stop()
     assert not World.load.bad_streams(), World.load.bad_streams()[:5]
     ready = sorted((p for p in pods(kubectl, ns) if is_ready(p)), key=lambda p: p["metadata"]["name"])
-    World.load = load = Load(len(ready), max_tokens=48)
+    World.load = load = Load(len(ready), max_tokens=32)
     load.set_targets([pod_ip(p) for p in ready])
     load.start()
     replicas = isvc(kubectl, ns, NAME)["spec"]["replicas"]
@@ -280,12 +312,13 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
     victim = ready[-1]["metadata"]["name"]
     kubectl.run("-n", ns, "annotate", "pod", victim, "--overwrite", "prometheus.io/port=1")
 
-    def missing() -> bool:
+    def missing() -> bool:  # False because of the victim (not only the restarted autoscaler's first scrape)
         a = (isvc(kubectl, ns, NAME).get("status") or {}).get("autoscaler") or {}
-        return cond({"status": a}, "MetricsAvailable").get("status") == "False"
+        c = cond({"status": a}, "MetricsAvailable")
+        return c.get("status") == "False" and victim in c.get("message", "")
 
     wait_for(missing, 30, "MetricsAvailable=False", on_timeout=diag)
-    t_missing = time.monotonic()
+    t_missing, wall_missing = time.monotonic(), time.time()
     # longer than the stabilization window: a trickle would justify a scale-down, missing metrics forbid it
     while time.monotonic() - t_missing < STABILIZATION_S + 8:
         obj = isvc(kubectl, ns, NAME)
@@ -293,12 +326,16 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
         World.replicas_since_restart.append(obj["spec"]["replicas"])
         time.sleep(1)
     a = isvc(kubectl, ns, NAME)["status"]["autoscaler"]
-    assert cond({"status": a}, "MetricsAvailable")["status"] == "False"
+    c = cond({"status": a}, "MetricsAvailable")
+    assert c["status"] == "False" and victim in c["message"], c
+    # no decision of the window (status history, not only our polls) wanted fewer replicas
+    window = [d for d in a["decisions"] if parse_time(d["time"]) >= wall_missing - 1]
+    assert all(d["replicas"] == replicas for d in window), window
     kubectl.run("-n", ns, "annotate", "pod", victim, "--overwrite", "prometheus.io/port=8000")
 
 
 @pytest.mark.timeout(POD_READY_S)
-def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autoscaler, diag, logs_dir: Path):
+def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autoscaler, diag, cluster_logs: Path):
     load = World.load
     before = {p["metadata"]["name"] for p in pods(kubectl, ns)}
     start = isvc(kubectl, ns, NAME)["spec"]["replicas"]
@@ -324,7 +361,7 @@ def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autosc
 
     # the drained pod: SIGTERM with streams in flight, every one finished, the process exited cleanly
     for name in gone:
-        log = (logs_dir / "pods" / f"{ns}_{name}_worker.log").read_text(errors="replace")
+        log = (cluster_logs / "pods" / f"{ns}_{name}_worker.log").read_text(errors="replace")
         m = re.search(r"draining: admitting nothing new; (\d+) request\(s\) in flight", log)
         assert m, log[-2000:]
         assert int(m.group(1)) >= 1, "no stream was in flight at the scale-down (nothing checked)"

@@ -7,15 +7,15 @@ from goodput.autoscaler.__main__ import build_parser
 def test_defaults_match_the_interface():
     ns = build_parser().parse_args([])
     assert (ns.namespace, ns.all_namespaces, ns.period, ns.metrics_port, ns.metrics_host, ns.scrape_timeout,
-            ns.prometheus_url, ns.once) == (None, False, 5.0, 9091, "0.0.0.0", 2.0, None, False)
+            ns.prometheus_url, ns.once, ns.dry_run) == (None, False, 5.0, 9091, "0.0.0.0", 2.0, None, False, False)
 
 
 def test_every_flag():
     ns = build_parser().parse_args(["--namespace", "prod", "--period", "2.5", "--metrics-port", "0",
                                     "--metrics-host", "127.0.0.1", "--scrape-timeout", "0.5",
-                                    "--prometheus-url", "http://prom:9090", "--once"])
+                                    "--prometheus-url", "http://prom:9090", "--once", "--dry-run"])
     assert (ns.namespace, ns.period, ns.metrics_port, ns.metrics_host, ns.scrape_timeout, ns.prometheus_url,
-            ns.once) == ("prod", 2.5, 0, "127.0.0.1", 0.5, "http://prom:9090", True)
+            ns.once, ns.dry_run) == ("prod", 2.5, 0, "127.0.0.1", 0.5, "http://prom:9090", True, True)
 
 
 @pytest.mark.parametrize("argv, message", [

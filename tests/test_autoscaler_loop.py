@@ -277,3 +277,11 @@ def test_disabled_or_invalid_services_are_left_alone(rig):
     rig.kube.obj["spec"]["autoscaling"].update(minReplicas=3, maxReplicas=2)  # the policy refuses it
     assert asyncio.run(rig.scaler.tick()) == {}
     assert rig.calls == [] and rig.kube.patches == []
+
+
+def test_dry_run_decides_and_writes_nothing(rig):
+    rig.scaler.dry_run = True
+    rig.script.append(_decision(3, "ScaleUpGoodput", {"p1": policy.Limits(2, 1)}))
+    decisions = asyncio.run(rig.scaler.tick())
+    assert decisions[("ns", "svc")].replicas == 3
+    assert (rig.kube.scales, rig.kube.patches, rig.kube.events, rig.puts) == ([], [], [], [])

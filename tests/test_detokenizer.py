@@ -175,7 +175,7 @@ class PieceTokenizer:
 
 
 def test_min_tokens_protects_the_whole_text_of_its_tokens():
-    """The issue's case: min_tokens=1 and stop "e"; the first token is " red". Its "e" must not
+    """A reported case: min_tokens=1 and stop "e"; the first token is " red". Its "e" must not
     stop the request (it did: the answer was " r"); the search starts after that token."""
     d = IncrementalDetokenizer(PieceTokenizer(), stop=["e"], min_tokens=1)
     out = [d.add_tokens([i]) for i in (1, 2, 3)]  # " red" "," " green"

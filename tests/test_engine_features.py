@@ -1,6 +1,6 @@
 """Engine features against the real model (float32, CPU), checked with HF transformers' logits:
 sampled-token and prompt log-probabilities, n > 1 forks sharing the prompt's KV blocks, JSON-schema
-output, and seeded sampling across preemption by recompute (the issue's recipe)."""
+output, and seeded sampling across preemption by recompute (a reported recipe)."""
 from __future__ import annotations
 
 import json
@@ -127,7 +127,7 @@ def test_json_schema_output_follows_the_schema(eng):
 
 @pytest.mark.parametrize("dtype", ["float32"])
 def test_seeded_request_survives_preemption_by_recompute(dtype):
-    """The issue's recipe: --kv-cache-memory 6MiB --max-num-batched-tokens 32; a seeded request
+    """The reported recipe: --kv-cache-memory 6MiB --max-num-batched-tokens 32; a seeded request
     (seed 1234, T=0.9, 60 tokens) alone, then beside 4 concurrent ignore_eos 60-token requests
     that force preemption by recompute: the same tokens."""
     e = engine(kv_cache_memory=6 << 20, max_num_batched_tokens=32, dtype=dtype)

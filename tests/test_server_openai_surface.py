@@ -1,4 +1,4 @@
-"""The OpenAI-compatible surface of the live worker (issue 11, server side): strict field types,
+"""The OpenAI-compatible surface of the live worker: strict field types,
 ignored OpenAI fields, request limits, model retrieval, /tokenize and /detokenize, return_token_ids,
 continuous usage stats, empty tools, forged special tokens, a non-streamed disconnect, and the
 OpenAPI schema. Every bad input must leave 0 KV blocks in use.

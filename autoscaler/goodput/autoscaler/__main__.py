@@ -1,10 +1,13 @@
 """``python -m goodput.autoscaler``: the goodput autoscaler's control loop (see ``loop``).
 
     python -m goodput.autoscaler [--namespace NS | --all-namespaces] [--period 5] [--metrics-port 9091]
-        [--metrics-host 0.0.0.0] [--scrape-timeout 2] [--prometheus-url URL] [--once] [--log-level info]
+        [--metrics-host 0.0.0.0] [--scrape-timeout 2] [--prometheus-url URL] [--once] [--dry-run]
+        [--log-level info]
 
 Credentials: in-cluster ServiceAccount, else KUBECONFIG / ~/.kube/config. ``--once`` runs one pass,
 prints the decisions as JSON and exits (0; 1 when a pass could not list InferenceServices).
+``--dry-run`` decides and reports (log, its own metrics, ``--once`` output) but writes nothing:
+no scaling, no limits, no status, no Events — to watch what it would do next to another autoscaler.
 SIGTERM/SIGINT stop it after the current pass.
 """
 from __future__ import annotations
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prometheus-url", default=None,
                    help="read the workers' metrics from this Prometheus (PromQL) instead of scraping pods")
     p.add_argument("--once", action="store_true", help="one pass, print the decisions as JSON, exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="decide and report, but write nothing (no scale, limits, status or Events)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -71,7 +76,8 @@ async def _main(ns: argparse.Namespace) -> int:
             source = PrometheusSource(http, ns.prometheus_url, timeout_s=ns.scrape_timeout)
         else:
             source = DirectScraper(http, ns.scrape_timeout)
-        scaler = Autoscaler(Kube(), source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics)
+        scaler = Autoscaler(Kube(), source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics,
+                            dry_run=ns.dry_run)
         if ns.once:
             try:
                 decisions = await scaler.tick()

@@ -314,8 +314,9 @@ class Autoscaler:
 
     def __init__(self, kube: Any, source: MetricsSource, http: httpx.AsyncClient, *,
                  namespace: str | None = None, period_s: float = 5.0, metrics: AutoscalerMetrics | None = None,
-                 wall_clock=time.time):
+                 wall_clock=time.time, dry_run: bool = False):
         self.kube, self.source, self.http = kube, source, http
+        self.dry_run = dry_run  # decide and report (log, own metrics), write nothing anywhere
         self.namespace, self.period_s = namespace, period_s
         self.metrics = metrics
         self.wall_clock = wall_clock
@@ -398,6 +399,13 @@ class Autoscaler:
                                          unreachable=tuple(unreachable), current_replicas=spec.replicas)
         decision = policy.decide(now, observation, pspec, state)
 
+        if self.dry_run:
+            log.info("%s/%s (dry run): would set replicas %d -> %d, limits %s (%s: %s)", ns, name, spec.replicas,
+                     decision.replicas, {p: (v.max_num_seqs, v.max_waiting) for p, v in decision.limits.items()},
+                     decision.reason, decision.message)
+            if self.metrics:
+                self.metrics.record(ns, name, decision, decision.replicas, len(ready), len(starting))
+            return decision
         scale_error = None
         if decision.replicas != spec.replicas:
             try:
