@@ -125,11 +125,7 @@ def test_examples_pass_server_validation_and_schema_is_published(kubectl: Kubect
     # the structural schema is published: kubectl explain shows field descriptions from the pydantic models
     explain = wait_for(lambda: (r := kubectl.run("explain", "gisvc.spec.engine.maxNumSeqs", check=False))
                        .returncode == 0 and r.stdout, 30, "kubectl explain")
-    crd_file = yaml.safe_load((Path(__file__).resolve().parents[1] / "crds" /
-                               "serving.goodput.dev_inferenceservices.yaml").read_text())
-    schema = crd_file["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    want = schema["properties"]["spec"]["properties"]["engine"]["properties"]["maxNumSeqs"]["description"]
-    assert want.startswith("--max-num-seqs") and " ".join(want.split()[:3]) in explain  # explain wraps lines
+    assert "--max-num-seqs: most requests in the running set" in explain
 
 
 INVALID = {
