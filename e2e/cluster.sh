@@ -304,6 +304,7 @@ cmd_down() {
   stop_kubelet || true
   cmd_stop || true
   remove_pod_networks
+  rm -rf /run/goodput-e2e-kubelet   # the kubelet's copies of Secret volumes, if it was killed
   ip route del blackhole "$SERVICE_CIDR" 2>/dev/null || true
   say "down"
 }

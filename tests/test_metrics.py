@@ -115,6 +115,9 @@ def test_every_scheduler_counter_is_exported():
     assert counters == set(metric_names.SCHEDULER_COUNTERS)
     for name, label, _help in metric_names.SCHEDULER_COUNTERS.values():
         assert label is None or label in metric_names.LABEL_VALUES
+    # /admin/state shows the same counters, named without _total
+    assert STATS.counters()["admitted"] == 20 and STATS.counters()["batched_tokens"] == 1234
+    assert set(STATS.counters()) == {c.removesuffix("_total") for c in counters}
 
 
 def test_values_come_from_the_stats_snapshot():

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
@@ -95,6 +95,10 @@ class SchedulerStats:
     prefix_cache_hits_total: int
     steps_total: int
     batched_tokens_total: int
+
+    def counters(self) -> dict[str, Any]:
+        """The counters by name without ``_total`` (``{"admitted": 3, "rejected": {...}, ...}``)."""
+        return {name.removesuffix("_total"): getattr(self, name) for name in _COUNTER_FIELDS}
 
 
 _COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name.endswith("_total"))

@@ -85,12 +85,5 @@ async def get_state(request: Request) -> dict:
         "block_size": s.block_size,
         "max_model_len": st.llm.config.max_model_len,
         "limits": {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
-        "counters": {
-            "admitted": s.admitted_total, "rejected": s.rejected_total, "finished": s.finished_total,
-            "preemptions": s.preemptions_total, "prompt_tokens": s.prompt_tokens_total,
-            "generation_tokens": s.generation_tokens_total,
-            "prefix_cache_queries": s.prefix_cache_queries_total,
-            "prefix_cache_hits": s.prefix_cache_hits_total, "steps": s.steps_total,
-            "batched_tokens": s.batched_tokens_total,
-        },
+        "counters": s.counters(),  # admitted, rejected, finished, preemptions, tokens, steps ...
     }
