@@ -113,3 +113,14 @@ def test_cli_writes_json_table_and_plot(tmp_path):
     assert (tmp_path / "bursty-h200.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
         sim.main(["--policies", "nope"])
+
+
+def test_cpu_step_time_from_the_committed_fit():
+    hw = sim.cpu_step_time()
+    assert hw.a > 0 and hw.b > 0 and hw.c >= 0
+    # 1 GiB of SmolLM2-135M bf16 KV (23,040 B/token) in 16-token blocks
+    assert hw.num_blocks == (1 << 30) // (23040 * 16)
+    trace = sim.Trace("cpu", [1.0, 2.0], [32, 32], [4, 4], [0, 0], [(60.0, 5.0)], duration=30.0,
+                      max_replicas=1, initial_replicas=1)
+    r = sim.simulate(trace, sim.StaticPeak(1), hw)
+    assert (r.finished, r.slo_met) == (2, 2)
