@@ -125,7 +125,7 @@ def test_examples_pass_server_validation_and_schema_is_published(kubectl: Kubect
     # the structural schema is published: kubectl explain shows field descriptions from the pydantic models
     explain = wait_for(lambda: (r := kubectl.run("explain", "gisvc.spec.engine.maxNumSeqs", check=False))
                        .returncode == 0 and r.stdout, 30, "kubectl explain")
-    assert "--max-num-seqs: running-set cap" in explain
+    assert "--max-num-seqs: most requests in the running set" in explain
 
 
 INVALID = {

@@ -300,3 +300,35 @@ def test_restart_from_saved_state_does_not_flap():
     later = decide(330.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(kept.state.to_dict()))))
     assert (later.replicas, later.reason) == (3, "ScaleDown")
     assert decide(330.0, light, SPEC, None).reason == "HoldStabilizing"
+
+
+def test_missed_slos_scale_up_in_proportion_and_at_once():
+    # 3 pods, 20 waiting each (60 > queue_target 4 * 3: saturated), attainment 90 / 150 = 0.6.
+    # Little's law: max(in flight 120, 30 req/s * 4.16 = 124.8) / 53.33 -> 3 (no change), but
+    # ceil(3 * 0.9 / 0.6) = ceil(4.5) = 5 < panic 2 * 3, and the missed SLOs skip the 30 s
+    # scale-up window whose minimum (3, ten seconds ago) would otherwise hold it
+    spec = PolicySpec(**{**SPEC.__dict__, "scale_up_window_s": 30.0})
+    pods = tuple(pod(n, waiting=20, slo_met=30) for n in "abc")
+    d = decide(0.0, Observation(pods, (), (), 3), spec, PolicyState(recommendations=[[-10.0, 3.0]]))
+    assert (d.replicas, d.reason) == (5, "ScaleUpGoodput")
+    # the same misses without saturation (no queue): not a capacity problem, nothing moves
+    calm = tuple(pod(n, slo_met=30) for n in "abc")
+    d = decide(0.0, Observation(calm, (), (), 3), spec, PolicyState(recommendations=[[-10.0, 3.0]]))
+    assert d.replicas == 3
+    # the same misses while 2 pods load (current 5): they are capacity that is coming -> hold
+    d = decide(0.0, Observation(pods, (StartingPod("s0", 9.0), StartingPod("s1", 9.0)), (), 5), spec,
+               PolicyState(recommendations=[[-10.0, 3.0]]))
+    assert (d.replicas, d.reason) == (5, "HoldStarting")
+
+
+def test_successive_scale_downs_are_a_model_load_apart():
+    # rec 2 from 3 (see test_scale_down_after_the_window...); the last scale-down was 30 s ago:
+    # undoing a wrong one would cost a 60 s model load, so wait; 70 s ago: go
+    obs = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
+    recent = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=-1)
+    assert decide(0.0, obs, SPEC, recent).reason == "HoldStabilizing"
+    older = PolicyState(since=-400.0, last_scale_time=-70.0, last_direction=-1)
+    assert decide(0.0, obs, SPEC, older).replicas == 2
+    # after a scale-UP 30 s ago nothing waits on this rule (the window already covers it)
+    up = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=1)
+    assert decide(0.0, obs, SPEC, up).replicas == 2

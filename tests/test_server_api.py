@@ -58,23 +58,30 @@ def test_chat_completion_shape(server_main):
 # ------------------------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/completions", {"n": 2}, "n"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"logit_bias": {"50": 10}}, "logit_bias"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logit_bias": {"50": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"49152": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"not_a_param": 1}, "not_a_param"),
     ("/v1/completions", {"temperature": -1}, "temperature"),
-    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"top_p": 0}, "top_p"),
     ("/v1/completions", {"stop": [""]}, "stop"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "grammar"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}}, "response_format"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
 ])
 def test_unsupported_or_invalid_parameters_are_400_naming_the_parameter(server_main, path, extra, param):
     body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}

@@ -35,8 +35,12 @@ How each rule follows from the ideas it rests on:
    carries ``c = min(cap, running * kv_target / kv_usage)`` (the batch or, when KV binds first,
    what the KV pool holds at ``kv_target``) at ``target_utilization``. Wanted replicas
    ``w = ceil(L / (c_mean * target_utilization))``. When attainment is below target while the
-   fleet is saturated (waiting, 429s or preemptions), ``w >= ready + 1`` (reason
-   ScaleUpGoodput; ScaleUpSaturation when preemptions or KV over target are the signal).
+   fleet is saturated (waiting, 429s or preemptions) and nothing is loading (misses while pods
+   load are the expected cost of rule 4, not new evidence), ``w >= max(ready + 1, ceil(ready *
+   attainment_target / attainment))`` (HPA's proportional formula applied to goodput; attainment
+   floored at 0.25) (reason ScaleUpGoodput; ScaleUpSaturation when preemptions or KV over target
+   are the signal). Little's law counts sequences, so it underrates prefill-heavy load (long
+   prompts, short outputs); the attainment term is what sees that.
 
 4. Starting pods are capacity that is coming. ``w`` is compared with ``current_replicas``, which
    counts pods that are loading or not yet created, never with the ready pods alone: demand that
@@ -60,11 +64,14 @@ How each rule follows from the ideas it rests on:
    lost state waits a window); it applies only when there were no 429s and no
    preemptions in the interval, attainment met the target, nothing is starting, and the
    remaining replicas carry L at no more than ``target_utilization`` of their capacity.
+   Successive scale-downs are at least ``model_load_s`` apart: undoing a wrong one costs a model
+   load, so the smaller fleet is watched that long before the next replica goes.
 
 8. Scale up on evidence. The scale-up target is the SMALLEST recommendation of the last
    ``scale_up_window_s`` (a spike shorter than the window moves nothing), except that a
-   recommendation of at least ``panic_ratio`` times the current replicas acts at once (Knative's
-   panic mode).
+   recommendation of at least ``panic_ratio`` times the current replicas (Knative's panic mode),
+   or one made while SLOs are being missed on a saturated fleet (the evidence is in), acts at
+   once.
 
 9. Bounded steps and a tolerance band. One decision adds at most ``max(max_scale_up_step,
    current)`` replicas and removes at most ``max_scale_down_step``; ``|w / current - 1| <=
@@ -209,7 +216,8 @@ class PolicySpec:
         doubling) / remove.
     target_utilization: fraction of a replica's batch capacity the sizing plans to fill.
     panic_ratio: a recommendation this many times the current replicas skips the scale-up window.
-    model_load_s: expected seconds from pod creation to ready (informational for messages).
+    model_load_s: expected seconds from pod creation to ready; also the least time between two
+        scale-downs (rule 7).
     min_num_seqs, max_num_seqs: bounds on the ``max_num_seqs`` limit set on replicas.
     min_waiting, max_waiting: bounds on the ``max_waiting`` limit set on replicas.
     queue_slack: how far past the TTFT-bound queue the limit loosens when nothing loads (rule 5).
@@ -489,8 +497,14 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     missing_attainment = (f.attainment is not None
                           and f.attainment < spec.attainment_target * (1 - spec.tolerance / 2))
     up_reason = "ScaleUpSaturation" if (f.preempted > 0 or f.kv_hot) else "ScaleUpGoodput"
-    if missing_attainment and saturated and wanted <= n_ready:
-        wanted = n_ready + 1
+    coming = len(obs.starting) + max(0, current - n_ready - len(obs.unreachable) - len(obs.starting))
+    # misses while pods load are expected (rule 4): only a fleet with nothing coming is evidence
+    evidence = missing_attainment and saturated and coming == 0
+    if evidence:
+        # goodput-proportional (HPA's formula on attainment): the replicas that would bring the
+        # attainment back to target if misses scale with load per replica; at least one more
+        att = max(f.attainment or 0.0, 0.25)
+        wanted = max(wanted, n_ready + 1, math.ceil(n_ready * spec.attainment_target / att - 1e-9))
     rec = max(spec.min_replicas, min(spec.max_replicas, wanted))
 
     # --- metrics health (rule 10) ---
@@ -515,13 +529,12 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     up_window = [r for t, r in st.recommendations if now - t <= spec.scale_up_window_s] or [rec]
     down_window = [r for t, r in st.recommendations if now - t <= spec.stabilization_window_s] or [rec]
     up_target = int(min(up_window))
-    if rec >= spec.panic_ratio * max(1, current):
-        up_target = rec
+    if rec >= spec.panic_ratio * max(1, current) or evidence:
+        up_target = rec   # panic, or SLOs already missed while saturated: no more evidence needed
     if not metrics_ok:
         up_target = rec  # only pods that answered speak; a scale-up they prove is still taken
     down_target = int(max(down_window))
 
-    coming = len(obs.starting) + max(0, current - n_ready - len(obs.unreachable) - len(obs.starting))
     in_band = current > 0 and abs(rec / current - 1.0) <= spec.tolerance + 1e-9
     replicas, reason = current, "Steady"
     if current < spec.min_replicas:
@@ -541,7 +554,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         holds = (f.rejected_429 == 0 and f.preempted == 0
                  and (f.attainment is None or f.attainment >= spec.attainment_target)
                  and demand <= down_target * per_replica)
-        if down_target < current and holds and history_s >= spec.stabilization_window_s:
+        spaced = (st.last_direction >= 0 or st.last_scale_time is None
+                  or now - st.last_scale_time >= spec.model_load_s)
+        if down_target < current and holds and history_s >= spec.stabilization_window_s and spaced:
             replicas = max(down_target, current - spec.max_scale_down_step, spec.min_replicas)
             reason = "ScaleDownIdle" if demand == 0 else "ScaleDown"
         else:

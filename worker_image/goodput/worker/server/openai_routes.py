@@ -1,7 +1,9 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/v1/models/{model}``, and vLLM's ``/tokenize`` and ``/detokenize``.
 
-One request = one engine request (n=1). Streaming answers are server-sent events with one event
+One choice = one engine request; the ``n`` (or ``best_of``) choices of a prompt are forks that
+share the prompt's KV blocks, and a batch of prompts is admitted whole or not at all. Streaming
+answers are server-sent events with one event
 per generated token (its text may be empty while a multi-byte character or a possible stop-string
 prefix is held back), the finish reason on the last token's event, an optional usage event
 (``stream_options.include_usage``) and ``data: [DONE]``; with vLLM's
@@ -20,6 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Path, Request
@@ -27,7 +30,14 @@ from fastapi.responses import StreamingResponse
 from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.async_engine import EngineDeadError, RequestStream
 from goodput.worker.llm_engine import RequestDelta
+from goodput.worker.engine.outputs import TokenLogprobs
 from goodput.worker.server import sse
+from goodput.worker.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    merge_completion_logprobs,
+)
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.protocol import (
     ChatChoice,
@@ -37,10 +47,13 @@ from goodput.worker.server.protocol import (
     ChatCompletionResponse,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     DetokenizeRequest,
+    FunctionCall,
+    ToolCall,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
@@ -175,25 +188,67 @@ def _check_limits(st, body: CompletionRequest | ChatCompletionRequest) -> None:
                                          f"[0, {vocab}) (vocabulary size {vocab})", param="stop_token_ids"))
 
 
-def _admit(st, body, prompt_ids: list[int], max_tokens: int, arrival: float) -> tuple[str, RequestStream]:
+def _engine_error(st, e: BaseException, n_prompt_tokens: int) -> APIError:
+    if isinstance(e, AdmissionError):
+        return APIError.from_admission(e)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e))
+    return _invalid(st, APIError(400, str(e), param="prompt"))
+
+
+def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: float,
+               n: int, **engine_fields: Any) -> list[tuple[int, int, RequestStream]]:
+    """Admit ``n`` choices of every prompt (forks sharing each prompt's KV blocks): all of them
+    or none (what was admitted is aborted when a later one is refused). Returns
+    (choice index = prompt_index * n + i, prompt index, stream) in index order."""
     engine = st.require_engine()
     try:
-        params = body.to_sampling_params(max_tokens)
+        params = [body.to_sampling_params(max_tokens, i, **(engine_fields if i == 0 else {
+            k: v for k, v in engine_fields.items() if k != "prompt_logprobs"})) for i in range(n)]
     except UnsupportedParameter as e:
         raise _invalid(st, APIError.unsupported(e))
     except ValueError as e:
         raise _invalid(st, APIError(400, str(e)))
-    rid = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
+    prefix = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
+    admitted: list[tuple[int, int, RequestStream]] = []
     try:
-        stream = engine.add_request(rid, prompt_ids, params, arrival_time=arrival,
-                                    priority=body.priority, cache_salt=body.cache_salt)
-    except AdmissionError as e:
-        raise APIError.from_admission(e)
-    except EngineDeadError as e:
-        raise APIError(503, str(e))
-    except (ValueError, TypeError) as e:
-        raise _invalid(st, APIError(400, str(e), param="prompt"))
-    return rid, stream
+        for pi, ids in enumerate(prompts):
+            rid = f"{prefix}-{pi}" if len(prompts) > 1 else prefix
+            streams = engine.add_request_group(
+                rid, ids, params[0], arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt,
+                forks=[(f"{rid}-n{i}", params[i]) for i in range(1, n)])
+            admitted += [(pi * n + i, pi, s) for i, s in enumerate(streams)]
+    except (AdmissionError, EngineDeadError, ValueError, TypeError) as e:
+        for _, _, s in admitted:
+            s.abort()
+        raise _engine_error(st, e, 0)
+    return admitted
+
+
+@dataclass
+class _Result:
+    """One choice, accumulated from its deltas."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def add(self, d: RequestDelta) -> None:
+        self.text.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.finished:
+            self.finish_reason, self.error = d.finish_reason, d.error
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(e.logprob for e in self.logprobs)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -203,62 +258,96 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(request: Request, stream: RequestStream) -> tuple[str, list[int], RequestDelta]:
-    """Run a non-streamed request to the end; abort it if the client disconnects first."""
-    async def consume():
-        text, ids, last = [], [], None
+async def _collect(request: Request, streams: list[RequestStream]) -> list[_Result]:
+    """Run non-streamed requests to the end; abort them all if the client disconnects first."""
+    async def consume(stream: RequestStream) -> _Result:
+        r = _Result()
         async for d in stream:
-            text.append(d.text)
-            ids.extend(d.token_ids)
-            last = d
-        return "".join(text), ids, last
+            r.add(d)
+        return r
 
-    work = asyncio.ensure_future(consume())
+    work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
     gone = asyncio.ensure_future(_wait_disconnect(request))
+    client_left = False
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        # Also reached when this handler is cancelled: the request must not outlive it.
+        # Also reached when this handler is cancelled: the requests must not outlive it.
         gone.cancel()
         if not work.done():
-            stream.abort()  # frees the KV blocks at the next step boundary
+            client_left = True
+            for s in streams:
+                s.abort()  # frees the KV blocks at the next step boundary
             work.cancel()
             # cancel() only requests it: wait until the task is really done before looking at it.
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-    if work.cancelled():
+    if client_left:  # (a cancelled gather ends with a CancelledError exception, not "cancelled")
         raise APIError(499, "client closed the request")
-    text, ids, last = work.result()
-    if last is not None and last.error:
-        raise APIError(500, last.error)
-    return text, ids, last
+    results = work.result()
+    for r in results:
+        if r.error:
+            raise APIError(500, r.error)
+    return results
 
 
-async def _sse_stream(stream: RequestStream, first: list[Any],
-                      chunk: Callable[[RequestDelta], Any], usage_chunk: Callable[[UsageInfo], Any] | None,
+async def _merged(streams: list[tuple[int, RequestStream]]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Deltas of several streams as they come, tagged with their choice index."""
+    if len(streams) == 1:
+        index, stream = streams[0]
+        async for d in stream:
+            yield index, d
+        return
+    queue: asyncio.Queue[tuple[int, RequestDelta] | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for d in stream:
+                await queue.put((index, d))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in streams]
+    try:
+        live = len(tasks)
+        while live:
+            item = await queue.get()
+            if item is None:
+                live -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _sse_stream(streams: list[tuple[int, RequestStream]], first: list[Any],
+                      chunk: Callable[[int, RequestDelta], Any], usage_chunk: Callable[[UsageInfo], Any] | None,
                       prompt_tokens: int, continuous_usage: bool = False) -> AsyncIterator[bytes]:
-    """``first``: chunks sent before any token; ``continuous_usage``: every chunk carries
-    ``usage`` so far (vLLM's ``stream_options.continuous_usage_stats``)."""
-    n_out = 0
+    """``first``: chunks sent before any token; ``chunk(index, delta)``: the chunk of one delta
+    of choice ``index``; ``continuous_usage``: every chunk carries ``usage`` so far (vLLM's
+    ``stream_options.continuous_usage_stats``)."""
+    n_out: dict[int, int] = {}
     try:
         for c in first:
             if continuous_usage:
                 c.usage = UsageInfo.of(prompt_tokens, 0)
             yield sse.event(c)
-        async for d in stream:
+        async for index, d in _merged(streams):
             if d.error:
                 yield sse.event(error_body(d.error, "internal_error"))
                 break
-            n_out = d.num_output_tokens
-            c = chunk(d)
+            n_out[index] = d.num_output_tokens
+            c = chunk(index, d)
             if continuous_usage:
-                c.usage = UsageInfo.of(prompt_tokens, n_out)
+                c.usage = UsageInfo.of(prompt_tokens, sum(n_out.values()))
             yield sse.event(c)
         if usage_chunk is not None:
-            yield sse.event(usage_chunk(UsageInfo.of(prompt_tokens, n_out)))
+            yield sse.event(usage_chunk(UsageInfo.of(prompt_tokens, sum(n_out.values()))))
         yield sse.DONE
     finally:
-        stream.abort()  # no-op when finished; a disconnect cancels us here and frees the blocks
+        for _, s in streams:
+            s.abort()  # no-op when finished; a disconnect cancels us here and frees the blocks
 
 
 def _checked_state(request: Request, body: CompletionRequest | ChatCompletionRequest):
@@ -298,50 +387,135 @@ async def retrieve_model(request: Request, model: str = Path(description="the se
     return _model_card(st)
 
 
+def _check_engine_fields(st, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """logit_bias ids inside the vocabulary; the JSON schema of ``response_format`` compiles.
+    Returns the schema to enforce (JSON text) or None. 400s name the parameter."""
+    vocab = st.llm.config.vocab_size
+    bad = [k for k in (body.logit_bias or {}) if vocab is not None and int(k) >= vocab]
+    if bad:
+        raise _invalid(st, APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                         f"[0, {vocab})", param="logit_bias"))
+    fmt = getattr(body, "response_format", None)
+    tool = body.named_tool() if isinstance(body, ChatCompletionRequest) else None
+    if fmt is None and tool is None:
+        return None
+    try:
+        if tool is not None:
+            import json
+            schema = json.dumps(tool.get("parameters") or {"type": "object"})
+        else:
+            schema = fmt.schema_text()
+        if schema is not None:
+            from goodput.worker.model.structured import schema_grammar
+            schema_grammar(schema)
+    except ValueError as e:
+        raise _invalid(st, APIError(400, f"response_format: {e}", param="response_format"))
+    return schema
+
+
 @router.post("/v1/completions", response_model=CompletionResponse,
              responses={**_sse_doc(CompletionResponse), **_errors(400, 404, 413, 429, 500, 503)})
 async def create_completion(body: CompletionRequest, request: Request):
+    """Completions: one choice per prompt and per ``n`` (``index = prompt_index * n + i``);
+    ``logprobs: k`` gives the sampled tokens' log-probabilities and the k most likely at each
+    position, ``echo`` prepends the prompt (with its log-probabilities when ``logprobs`` is set;
+    ``max_tokens: 0`` returns only that), ``best_of > n`` keeps the n choices of highest
+    cumulative log-probability."""
     arrival = time.monotonic()
     st = _checked_state(request, body)
-    prompt = body.prompt_input()
-    prompt_ids = await _encode(st, prompt) if isinstance(prompt, str) else list(prompt)
-    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    rid, stream = _admit(st, body, prompt_ids, max_tokens, arrival)
-    created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
+    _check_engine_fields(st, body)
+    prompts = body.prompts()
+    prompt_ids = [await _encode(st, p) if isinstance(p, str) else list(p) for p in prompts]
+    tok = st.llm.tokenizer
+    echo_only = body.max_tokens == 0  # run one token for the prompt's logits, then drop it
+    max_tokens = 1 if echo_only else (body.max_tokens if body.max_tokens is not None
+                                      else DEFAULT_COMPLETION_MAX_TOKENS)
+    n, keep = body.num_choices, body.n
+    fields: dict[str, Any] = {}
+    if body.logprobs is not None or n > keep:
+        fields["logprobs"] = body.logprobs or 0  # best_of ranks by cumulative logprob
+    if body.echo and body.logprobs is not None:
+        fields["prompt_logprobs"] = body.logprobs
+    entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, **fields)
+    created, model = now_s(), st.model_name
+    n_prompt = sum(len(p) for p in prompt_ids)
+    text_of = TokenText(tok)
+    prompt_text = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
+    want_ids, want_lp = body.return_token_ids, body.logprobs is not None
 
-    want_ids = body.return_token_ids
+    def prompt_part(pi: int, plp: list[TokenLogprobs | None] | None) -> CompletionLogprobs:
+        ids = prompt_ids[pi]
+        return completion_logprobs(text_of, plp or [None] * len(ids), ids)[0]
+
     if body.stream:
-        include_usage = body.include_usage
-        first_chunk = [True]
+        offsets: dict[int, int] = {}  # text_offset of the choice's next token (as unstreamed)
 
-        def chunk(d: RequestDelta) -> CompletionResponse:
-            prompt_ids_once = prompt_ids if want_ids and first_chunk[0] else None
-            first_chunk[0] = False
-            return CompletionResponse(id=rid, created=created, model=model, choices=[
-                CompletionChoice(text=d.text, finish_reason=d.finish_reason if d.finished else None,
-                                 token_ids=d.token_ids if want_ids else None,
-                                 prompt_token_ids=prompt_ids_once)])
+        def chunk(index: int, d: RequestDelta) -> CompletionResponse:
+            pi = index // n
+            first = index not in offsets
+            text, ids = ("", []) if echo_only else (d.text, d.token_ids)
+            lp = None
+            if want_lp:
+                lp, offsets[index] = completion_logprobs(
+                    text_of, [] if echo_only else (d.logprobs or []), ids,
+                    offsets.get(index, len(prompt_text[pi]) if body.echo else 0))
+            else:
+                offsets[index] = 0
+            if first and body.echo:
+                text = prompt_text[pi] + text
+                if want_lp:
+                    lp = merge_completion_logprobs(prompt_part(pi, d.prompt_logprobs), lp)
+            return CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
+                index=index, text=text, logprobs=lp,
+                finish_reason=("length" if echo_only else d.finish_reason) if d.finished else None,
+                token_ids=ids if want_ids else None,
+                prompt_token_ids=prompt_ids[pi] if want_ids and first else None)])
+
+        rid = new_id("cmpl")
 
         def usage_chunk(u: UsageInfo) -> CompletionResponse:
+            if echo_only:
+                u = UsageInfo.of(u.prompt_tokens, 0)
             return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=u)
 
-        return StreamingResponse(_sse_stream(stream, [], chunk, usage_chunk if include_usage else None,
+        return StreamingResponse(_sse_stream([(i, s) for i, _, s in entries], [], chunk,
+                                             usage_chunk if body.include_usage else None,
                                              n_prompt, body.continuous_usage),
                                  media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
-    text, ids, last = await _collect(request, stream)
-    return CompletionResponse(id=rid, created=created, model=model,
-                              choices=[CompletionChoice(text=text, finish_reason=last.finish_reason,
-                                                        token_ids=ids if want_ids else None,
-                                                        prompt_token_ids=prompt_ids if want_ids else None)],
-                              usage=UsageInfo.of(n_prompt, len(ids)))
+    results = await _collect(request, [s for _, _, s in entries])
+    n_generated = 0 if echo_only else sum(len(r.token_ids) for r in results)
+    choices = []
+    for pi in range(len(prompts)):
+        group = results[pi * n:(pi + 1) * n]
+        plp = group[0].prompt_logprobs
+        if n > keep:
+            group = sorted(group, key=lambda r: r.cumulative_logprob, reverse=True)[:keep]
+        for i, r in enumerate(group):
+            ids = [] if echo_only else r.token_ids
+            text = "" if echo_only else "".join(r.text)
+            lp = None
+            if want_lp:
+                lp, _ = completion_logprobs(text_of, [] if echo_only else r.logprobs, ids,
+                                            len(prompt_text[pi]) if body.echo else 0)
+                if body.echo:
+                    lp = merge_completion_logprobs(prompt_part(pi, plp), lp)
+            choices.append(CompletionChoice(
+                index=pi * keep + i, text=prompt_text[pi] + text if body.echo else text, logprobs=lp,
+                finish_reason="length" if echo_only else r.finish_reason,
+                token_ids=ids if want_ids else None, prompt_token_ids=prompt_ids[pi] if want_ids else None))
+    return CompletionResponse(id=new_id("cmpl"), created=created, model=model, choices=choices,
+                              usage=UsageInfo.of(n_prompt, n_generated))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses={**_sse_doc(ChatCompletionChunk), **_errors(400, 404, 413, 429, 500, 503)})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    """Chat completions: ``n`` choices (forks sharing the prompt's KV blocks); ``logprobs`` +
+    ``top_logprobs``; ``response_format`` json_object / json_schema enforced by a grammar."""
     arrival = time.monotonic()
     st = _checked_state(request, body)
+    schema = _check_engine_fields(st, body)
     prompt_ids = await _render_chat(st, body.messages)
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
@@ -350,33 +524,52 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         cfg = st.llm.config
         n = len(prompt_ids)
         max_tokens = max(1, min(cfg.max_model_len, cfg.kv_capacity_tokens) - n)
-    rid, stream = _admit(st, body, prompt_ids, max_tokens, arrival)
-    created, model, n_prompt = now_s(), st.model_name, len(prompt_ids)
+    fields: dict[str, Any] = {}
+    if body.logprobs:
+        fields["logprobs"] = body.top_logprobs or 0
+    if schema is not None:
+        fields["json_schema"] = schema
+    entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n, **fields)
+    rid, created, model, n_prompt = new_id("chatcmpl"), now_s(), st.model_name, len(prompt_ids)
+    want_ids = body.return_token_ids
+    text_of = TokenText(st.llm.tokenizer)
+    top_k = body.top_logprobs or 0
 
     if body.stream:
-        want_ids = body.return_token_ids
-
-        def chunk(d: RequestDelta) -> ChatCompletionChunk:
+        def chunk(index: int, d: RequestDelta) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-                delta=DeltaMessage(content=d.text), finish_reason=d.finish_reason if d.finished else None,
+                index=index, delta=DeltaMessage(content=d.text),
+                logprobs=chat_logprobs(text_of, d.logprobs or [], top_k) if body.logprobs else None,
+                finish_reason=d.finish_reason if d.finished else None,
                 token_ids=d.token_ids if want_ids else None)])
 
         def usage_chunk(u: UsageInfo) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u)
 
         first = [ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i, _, _ in entries],
             prompt_token_ids=prompt_ids if want_ids else None)]
         return StreamingResponse(
-            _sse_stream(stream, first, chunk, usage_chunk if body.include_usage else None, n_prompt,
-                        body.continuous_usage),
+            _sse_stream([(i, s) for i, _, s in entries], first, chunk,
+                        usage_chunk if body.include_usage else None, n_prompt, body.continuous_usage),
             media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
-    text, ids, last = await _collect(request, stream)
+    results = await _collect(request, [s for _, _, s in entries])
+    tool = body.named_tool()
+
+    def message(r: _Result) -> ChatMessageOut:
+        text = "".join(r.text)
+        if tool is None:
+            return ChatMessageOut(content=text)
+        return ChatMessageOut(content=None, tool_calls=[ToolCall(
+            id=new_id("call"), function=FunctionCall(name=tool["name"], arguments=text))])
+
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=[
-        ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason,
-                   token_ids=ids if body.return_token_ids else None)],
-        usage=UsageInfo.of(n_prompt, len(ids)), prompt_token_ids=prompt_ids if body.return_token_ids else None)
+        ChatChoice(index=i, message=message(r), finish_reason=r.finish_reason,
+                   logprobs=chat_logprobs(text_of, r.logprobs, top_k) if body.logprobs else None,
+                   token_ids=r.token_ids if want_ids else None) for i, r in enumerate(results)],
+        usage=UsageInfo.of(n_prompt, sum(len(r.token_ids) for r in results)),
+        prompt_token_ids=prompt_ids if want_ids else None)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 413, 503))

@@ -1,9 +1,12 @@
 """Pydantic models of the OpenAI-compatible HTTP API (requests, responses, errors).
 
 Request models are strict: an unknown field, or an OpenAI parameter this server does not
-implement (``n > 1``, ``best_of``, ``logit_bias``, ``logprobs``, presence/frequency penalties,
-``tools``, ``response_format`` other than text, ``echo``, ``suffix`` ...), is a 400 naming the
-parameter — never silently ignored. Field types are strict too (pydantic strict types): a
+implement (``suffix``, ``tools`` with entries, ``best_of`` with ``stream`` ...), is a 400 naming
+the parameter — never silently ignored. Implemented generation parameters: ``n`` (forks sharing
+the prompt's KV blocks), ``best_of`` (non-streamed), ``logprobs`` / ``top_logprobs``, ``echo``
+(also with ``max_tokens: 0``), batched ``prompt`` lists, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, vLLM's ``repetition_penalty``, chat
+``response_format`` ``json_object`` / ``json_schema`` (a grammar masks the tokens). Field types are strict too (pydantic strict types): a
 boolean is not an integer (``"prompt": [true]``, ``"max_tokens": true`` are 400), a string is
 not a boolean (``"stream": "yes"``), a number is not a string; JSON integers are accepted where
 a number is. OpenAI parameters that do not change generation (``user``, ``store``,
@@ -20,7 +23,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from goodput.worker.engine.sampling_params import SamplingParams
+from goodput.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -136,14 +139,15 @@ class _SamplingRequest(_NullMeansDefault):
     max_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    n: Int = 1
+    n: Int = Field(default=1, ge=1, le=128)
     stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: Int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
-    logit_bias: dict[str, Float] | None = None
+    presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    repetition_penalty: Float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM's; 1 = off
     # OpenAI parameters that do not change generation: type-checked, then ignored.
     user: Str | None = None  # an end-user id for abuse tracking
     store: Bool | None = None  # OpenAI stores completions for its dashboard; nothing is stored here
@@ -178,16 +182,19 @@ class _SamplingRequest(_NullMeansDefault):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for k, b in (v or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers as "
+                                 f"strings), got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {k}")
+        return v
+
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedParameter` for OpenAI features not implemented here."""
-        if self.n != 1:
-            raise UnsupportedParameter("n", f"n={self.n} is not supported: only n=1")
-        if self.presence_penalty:
-            raise UnsupportedParameter("presence_penalty", "presence_penalty is not supported (must be 0)")
-        if self.frequency_penalty:
-            raise UnsupportedParameter("frequency_penalty", "frequency_penalty is not supported (must be 0)")
-        if self.logit_bias:
-            raise UnsupportedParameter("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed with stream=true")
 
@@ -205,25 +212,34 @@ class _SamplingRequest(_NullMeansDefault):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, choice: int = 0, **engine_fields: Any) -> SamplingParams:
+        """The engine's parameters for choice number ``choice`` (of ``n``/``best_of``): a seeded
+        request's choice i uses seed + i (as vLLM does), so choices differ but each is
+        reproducible. ``engine_fields``: logprobs, prompt_logprobs, json_schema."""
         if self.min_tokens > max_tokens:
             raise UnsupportedParameter(
                 "min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}")
+        seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
             max_tokens=max_tokens, stop=self.stop_list,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens)
+            min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
+            **engine_fields)
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element list
-    of either (batches of prompts need n>1-style fan-out and are refused)."""
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of either
+    (a batch: one choice per prompt and per ``n``, ``index = prompt_index * n + i``).
+    ``max_tokens: 0`` is allowed with ``echo`` (the prompt's log-probabilities only)."""
 
     prompt: Text | list[Int] | list[Text] | list[list[Int]]
+    max_tokens: Int | None = Field(default=None, ge=0)
     echo: Bool = False
-    logprobs: Int | None = None
-    best_of: Int | None = None
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: Int | None = Field(default=None, ge=1, le=128)
     suffix: Str | None = None
 
     @field_validator("prompt", mode="before")
@@ -237,24 +253,28 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedParameter("echo")
-        if self.logprobs is not None:
-            raise UnsupportedParameter("logprobs")
-        if self.best_of not in (None, 1):
-            raise UnsupportedParameter("best_of", f"best_of={self.best_of} is not supported: only 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise UnsupportedParameter("best_of", f"best_of={self.best_of} must be >= n={self.n}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise UnsupportedParameter("best_of", "best_of > n cannot be streamed (as OpenAI)")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedParameter("max_tokens", "max_tokens=0 is only allowed with echo=true")
         if self.suffix:
             raise UnsupportedParameter("suffix")
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise UnsupportedParameter(
-                    "prompt", f"a batch of {len(self.prompt)} prompts is not supported: send one prompt")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise UnsupportedParameter("prompt", "the prompt list is empty")
 
-    def prompt_input(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts (one for a plain string or token-id list)."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            p = p[0]
-        return p
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices generated per prompt: best_of when given, else n."""
+        return self.best_of or self.n
 
 
 class TextPart(BaseModel):
@@ -277,9 +297,35 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: ``{name, description?, schema, strict?}``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Str
+    description: Str | None = None
+    schema_: dict[Str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """``text`` (default), ``json_object`` (any JSON object) or ``json_schema``; the last two are
+    enforced by a grammar over the tokens (llguidance)."""
+
+    model_config = ConfigDict(extra="forbid")
     type: Str
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema to enforce, as JSON text (None for ``text``)."""
+        import json
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise UnsupportedParameter("response_format", "response_format json_schema needs "
+                                                              "'json_schema': {name, schema}")
+            return json.dumps(self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -288,7 +334,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Tool calling: accepted only where it changes nothing (no tools, or the model told not to
     # call any): tools [] / functions [], tool_choice / function_call "none" (or "auto" with no
     # tools); parallel_tool_calls is ignored.
@@ -308,23 +354,44 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise UnsupportedParameter("logprobs")
-        if self.top_logprobs is not None:
-            raise UnsupportedParameter("top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs=true")
+        named = self.named_tool()
+        if named is not None and self.stream:
+            raise UnsupportedParameter("tool_choice", "a named tool_choice is answered only unstreamed")
         for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedParameter(name, f"{name} is not supported (no tool calling): send "
-                                                 f"an empty list or leave it out")
+            if getattr(self, name) and not (name == "tools" and named is not None):
+                raise UnsupportedParameter(name, f"{name} is not supported without a named tool_choice "
+                                                 f"(no automatic tool calling): send an empty list, leave "
+                                                 f"it out, or name the function in tool_choice")
         no_tools = not self.tools and not self.functions
         for name in ("tool_choice", "function_call"):
+            if name == "tool_choice" and named is not None:
+                continue
             choice = getattr(self, name)
             if choice is not None and choice != "none" and not (choice == "auto" and no_tools):
                 raise UnsupportedParameter(name, f"{name}={choice!r} is not supported (no tool calling): "
                                                  f"only 'none', or 'auto' without tools")
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.response_format is not None and \
+                self.response_format.type not in ("text", "json_object", "json_schema"):
             raise UnsupportedParameter(
-                "response_format", f"response_format type {self.response_format.type!r} is not supported")
+                "response_format", f"response_format type {self.response_format.type!r} is not supported "
+                                   "(text, json_object, json_schema)")
+
+    def named_tool(self) -> dict[str, Any] | None:
+        """The function named by ``tool_choice: {"type": "function", "function": {"name"}}``
+        (its entry in ``tools``: name, parameters schema), or None. The answer is a call of it,
+        its arguments generated under the parameters' JSON schema (the same grammar engine as
+        ``response_format``). UnsupportedParameter when the name is not among ``tools``."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict) or choice.get("type") != "function":
+            return None
+        name = (choice.get("function") or {}).get("name")
+        for tool in self.tools or ():
+            fn = tool.get("function") or {}
+            if tool.get("type") == "function" and fn.get("name") == name:
+                return fn
+        raise UnsupportedParameter("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -400,10 +467,43 @@ class UsageInfo(BaseModel):
 _OMIT_NONE = Field(default=None, exclude_if=lambda v: v is None)
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token of probability 0 is reported so (as vLLM)
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions ``logprobs``: per token its text, log-probability (null for the first
+    prompt token with echo), the top alternatives ``{text: logprob}`` and the character offset
+    of the token in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat ``logprobs``: ``content`` has one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
     prompt_token_ids: list[int] | None = _OMIT_NONE  # with return_token_ids (first chunk when streamed)
@@ -418,15 +518,27 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _OMIT_NONE  # a named tool_choice's call
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
@@ -449,7 +561,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
