@@ -8,9 +8,14 @@ the next free address from 10.244.0.0/24, and runs each container's command + ar
 ``ip netns exec`` and the container's env (values, Secret/ConfigMap keys and fieldRefs resolved as
 a kubelet would). It reports hostIP/podIP, phase Running, and Ready from the container's real HTTP
 readiness probe, so the Endpoints controller points Services at live processes. A container that
-exits is restarted with back-off. When a pod is deleted it stops the processes (SIGTERM, then SIGKILL
-after the pod's grace period, at most MAX_GRACE_S), removes the namespace and veth, and deletes the pod
-object.
+exits is restarted with back-off and reported as a kubelet does: state.waiting CrashLoopBackOff,
+restartCount, lastState.terminated with exitCode, reason and message. The message is the container's
+termination-message file (at most 4096 bytes) or, with ``terminationMessagePolicy:
+FallbackToLogsOnError`` and an error exit, the tail of its log (80 lines, 2048 bytes), as the kubelet
+reads them. Processes share the host's /dev, so instead of a file mounted at the container's
+terminationMessagePath each run gets its own file, named by GOODPUT_TERMINATION_MESSAGE_PATH.
+When a pod is deleted it stops the processes (SIGTERM, then SIGKILL after the pod's grace period, at
+most MAX_GRACE_S), removes the namespace and veth, and deletes the pod object.
 On SIGTERM/SIGINT it stops everything it started and removes the bridge.
 
 Pods that talk to the API server (the operator and autoscaler of the Helm chart) get what a kubelet
@@ -46,6 +51,10 @@ import httpx
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+# the kubelet's limits on a termination message (pkg/kubelet/kuberuntime: maxMsgSize, and
+# kubecontainer.MaxContainerTerminationMessageLogLines/Length for FallbackToLogsOnError)
+TERMINATION_MESSAGE_MAX_BYTES = 4096
+FALLBACK_LOG_LINES, FALLBACK_LOG_BYTES = 80, 2048
 BRIDGE = "gpe2e-br0"
 PREFIX = "gpe2e"
 HOST_IP = "10.244.0.1"
@@ -170,14 +179,25 @@ class Container:
         self.ready = False
         self.started = False
         self.last_exit: int | None = None
+        self.started_at = now()
+        self.last_terminated: dict[str, Any] | None = None  # lastState.terminated of the previous run
+        self._log_offset = 0
+
+    @property
+    def termination_log(self) -> Path:
+        return self.pod.kubelet.log_dir / f"{self.pod.namespace}_{self.pod.name}_{self.spec.name}.termination-log"
 
     def start(self, env: dict[str, str]) -> None:
         cmd = list(self.spec.command or []) + list(self.spec.args or [])
         if not cmd:
             raise RuntimeError(f"container {self.spec.name} has no command (images are not run here)")
+        self.termination_log.write_bytes(b"")  # each run starts with an empty termination message
+        env = {**env, "GOODPUT_TERMINATION_MESSAGE_PATH": str(self.termination_log)}
         logf = open(self.pod.log_path(self.spec.name), "ab")
         logf.write(f"--- {now()} start #{self.restarts}: {' '.join(cmd)}\n".encode())
         logf.flush()
+        self._log_offset = logf.tell()
+        self.started_at = now()
         mounts = self.pod.mounts_for(self.spec)
         if mounts:
             # `ip netns exec` gives the process a private (slave) mount namespace: bind mounts stay in it
@@ -188,6 +208,20 @@ class Container:
             ["ip", "netns", "exec", self.pod.net.netns, *cmd], env=env, stdout=logf, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=self.pod.workdir, start_new_session=True)
         logf.close()
+
+    def exited(self, rc: int) -> None:
+        """Record the run that just ended as lastState.terminated (exit code, reason, message)."""
+        code = rc if rc >= 0 else 128 - rc  # killed by signal N: 128 + N, as container runtimes report
+        message = self.termination_log.read_bytes()[:TERMINATION_MESSAGE_MAX_BYTES].decode(errors="replace")
+        if not message.strip() and code != 0 and self.spec.termination_message_policy == "FallbackToLogsOnError":
+            with open(self.pod.log_path(self.spec.name), "rb") as f:
+                f.seek(self._log_offset)
+                lines = f.read().decode(errors="replace").splitlines()[-FALLBACK_LOG_LINES:]
+            message = "\n".join(lines)[-FALLBACK_LOG_BYTES:]
+        self.last_terminated = {"exitCode": code, "reason": "Error" if code else "Completed",
+                                "startedAt": self.started_at, "finishedAt": now()}
+        if message:
+            self.last_terminated["message"] = message
 
     def stop(self, grace: float) -> None:
         p = self.proc
@@ -311,13 +345,17 @@ class PodRunner:
             st: dict[str, Any] = {"name": ct.spec.name, "image": ct.spec.image, "imageID": "local://" + ct.spec.image,
                                   "ready": ct.ready, "started": ct.started, "restartCount": ct.restarts}
             if running:
-                st["state"] = {"running": {"startedAt": self.started_at}}
+                st["state"] = {"running": {"startedAt": ct.started_at}}
+            elif ct.last_terminated is not None:
+                st["state"] = {"waiting": {"reason": "CrashLoopBackOff", "message": (
+                    f"back-off restarting failed container={ct.spec.name} pod={self.name}_{self.namespace}")}}
             else:
-                st["state"] = {"waiting": {"reason": "CrashLoopBackOff" if ct.restarts else "ContainerCreating",
-                                           "message": f"last exit code {ct.last_exit}"}}
+                st["state"] = {"waiting": {"reason": "ContainerCreating"}}
+            if ct.last_terminated is not None:
+                st["lastState"] = {"terminated": ct.last_terminated}
             statuses.append(st)
-        key = {"ready": all_ready, "statuses": [(s["ready"], s["started"], s["restartCount"], str(s["state"]))
-                                                for s in statuses]}
+        key = {"ready": all_ready, "statuses": [(s["ready"], s["started"], s["restartCount"], str(s["state"]),
+                                                 str(s.get("lastState"))) for s in statuses]}
         if key == self._last_status:
             return
         self._last_status = key
@@ -357,6 +395,7 @@ class PodRunner:
                     ct.ready = ct.started = False
                     if backoff_until[i] == 0.0:
                         backoff_until[i] = time.monotonic() + min(2 ** ct.restarts, 30)
+                        ct.exited(rc)
                         log.warning("container %s/%s/%s exited %s", self.namespace, self.name, ct.spec.name, rc)
                     elif time.monotonic() >= backoff_until[i]:
                         ct.restarts += 1

@@ -46,8 +46,9 @@ SPEC: dict[str, Any] = {
     "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
     "probes": {"startupTimeoutSeconds": 300, "periodSeconds": 1},
     "terminationGracePeriodSeconds": 30,  # the drain budget on a busy shared CPU
-    # generous latency SLOs on a shared 2-core CPU: replicas follow demand in flight (Little's law)
-    "slo": {"ttftMs": 3000, "tpotMs": 500, "attainmentTarget": 0.8},
+    # SLOs a shared, oversubscribed 2-core CPU always meets: the batch limit stays at 4 (no AIMD cut
+    # from TPOT misses), so replicas follow demand in flight alone (Little's law: 6 seqs -> 2 replicas)
+    "slo": {"ttftMs": 30000, "tpotMs": 5000, "attainmentTarget": 0.8},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
                     "stabilizationWindowSeconds": STABILIZATION_S},
 }

@@ -319,3 +319,16 @@ def test_missed_slos_scale_up_in_proportion_and_at_once():
     d = decide(0.0, Observation(pods, (StartingPod("s0", 9.0), StartingPod("s1", 9.0)), (), 5), spec,
                PolicyState(recommendations=[[-10.0, 3.0]]))
     assert (d.replicas, d.reason) == (5, "HoldStarting")
+
+
+def test_successive_scale_downs_are_a_model_load_apart():
+    # rec 2 from 3 (see test_scale_down_after_the_window...); the last scale-down was 30 s ago:
+    # undoing a wrong one would cost a 60 s model load, so wait; 70 s ago: go
+    obs = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
+    recent = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=-1)
+    assert decide(0.0, obs, SPEC, recent).reason == "HoldStabilizing"
+    older = PolicyState(since=-400.0, last_scale_time=-70.0, last_direction=-1)
+    assert decide(0.0, obs, SPEC, older).replicas == 2
+    # after a scale-UP 30 s ago nothing waits on this rule (the window already covers it)
+    up = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=1)
+    assert decide(0.0, obs, SPEC, up).replicas == 2

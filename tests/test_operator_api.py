@@ -65,6 +65,9 @@ PROBLEM_CASES = {
     "batched-tokens-below-block": ({"engine": {"maxNumBatchedTokens": 8, "blockSize": 16}},
                                    ["InvalidEngineConfig"]),
     "model-len-below-block": ({"engine": {"maxModelLen": 8}}, ["InvalidEngineConfig"]),
+    "model-len-at-context": ({"engine": {"maxModelLen": 8192}}, []),
+    "model-len-above-context": ({"engine": {"maxModelLen": 8193}}, ["InvalidEngineConfig"]),
+    "gguf-context-unknown-here": ({"model": {"name": "/m/x.gguf"}, "engine": {"maxModelLen": 100000}}, []),
     "bad-kv-size": ({"engine": {"kvCacheMemory": "lots"}}, ["InvalidEngineConfig"]),
     "zero-kv": ({"engine": {"kvCacheMemory": 0}}, ["InvalidEngineConfig"]),
     "triton-without-gpu": ({"engine": {"attentionBackend": "triton"}}, ["InvalidEngineConfig"]),
@@ -90,6 +93,29 @@ def test_semantic_problems(case):
 def test_problem_message_names_the_numbers():
     [p] = semantic_problems(InferenceServiceSpec.model_validate({"engine": {"maxNumBatchedTokens": 8}}))
     assert "maxNumBatchedTokens (8)" in p.message and "blockSize (16)" in p.message
+
+
+def test_bundled_model_context_is_the_gguf_context_length():
+    """The operator's table agrees with the bundled file's own metadata, read with the gguf library."""
+    import importlib.util
+    import os
+
+    gguf = pytest.importorskip("gguf")
+    from goodput.worker.model.gguf_loader import BUNDLED_MODELS
+
+    for name, (pkg, fname) in BUNDLED_MODELS.items():
+        spec = importlib.util.find_spec(pkg)
+        if spec is None:
+            pytest.skip(f"bundled model package {pkg} not installed")
+        reader = gguf.GGUFReader(os.path.join(list(spec.submodule_search_locations)[0], fname))
+        field = reader.fields["llama.context_length"]
+        assert api.BUNDLED_MODEL_CONTEXT[name] == int(field.parts[field.data[0]][0])
+    assert set(api.BUNDLED_MODEL_CONTEXT) == set(api.BUNDLED_MODELS) == set(BUNDLED_MODELS)
+
+
+def test_model_len_problem_names_the_numbers():
+    [p] = semantic_problems(InferenceServiceSpec.model_validate({"engine": {"maxModelLen": 9000}}))
+    assert p.message == "engine.maxModelLen (9000) exceeds the context length of model smollm2 (8192 tokens)"
 
 
 @pytest.mark.parametrize("name, ok", [("smollm2", True), ("a", True), ("llama-3-8b", True), ("9lives", False),

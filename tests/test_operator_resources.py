@@ -4,6 +4,7 @@ import base64
 import copy
 
 import pytest
+from kubernetes.utils import parse_quantity
 
 from goodput.operator import resources as r
 from goodput.operator.api import InferenceServiceSpec
@@ -100,6 +101,7 @@ def test_deployment_shape():
     [c] = tmpl["spec"]["containers"]
     assert c["command"] == ["goodput-worker"] and c["args"][:2] == ["serve", "--model"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     # startup: 300 s budget at 5 s period -> 60 failures allowed
@@ -168,6 +170,44 @@ def test_service_pdb_secret():
     assert r.service_url("tiny", "ns1") == "http://tiny.ns1.svc.cluster.local:8000"
 
 
+# hashes from `printf %s NAME | sha256sum | cut -c1-8`, lengths counted by hand
+A63 = "a" * 63
+B58 = "b" * 47 + "-" + "c" * 10
+CHILD_NAME_CASES = {
+    "short": ("tiny", "admin", "tiny-admin"),
+    "fits-exactly-63": ("x" * 57, "admin", "x" * 57 + "-admin"),
+    "63-chars": (A63, "admin", "a" * 48 + "-7d3e74a0-admin"),
+    "59-chars": ("svc-with-a-rather-long-name-for-the-admin-secret-test-12345", "admin",
+                 "svc-with-a-rather-long-name-for-the-admin-secret-c986fda8-admin"),
+    "cut-ends-in-dash": (B58, "admin", "b" * 47 + "-b212494e-admin"),
+}
+
+
+@pytest.mark.parametrize("case", CHILD_NAME_CASES)
+def test_child_name(case):
+    name, suffix, want = CHILD_NAME_CASES[case]
+    got = r.child_name(name, suffix)
+    assert got == want and len(got) <= 63
+
+
+def test_child_name_refuses_a_suffix_without_room():
+    with pytest.raises(ValueError, match="no room"):
+        r.child_name(A63, "s" * 53)
+
+
+def test_long_names_give_valid_labels_and_child_names():
+    """At 63 characters every label value is the owner's name and every child name fits a DNS label."""
+    spec = InferenceServiceSpec()
+    objs = r.children(A63, "ns1", "u", spec) + [r.admin_secret(A63, "ns1", "t")]
+    for o in objs:
+        assert len(o["metadata"]["name"]) <= 63
+        assert o["metadata"]["labels"][r.LABEL_ISVC] == A63
+        assert all(len(v) <= 63 for v in o["metadata"]["labels"].values())
+    assert objs[-1]["metadata"]["name"] == "a" * 48 + "-7d3e74a0-admin"
+    env = objs[0]["spec"]["template"]["spec"]["containers"][0]["env"][0]
+    assert env["valueFrom"]["secretKeyRef"]["name"] == objs[-1]["metadata"]["name"]
+
+
 def test_children_are_all_owned():
     kids = r.children("tiny", "ns1", "uid-9", InferenceServiceSpec(), "policy/v1beta1")
     assert [k["kind"] for k in kids] == ["Deployment", "Service", "PodDisruptionBudget"]
@@ -182,7 +222,8 @@ def _as_server_returns(obj):
     o["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
     if o["kind"] == "Deployment":
         c = o["spec"]["template"]["spec"]["containers"][0]
-        c.update(terminationMessagePath="/dev/termination-log", terminationMessagePolicy="File")
+        c.setdefault("terminationMessagePath", "/dev/termination-log")
+        c.setdefault("terminationMessagePolicy", "File")
         c["readinessProbe"]["httpGet"]["scheme"] = "HTTP"
         o["spec"]["template"]["spec"].update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="x")
         o["status"] = {"replicas": 1}
@@ -212,7 +253,7 @@ def test_needs_update(case):
     desired = _dep({"resources": {"cpu": "0.5"}})
     actual = _as_server_returns(desired)
     edit(actual)
-    assert r.needs_update(desired, actual) is want
+    assert r.needs_update(desired, actual, parse_quantity) is want
 
 
 def test_spec_change_needs_update_even_when_a_field_is_removed():
@@ -221,7 +262,7 @@ def test_spec_change_needs_update_even_when_a_field_is_removed():
     # the old object still has the nodeSelector: a subset test alone would call this up to date
     assert r.is_subset(without["spec"]["template"]["spec"],
                        _as_server_returns(with_sel)["spec"]["template"]["spec"])
-    assert r.needs_update(without, _as_server_returns(with_sel))
+    assert r.needs_update(without, _as_server_returns(with_sel), parse_quantity)
 
 
 def test_replacement_keeps_what_others_own():
@@ -236,14 +277,43 @@ def test_replacement_keeps_what_others_own():
         r.ANNOTATION_SPEC_HASH]
 
 
-@pytest.mark.parametrize("q, v", [("500m", "0.5"), ("1Gi", str(2**30)), ("2", "2"), ("1e3", "1000"), ("1k", "1000")])
-def test_parse_quantity(q, v):
-    from decimal import Decimal
-    assert r.parse_quantity(q) == Decimal(v)
+# (desired as the user spelled it, what kube-apiserver 1.20.2 stored for it in a Deployment's pod
+# template: `kubectl create --dry-run=server` of a Deployment with requests cpu and memory = desired)
+SERVER_SPELLINGS = [("0.5", "500m"), ("0.0001", "1m"), ("0.0000000001", "1m"), ("0.0005", "1m"),
+                    ("1.0001", "1001m"), ("1.5m", "2m"), ("0.1m", "1m"), ("1.5Gi", "1536Mi"), ("1000m", "1"),
+                    ("2", "2"), ("99999999999Ti", "9223372036854775807"),
+                    ("9999999999999999999", "9999999999999999999"), ("123456789.123456789", "123456789124m")]
 
 
-def test_parse_quantity_refuses_words():
-    assert r.parse_quantity("http") is None and r.parse_quantity("") is None
+@pytest.mark.parametrize("desired, stored", SERVER_SPELLINGS)
+def test_same_quantity_as_the_server_stores_it(desired, stored):
+    assert r.same_quantity(desired, stored, parse_quantity)
+
+
+@pytest.mark.parametrize("desired, other", [("0.0001", "100u"), ("100m", "101m"), ("1Gi", "1G"),
+                                            ("99999999999Ti", "99999999999Ti"), ("1", "http"),
+                                            ("9999999999999999999", "9223372036854775807")])
+def test_different_quantities_differ(desired, other):
+    assert not r.same_quantity(desired, other, parse_quantity)
+
+
+@pytest.mark.parametrize("cpu, memory", [(d, m) for (d, _), (m, _) in zip(SERVER_SPELLINGS, SERVER_SPELLINGS[::-1])])
+def test_no_update_whatever_the_quantity_spelling(cpu, memory):
+    stored = dict(SERVER_SPELLINGS)
+    desired = _dep({"resources": {"cpu": cpu, "memory": memory}})
+    actual = _as_server_returns(desired)
+    c = actual["spec"]["template"]["spec"]["containers"][0]["resources"]
+    c["requests"].update(cpu=stored[cpu], memory=stored[memory])
+    c["limits"]["memory"] = stored[memory]
+    assert not r.needs_update(desired, actual, parse_quantity)
+
+
+def test_quantities_compare_by_value_only_inside_requests_and_limits():
+    desired = _dep({"engine": {"maxNumSeqs": 500}})
+    actual = _as_server_returns(desired)
+    args = actual["spec"]["template"]["spec"]["containers"][0]["args"]
+    args[args.index("500")] = "0.5k"  # an argument is a string, not a quantity
+    assert r.needs_update(desired, actual, parse_quantity)
 
 
 # terminationGracePeriodSeconds: the drain budget (hand-computed: ceil((ttft + L * tpot) / 1000 ms) + 5 s)

@@ -106,3 +106,75 @@ def test_operator_status_never_carries_the_autoscalers_fields():
     current = {**new, "autoscaler": {"desiredReplicas": 2, "policyState": {"caps": {"p": 4}}},
                "admission": {"maxNumSeqs": 4, "maxWaiting": 2}}
     assert not status_changed(current, new)
+
+
+# ------------------------------------------------------------------ worker pods -> WorkerCrashLoop
+LOAD_ERROR = ("INFO loading /m/missing.gguf\n"
+              "goodput-worker: the model failed to load: model '/m/missing.gguf' is neither a bundled name "
+              "(smollm2) nor a GGUF file\n")
+LOAD_LINE = LOAD_ERROR.splitlines()[-1]
+
+
+def pod(name="w-1", ready=False, restarts=1, state=None, last=None, deleting=False, container="worker"):
+    """A worker pod's status as a kubelet reports it (fields of core/v1 ContainerStatus)."""
+    meta = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = T0
+    cs = {"name": container, "ready": ready, "restartCount": restarts, "state": state or {"running": {}}}
+    if last:
+        cs["lastState"] = last
+    return {"metadata": meta, "status": {"containerStatuses": [cs]}}
+
+
+BACKOFF = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s restarting failed container"}}
+CRASHED = {"terminated": {"exitCode": 1, "reason": "Error", "message": LOAD_ERROR}}
+OOM = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+WHERE = "(worker in pod w-1 exited with code 1 (Error))"
+
+POD_CASES = {
+    "serving": (pod(restarts=0, ready=True), None),
+    "loading-first-time": (pod(restarts=0), None),
+    "crash-loop-back-off": (pod(state=BACKOFF, last=CRASHED, restarts=3), ("WorkerCrashLoop", f"{LOAD_LINE} {WHERE}")),
+    "restarted-and-loading-again": (pod(last=CRASHED), ("WorkerCrashLoop", f"{LOAD_LINE} {WHERE}")),
+    "terminated-now": (pod(restarts=0, state=CRASHED), ("WorkerCrashLoop", f"{LOAD_LINE} {WHERE}")),
+    "oom-no-message": (pod(state=BACKOFF, last=OOM),
+                       ("WorkerCrashLoop", "worker in pod w-1 exited with code 137 (OOMKilled)")),
+    "ready-again-after-a-crash": (pod(ready=True, last=CRASHED), None),
+    "clean-exit-is-no-crash": (pod(state=BACKOFF, last={"terminated": {"exitCode": 0, "reason": "Completed"}}),
+                               None),
+    "being-deleted": (pod(state=BACKOFF, last=CRASHED, deleting=True), None),
+    "other-container": (pod(state=BACKOFF, last=CRASHED, container="sidecar"), None),
+    "missing-secret": (pod(restarts=0, state={"waiting": {"reason": "CreateContainerConfigError",
+                                                          "message": 'secret "x-admin" not found'}}),
+                       ("WorkerCannotStart",
+                        'secret "x-admin" not found (worker in pod w-1: CreateContainerConfigError)')),
+}
+
+
+@pytest.mark.parametrize("case", POD_CASES)
+def test_pod_failure(case):
+    from goodput.operator.status import pod_failure
+
+    p, want = POD_CASES[case]
+    got = pod_failure(p)
+    assert (None if got is None else (got.reason, got.message)) == want
+
+
+def test_worker_failure_reports_the_first_failing_pod_by_name():
+    from goodput.operator.status import worker_failure
+
+    pods = [pod("w-c", state=BACKOFF, last=OOM), pod("w-a", ready=True), pod("w-b", state=BACKOFF, last=CRASHED)]
+    assert worker_failure(pods).message.endswith("(worker in pod w-b exited with code 1 (Error))")
+    assert worker_failure([pod("w-a", ready=True)]) is None and worker_failure([]) is None
+
+
+def test_worker_problem_is_degraded_and_spec_problems_come_first():
+    crash = Problem(reason="WorkerCrashLoop", message="boom (worker in pod w-1 exited with code 1)")
+    kw = dict(name="a", namespace="b", generation=1, desired_replicas=1, deployment=dep(ready=0),
+              service_exists=True, now=T0)
+    st = compute_status(**kw, worker_problem=crash)
+    got = {c["type"]: (c["status"], c["reason"], c.get("message")) for c in st["conditions"]}
+    assert got["Degraded"] == ("True", "WorkerCrashLoop", crash.message)
+    assert got["Ready"][:2] == ("False", "NoReplicasReady")
+    st = compute_status(**kw, worker_problem=crash, problems=[BAD])
+    assert [c["reason"] for c in st["conditions"] if c["type"] == "Degraded"] == ["InvalidModel"]

@@ -110,10 +110,16 @@ def test_cli_exits_1_when_the_model_cannot_load(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    import os
+
     missing = tmp_path / "missing.gguf"
+    term = tmp_path / "termination-log"
     proc = subprocess.run(
         [sys.executable, "-m", "goodput.worker", "serve", "--model", str(missing),
          "--host", "127.0.0.1", "--port", str(port)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "GOODPUT_TERMINATION_MESSAGE_PATH": str(term)})
     assert proc.returncode == 1
     assert f"model '{missing}' is neither a bundled name" in proc.stderr
+    # the same last error line is the termination message Kubernetes shows for the container
+    assert term.read_text() == proc.stderr.strip().splitlines()[-1] + "\n"

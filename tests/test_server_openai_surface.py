@@ -198,6 +198,16 @@ def test_output_changing_tool_fields_stay_400(server_main, more, param):
     _error(r, 400, param)
 
 
+@pytest.mark.parametrize("field,value", [("reasoning_effort", "high"), ("modalities", ["text", "audio"]),
+                                         ("prediction", {"type": "content", "content": "x"}),
+                                         ("verbosity", "low"), ("web_search_options", {})])
+def test_output_changing_openai_fields_stay_400_naming_them(server_main, field, value):
+    """OpenAI parameters this server does not implement and that would change the answer."""
+    err = _error(post(server_main.url, "/v1/chat/completions",
+                      {"messages": CHAT, "max_tokens": 2, field: value}), 400, field)
+    assert field in err["message"]
+
+
 # ------------------------------------------------------------------ models, tokenize, detokenize
 
 def test_models_retrieve_with_the_openai_client(server_main):

@@ -64,6 +64,8 @@ How each rule follows from the ideas it rests on:
    lost state waits a window); it applies only when there were no 429s and no
    preemptions in the interval, attainment met the target, nothing is starting, and the
    remaining replicas carry L at no more than ``target_utilization`` of their capacity.
+   Successive scale-downs are at least ``model_load_s`` apart: undoing a wrong one costs a model
+   load, so the smaller fleet is watched that long before the next replica goes.
 
 8. Scale up on evidence. The scale-up target is the SMALLEST recommendation of the last
    ``scale_up_window_s`` (a spike shorter than the window moves nothing), except that a
@@ -214,7 +216,8 @@ class PolicySpec:
         doubling) / remove.
     target_utilization: fraction of a replica's batch capacity the sizing plans to fill.
     panic_ratio: a recommendation this many times the current replicas skips the scale-up window.
-    model_load_s: expected seconds from pod creation to ready (informational for messages).
+    model_load_s: expected seconds from pod creation to ready; also the least time between two
+        scale-downs (rule 7).
     min_num_seqs, max_num_seqs: bounds on the ``max_num_seqs`` limit set on replicas.
     min_waiting, max_waiting: bounds on the ``max_waiting`` limit set on replicas.
     queue_slack: how far past the TTFT-bound queue the limit loosens when nothing loads (rule 5).
@@ -551,7 +554,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         holds = (f.rejected_429 == 0 and f.preempted == 0
                  and (f.attainment is None or f.attainment >= spec.attainment_target)
                  and demand <= down_target * per_replica)
-        if down_target < current and holds and history_s >= spec.stabilization_window_s:
+        spaced = (st.last_direction >= 0 or st.last_scale_time is None
+                  or now - st.last_scale_time >= spec.model_load_s)
+        if down_target < current and holds and history_s >= spec.stabilization_window_s and spaced:
             replicas = max(down_target, current - spec.max_scale_down_step, spec.min_replicas)
             reason = "ScaleDownIdle" if demand == 0 else "ScaleDown"
         else:

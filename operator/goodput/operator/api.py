@@ -33,6 +33,8 @@ SHORT_NAMES = ["gisvc"]
 CATEGORIES = ["goodput"]
 
 BUNDLED_MODELS = ("smollm2",)
+# context length (GGUF ``llama.context_length``) of each bundled model: a longer maxModelLen is refused
+BUNDLED_MODEL_CONTEXT = {"smollm2": 8192}
 WORKER_PORT = 8000
 DEFAULT_IMAGE = "goodput/worker:0.1.0"
 
@@ -367,6 +369,11 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
     if e.max_model_len is not None and e.max_model_len < block_size:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             f"engine.maxModelLen ({e.max_model_len}) is smaller than engine.blockSize ({block_size})")))
+    context = BUNDLED_MODEL_CONTEXT.get(name)
+    if e.max_model_len is not None and context is not None and e.max_model_len > context:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"engine.maxModelLen ({e.max_model_len}) exceeds the context length of model {name} "
+            f"({context} tokens)")))
     if e.attention_backend == "triton" and spec.resources.gpu == 0:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             "engine.attentionBackend triton needs a GPU: set resources.gpu >= 1 or use auto/torch")))
@@ -385,12 +392,19 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
     return out
 
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# The name also names the Service (a DNS-1035 label) and is every child's label value (<= 63 chars);
+# the CRD schema restricts metadata.name to exactly this, so the API server refuses other names.
+NAME_MAX_LENGTH = 63
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_DNS1035 = re.compile(NAME_PATTERN)
 
 
 def name_problems(name: str) -> list[Problem]:
-    """The InferenceService name also names its Service, which must be a DNS-1035 label (<= 63 chars)."""
-    if len(name) > 63 or not _DNS1035.match(name):
+    """The InferenceService name also names its Service, which must be a DNS-1035 label (<= 63 chars).
+
+    The CRD refuses such names already; this covers objects stored under an older CRD.
+    """
+    if len(name) > NAME_MAX_LENGTH or not _DNS1035.match(name):
         return [Problem(reason="InvalidName", message=(
             f"name {name!r} must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter, "
             "at most 63 characters): it also names the Service"))]

@@ -120,7 +120,9 @@ def build_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # the only metadata a structural schema may restrict; see api.name_problems
+            "metadata": {"type": "object", "properties": {"name": {
+                "type": "string", "maxLength": api.NAME_MAX_LENGTH, "pattern": api.NAME_PATTERN}}},
             "spec": spec_schema,
             "status": status_schema,
         },

@@ -1,7 +1,7 @@
 """kopf handlers: the operator's only I/O. Start with ``python -m goodput.operator``.
 
 Level-triggered: every trigger (create, spec update, resume at operator start, a periodic resync, any
-event of a child Deployment) runs the same ``reconcile(namespace, name)``, which reads the
+event of a child Deployment, a worker pod starting or stopping to fail) runs the same ``reconcile(namespace, name)``, which reads the
 InferenceService, builds the desired children with the pure ``resources`` module, writes only what
 differs from the server's objects, and writes status only when ``status.compute_status`` changed it.
 A reconcile with nothing to do writes nothing.
@@ -17,11 +17,14 @@ for the synchronous handlers, default 16: reconciles mostly wait on the API serv
 
 from __future__ import annotations
 
+import collections
 import datetime
+import json
 import logging
 import os
 import secrets
 import threading
+import time
 from typing import Any
 
 import kopf
@@ -30,6 +33,7 @@ import pydantic
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
+from kubernetes.utils import parse_quantity
 
 from goodput.operator import api, resources, status as status_mod
 
@@ -55,7 +59,13 @@ class _Cluster:
                     kubernetes.config.load_incluster_config()
                 except kubernetes.config.ConfigException:
                     kubernetes.config.load_kube_config()
-                self._dyn = DynamicClient(kubernetes.client.ApiClient())
+                cfg = kubernetes.client.Configuration.get_default_copy()
+                # one pooled connection per handler thread (the default, 5 x CPUs, is 10 on 2 cores):
+                # a discarded connection costs a new TLS handshake on the next request
+                cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize, _workers() + 4)
+                client = kubernetes.client.ApiClient(cfg)
+                _count_requests(client)
+                self._dyn = DynamicClient(client)
                 try:
                     self._dyn.resources.get(api_version="policy/v1", kind="PodDisruptionBudget")
                 except ResourceNotFoundError:
@@ -70,12 +80,50 @@ class _Cluster:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
 
+# API requests the reconciles sent, by HTTP method (kopf's own watches not included): logged per resync
+_requests: collections.Counter[str] = collections.Counter()
+_requests_lock = threading.Lock()
+
+
+def _count_requests(client: kubernetes.client.ApiClient) -> None:
+    """Count every request ``client`` sends, by method, in ``_requests``."""
+    rest = client.rest_client
+    send = rest.request
+
+    def counted(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        with _requests_lock:
+            _requests[method] += 1
+        return send(method, url, *args, **kwargs)
+
+    rest.request = counted
+
+
+def requests_sent() -> collections.Counter[str]:
+    """A copy of the per-method count of API requests the reconciles sent so far."""
+    with _requests_lock:
+        return collections.Counter(_requests)
+
+
+def _workers() -> int:
+    return int(os.environ.get("GOODPUT_OPERATOR_WORKERS", "16"))
+
+
 cluster = _Cluster()
 _known: set[tuple[str, str]] = set()
 _known_lock = threading.Lock()
 # (namespace, name, uid) whose last full reconcile found or made every child
 _complete: set[tuple[str, str, str]] = set()
 _resync_stop = threading.Event()
+# worker pods' failures from the pod watch: (namespace, InferenceService name) -> {pod name: Problem}
+_pod_failures: dict[tuple[str, str], dict[str, api.Problem]] = {}
+_pods_lock = threading.Lock()
+
+
+def _worker_problem(namespace: str, name: str) -> api.Problem | None:
+    """The failure to report for this InferenceService's worker pods (first failing pod by name)."""
+    with _pods_lock:
+        failing = _pod_failures.get((namespace, name)) or {}
+        return failing[min(failing)] if failing else None
 
 
 def _now() -> str:
@@ -95,12 +143,39 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
 
 
+def api_message(e: ApiException) -> str:
+    """The API server's own message of a failed request (the Status body's ``message``), else its reason."""
+    try:
+        msg = json.loads(e.body or "").get("message")
+    except (ValueError, AttributeError):
+        msg = None
+    return str(msg or e.reason or f"HTTP {e.status}")
+
+
+def is_refusal(e: ApiException) -> bool:
+    """A 4xx that repeating the same request cannot fix (invalid, forbidden, ...): report, do not retry.
+
+    404 and 409 are handled where they occur; 429 (throttled) and 408 (timeout) are worth a retry.
+    """
+    return e.status is not None and 400 <= e.status < 500 and e.status not in (404, 408, 409, 429)
+
+
+class ChildRefused(Exception):
+    """The API server refused a child write with a 4xx; becomes Degraded (reason ChildRefused)."""
+
+    def __init__(self, kind: str, namespace: str, name: str, e: ApiException):
+        self.problem = api.Problem(reason="ChildRefused", message=(
+            f"the API server refused {kind} {namespace}/{name} ({e.status}): {api_message(e)}"))
+        super().__init__(self.problem.message)
+
+
 def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
             fresh: bool = False) -> tuple[dict[str, Any] | None, str]:
     """Create or update one child. Returns (object as on the server, action) — action is one of
     created, updated, unchanged, conflict (exists but owned by someone else; left alone).
 
     ``fresh``: the owner was never reconciled, so try the create first (one request, not two).
+    Raises ChildRefused for a 4xx answer to the write (see ``is_refusal``), ApiException otherwise.
     """
     kind, ns, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
     res = cluster.resource(desired["apiVersion"], kind)
@@ -109,6 +184,8 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
         try:
             obj = res.create(body=desired, namespace=ns).to_dict()
         except ApiException as e:
+            if is_refusal(e):
+                raise ChildRefused(kind, ns, name, e) from e
             if e.status != 409:
                 raise
             # it exists (a concurrent reconcile, or `fresh` guessed wrong): compare it below
@@ -120,15 +197,21 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
             return obj, "created"
     if not _owned_by(actual, uid):
         return actual, "conflict"
-    if not resources.needs_update(desired, actual):
+    if not resources.needs_update(desired, actual, parse_quantity):
         return actual, "unchanged"
-    obj = res.replace(body=resources.replacement(desired, actual), namespace=ns).to_dict()
+    try:
+        obj = res.replace(body=resources.replacement(desired, actual), namespace=ns).to_dict()
+    except ApiException as e:
+        if is_refusal(e):
+            raise ChildRefused(kind, ns, name, e) from e
+        raise
     logger.info("updated %s %s/%s", kind, ns, name)
     return obj, "updated"
 
 
 def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: logging.Logger,
                    fresh: bool = False) -> None:
+    """Create the admin-token Secret once. Raises ChildRefused for a 4xx answer (see ``is_refusal``)."""
     sname = resources.admin_secret_name(name)
     if not fresh and _get("v1", "Secret", namespace, sname) is not None:
         return  # created once; the token is never rotated behind running workers' backs
@@ -137,6 +220,8 @@ def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: log
         cluster.resource("v1", "Secret").create(body=body, namespace=namespace)
         logger.info("created Secret %s/%s", namespace, sname)
     except ApiException as e:
+        if is_refusal(e):
+            raise ChildRefused("Secret", namespace, sname, e) from e
         if e.status != 409:
             raise
 
@@ -149,7 +234,9 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
     matches the desired one (and the children were complete at the last full pass), only the status
     is refreshed from it: one GET instead of one per child, which matters in event storms.
     Returns the new status dict, or None when the object is gone or being deleted.
-    Raises ApiException for API errors other than 404/409 (kopf retries the handler).
+    A 4xx answer to a child write (invalid, forbidden) becomes Degraded (reason ChildRefused, the API
+    server's message) and a Warning Event; the other children are still written.
+    Raises ApiException for other API errors (5xx, throttling; kopf retries the handler).
     """
     logger = logger or log
     with cluster.lock_for(namespace, name):
@@ -174,16 +261,23 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             service_exists = _get("v1", "Service", namespace, name) is not None
         elif observed_deployment is not None and (namespace, name, uid) in _complete and not \
                 resources.needs_update(resources.deployment(name, namespace, spec, resources.owner_reference(
-                    name, uid)), observed_deployment):
+                    name, uid)), observed_deployment, parse_quantity):
             deployment, service_exists = observed_deployment, True
         else:
             assert spec is not None
             owner = resources.owner_reference(name, uid)
             fresh = not current  # no status yet: never reconciled, its children most likely do not exist
-            _ensure_secret(name, namespace, owner, logger, fresh)
             _complete.discard((namespace, name, uid))
+            try:
+                _ensure_secret(name, namespace, owner, logger, fresh)
+            except ChildRefused as e:
+                problems.append(e.problem)
             for desired in resources.children(name, namespace, uid, spec, cluster.pdb_api_version):
-                obj, action = _ensure(desired, uid, logger, fresh)
+                try:
+                    obj, action = _ensure(desired, uid, logger, fresh)
+                except ChildRefused as e:  # the next resync tries again; until then Degraded says why
+                    problems.append(e.problem)
+                    continue
                 if action == "conflict":
                     problems.append(api.Problem(reason="ChildConflict", message=(
                         f"{desired['kind']} {namespace}/{desired['metadata']['name']} exists and is not "
@@ -200,6 +294,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             name=name, namespace=namespace, generation=generation,
             desired_replicas=spec.replicas if spec else int((body.get("spec") or {}).get("replicas") or 0),
             deployment=deployment, service_exists=service_exists, problems=problems,
+            worker_problem=_worker_problem(namespace, name),
             previous_conditions=prev_conditions, now=_now())
         if status_mod.status_changed(current, new):
             cluster.resource(api.API_VERSION, api.KIND).status.patch(
@@ -265,7 +360,7 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=api.GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # only our own Warning events, not every handler log line
-    settings.execution.max_workers = int(os.environ.get("GOODPUT_OPERATOR_WORKERS", "16"))
+    settings.execution.max_workers = _workers()
     settings.watching.server_timeout = 300
     cluster.dyn()
     _resync_stop.clear()
@@ -301,16 +396,26 @@ def _resync_loop(stop: threading.Event) -> None:
     """Periodic drift repair: a child deleted or edited by hand comes back within RESYNC_SECONDS.
 
     A plain thread instead of ``kopf.timer``: kopf timers put a finalizer on every object, which would
-    block deleting InferenceServices whenever the operator is not running.
+    block deleting InferenceServices whenever the operator is not running. A pass is spread over half
+    the period (object i starts no earlier than i/n of it): its reads do not arrive as one burst
+    that delays the handling of new objects (measured with e2e/measure_latency.py).
     """
     while not stop.wait(RESYNC_SECONDS):
         with _known_lock:
             todo = sorted(_known)
-        for namespace, name in todo:
+        before, t0 = requests_sent(), time.monotonic()
+        step = RESYNC_SECONDS / 2 / max(1, len(todo))
+        for i, (namespace, name) in enumerate(todo):
+            if stop.wait(max(0.0, t0 + i * step - time.monotonic())):
+                return
             try:
                 reconcile(namespace, name)
             except Exception as e:  # noqa: BLE001 - keep resyncing the others
                 log.warning("resync of %s/%s failed: %s", namespace, name, e)
+        sent = requests_sent() - before
+        # the cost of drift repair, e.g. for e2e/measure_latency.py: a no-op pass only reads
+        log.info("resync of %d objects in %.2f s: %d API requests (%s)", len(todo), time.monotonic() - t0,
+                 sum(sent.values()), ", ".join(f"{m} {n}" for m, n in sorted(sent.items())) or "none")
 
 
 @kopf.on.cleanup()
@@ -331,3 +436,32 @@ def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logge
             except ApiException as e:
                 logger.warning("reconcile of %s/%s after a Deployment event failed: %s %s",
                                namespace, ref["name"], e.status, e.reason)
+
+
+@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY,
+                                          resources.LABEL_COMPONENT: "worker"})
+def on_worker_pod_event(type: str | None, body: kopf.Body, namespace: str, logger: logging.Logger,  # noqa: A002
+                        **_: Any) -> None:
+    """A worker pod changed: record whether it is failing (crash loop, cannot start) and, when that
+    changes what its InferenceService reports, reconcile it (WorkerCrashLoop within seconds of the
+    kubelet's report, not at the Deployment's progress deadline)."""
+    pod = _plain(body)
+    owner = (pod["metadata"].get("labels") or {}).get(resources.LABEL_ISVC)
+    if not owner:
+        return
+    problem = None if type == "DELETED" else status_mod.pod_failure(pod)
+    key, pname = (namespace, owner), pod["metadata"]["name"]
+    before = _worker_problem(*key)
+    with _pods_lock:
+        failing = _pod_failures.setdefault(key, {})
+        if problem is None:
+            failing.pop(pname, None)
+            if not failing:
+                del _pod_failures[key]
+        else:
+            failing[pname] = problem
+    if _worker_problem(*key) != before:
+        try:
+            reconcile(namespace, owner, logger)
+        except ApiException as e:
+            logger.warning("reconcile of %s/%s after a pod event failed: %s %s", namespace, owner, e.status, e.reason)

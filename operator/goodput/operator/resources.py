@@ -3,9 +3,11 @@ admin-token Secret) as plain dicts, plus the comparison that decides whether a c
 
 No kopf, no kubernetes client here (import-linter contract): ``handlers`` does the I/O.
 
-Naming (``name`` = the InferenceService's name; all in its namespace):
-  Deployment ``name``, Service ``name`` (port ``http`` 8000), PodDisruptionBudget ``name``,
-  Secret ``name-admin`` (key ``token``; created once, never rewritten).
+Naming (``name`` = the InferenceService's name, a DNS-1035 label of at most 63 characters that the
+CRD enforces; all in its namespace): Deployment ``name``, Service ``name`` (port ``http`` 8000),
+PodDisruptionBudget ``name``, Secret ``child_name(name, "admin")`` = ``name-admin`` while that fits in
+63 characters (key ``token``; created once, never rewritten). Every label value the operator sets is
+the InferenceService's own name, never a child's, so every accepted name fits a label value.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import copy
 import hashlib
 import json
 import math
-import re
-from decimal import Decimal, InvalidOperation
+from collections.abc import Callable
+from decimal import ROUND_UP, Decimal, localcontext
 from typing import Any
 
 from goodput.operator import api
@@ -33,8 +35,31 @@ CONTAINER_NAME = "worker"
 MODEL_VOLUME_NAME = "model"
 
 
+DNS_LABEL_MAX = 63  # RFC 1123 label; also the limit of a label value
+
+
+def child_name(name: str, suffix: str, limit: int = DNS_LABEL_MAX) -> str:
+    """The name of a child of InferenceService ``name``: ``"<name>-<suffix>"`` when it fits in ``limit``
+    characters, else ``name`` cut short + ``-`` + 8 hex digits of SHA-256(``name``) + ``-<suffix>``,
+    exactly ``limit`` long.
+
+    Stable (a pure function of its arguments) and distinct for names that share the kept prefix. Kept
+    within 63 characters so a child name is also a valid DNS label and label value. A cut that ends
+    in ``-`` loses that ``-`` (one character shorter). Raises ValueError when ``suffix`` leaves no room.
+    """
+    full = f"{name}-{suffix}"
+    if len(full) <= limit:
+        return full
+    keep = limit - len(suffix) - 10  # "-" + 8 hex + "-"
+    if keep < 1:
+        raise ValueError(f"suffix {suffix!r} leaves no room for a name within {limit} characters")
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:keep].rstrip('-')}-{digest}-{suffix}"
+
+
 def admin_secret_name(name: str) -> str:
-    return f"{name}-admin"
+    """The admin-token Secret of InferenceService ``name`` (``name-admin``, shortened past 63 chars)."""
+    return child_name(name, "admin")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -111,7 +136,7 @@ def _http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str
 
 # Context length assumed for the drain budget when engine.maxModelLen is unset: the bundled
 # SmolLM2's (8k). A GGUF with a longer context should set maxModelLen or the grace period itself.
-DEFAULT_CONTEXT_TOKENS = 8192
+DEFAULT_CONTEXT_TOKENS = api.BUNDLED_MODEL_CONTEXT["smollm2"]
 DRAIN_MARGIN_SECONDS = 5
 
 
@@ -137,6 +162,8 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         "command": ["goodput-worker"],
         "args": worker_args(spec),
         "ports": [{"name": "http", "containerPort": api.WORKER_PORT, "protocol": "TCP"}],
+        # the worker writes its fatal start-up error there; the log tail when it could not
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": [
             {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
@@ -197,8 +224,9 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     return template
 
 
-def _meta(name: str, namespace: str, owner: dict[str, Any] | None) -> dict[str, Any]:
-    m: dict[str, Any] = {"name": name, "namespace": namespace, "labels": common_labels(name)}
+def _meta(name: str, namespace: str, owner: dict[str, Any] | None, child: str | None = None) -> dict[str, Any]:
+    """Metadata of a child named ``child`` (default: ``name``); its labels carry the owner's ``name``."""
+    m: dict[str, Any] = {"name": child or name, "namespace": namespace, "labels": common_labels(name)}
     if owner:
         m["ownerReferences"] = [owner]
     return m
@@ -269,63 +297,82 @@ def admin_secret(name: str, namespace: str, token: str,
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(admin_secret_name(name), namespace, owner),
+        "metadata": _meta(name, namespace, owner, child=admin_secret_name(name)),
         "type": "Opaque",
         "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
 # ------------------------------------------------------------------------------------ comparison
-_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_QUANTITY_SUFFIX = {
-    None: 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}
+QuantityParser = Callable[[str], Decimal]
+_MILLI = Decimal("0.001")
+_QUANTITY_MAX = Decimal(2**63 - 1)
+_BINARY_SUFFIXES = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 
 
-def parse_quantity(q: str) -> Decimal | None:
-    """A Kubernetes resource quantity as a Decimal, or None when ``q`` is not one."""
-    m = _QUANTITY_RE.match(q)
-    if not m:
-        return None
+def as_stored(value: Decimal, binary: bool = False) -> Decimal:
+    """The value the API server stores in a pod's ``resources`` for a quantity of exact ``value``.
+
+    Two rules of Kubernetes (checked against kube-apiserver 1.20, see tests/test_operator_resources.py):
+    ParseQuantity (k8s.io/apimachinery/pkg/api/resource/quantity.go) caps a binary-suffixed (``binary``:
+    Ki..Ei) quantity above 2^63-1 at 2^63-1, and SetDefaults_ResourceList (pkg/apis/core/v1/defaults.go)
+    rounds every non-zero value up, away from zero, to whole milli-units. So "0.0001" is stored as "1m",
+    "1.5m" as "2m" and "99999999999Ti" as "9223372036854775807"; a plain "99999999999999999999" stays.
+    """
+    if value == 0:
+        return value
+    if binary and abs(value) > _QUANTITY_MAX:
+        value = _QUANTITY_MAX.copy_sign(value)
+    with localcontext() as ctx:
+        ctx.prec = max(ctx.prec, len(value.as_tuple().digits) + 6)  # exact: no rounding but ours
+        return value.quantize(_MILLI, rounding=ROUND_UP)
+
+
+def same_quantity(desired: str, actual: str, parse_quantity: QuantityParser) -> bool:
+    """Whether the server's ``actual`` quantity is what it stores for our ``desired`` one, by value.
+
+    ``parse_quantity``: a Kubernetes quantity parser (``kubernetes.utils.parse_quantity``: str ->
+    Decimal, ValueError for a non-quantity); injected so this module stays free of the client.
+    """
     try:
-        num = Decimal(m.group(1))
-    except InvalidOperation:
-        return None
-    suffix = m.group(2)
-    if suffix and suffix[0] in "eE":
-        return num * (Decimal(10) ** int(suffix[1:]))
-    return num * Decimal(_QUANTITY_SUFFIX[suffix])
+        return as_stored(parse_quantity(desired), desired.endswith(_BINARY_SUFFIXES)) == parse_quantity(actual)
+    except (ValueError, ArithmeticError):
+        return False
 
 
-def is_subset(desired: Any, actual: Any) -> bool:
+def is_subset(desired: Any, actual: Any, parse_quantity: QuantityParser | None = None,
+              quantities: bool = False) -> bool:
     """True when every field set in ``desired`` has the same value in ``actual``.
 
     Fields only in ``actual`` (server defaults such as ``terminationMessagePath``) are ignored; lists
-    must have the same length and match element-wise; strings equal as quantities ("0.5" vs "500m",
-    the API server's canonical form) count as equal.
+    must have the same length and match element-wise. Inside ``requests`` and ``limits`` strings
+    are resource quantities and compare by value as the server stores them (``same_quantity``;
+    "0.5" equals the server's canonical "500m") when ``parse_quantity`` is given.
     """
     if isinstance(desired, dict):
         if not isinstance(actual, dict):
             return False
-        return all(k in actual and is_subset(v, actual[k]) for k, v in desired.items())
+        return all(k in actual and is_subset(v, actual[k], parse_quantity,
+                                             quantities or k in ("requests", "limits"))
+                   for k, v in desired.items())
     if isinstance(desired, list):
         if not isinstance(actual, list) or len(desired) != len(actual):
             return False
-        return all(is_subset(d, a) for d, a in zip(desired, actual))
+        return all(is_subset(d, a, parse_quantity, quantities) for d, a in zip(desired, actual))
     if desired == actual:
         return True
-    if isinstance(desired, str) and isinstance(actual, str):
-        a, b = parse_quantity(desired), parse_quantity(actual)
-        return a is not None and a == b
+    if quantities and parse_quantity is not None and isinstance(desired, str) and isinstance(actual, str):
+        return same_quantity(desired, actual, parse_quantity)
     return False
 
 
-def needs_update(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
+def needs_update(desired: dict[str, Any], actual: dict[str, Any], parse_quantity: QuantityParser) -> bool:
     """Whether ``actual`` (as read from the server) differs from ``desired`` in anything we own.
 
     A changed spec-hash annotation catches removed fields (which ``is_subset`` cannot see); the
-    subset test catches hand edits and scaling of the child itself.
+    subset test catches hand edits and scaling of the child itself. Resource quantities compare by
+    value (``same_quantity`` with ``parse_quantity``), so the server's normalized spelling of a
+    quantity is no difference: a no-op reconcile writes nothing.
     """
     want = desired.get("metadata", {}).get("annotations", {}).get(ANNOTATION_SPEC_HASH)
     have = (actual.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
@@ -334,7 +381,7 @@ def needs_update(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
     ours = {k: v for k, v in desired.items() if k != "metadata"}
     meta = {k: desired["metadata"][k] for k in ("labels", "annotations", "ownerReferences")
             if k in desired["metadata"]}
-    return not is_subset({**ours, "metadata": meta}, actual)
+    return not is_subset({**ours, "metadata": meta}, actual, parse_quantity)
 
 
 def replacement(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, Any]:

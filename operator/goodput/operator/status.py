@@ -11,9 +11,11 @@ observedGeneration; lastTransitionTime changes only when status flips):
   Progressing  True while the Deployment is rolling out or scaling (RollingOut, ScalingDown,
                WaitingForReplicas, Creating); False when done (Complete) or stuck (ProgressDeadlineExceeded,
                or the spec's own problem reason).
-  Degraded     True for a spec the operator will not roll out (reason from api.semantic_problems), a
-               stuck rollout (ProgressDeadlineExceeded) or failing pod creation (ReplicaFailure);
-               False (AsExpected) otherwise.
+  Degraded     True for a spec the operator will not roll out (reason from api.semantic_problems, or
+               ChildRefused when the API server refused a child), a worker that crashed and has not been
+               ready since (WorkerCrashLoop, message: the worker's last error line) or cannot start
+               (WorkerCannotStart), a stuck rollout (ProgressDeadlineExceeded) or failing pod creation
+               (ReplicaFailure); False (AsExpected) otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +32,61 @@ def find_condition(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str
     for c in conditions or ():
         if c.get("type") == ctype:
             return c
+    return None
+
+
+# container waiting reasons (kubelet) after which the container will not start without a change
+_CANNOT_START = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull", "ImagePullBackOff",
+                 "InvalidImageName", "RunContainerError")
+
+
+def _last_line(text: str | None) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1][:1024] if lines else ""
+
+
+def pod_failure(pod: dict[str, Any]) -> Problem | None:
+    """Why one worker pod (core/v1 Pod as a dict) is failing, or None when it is not.
+
+    The worker container (``resources.CONTAINER_NAME``) fails when it is not ready and either its
+    current or (after a restart) last termination has a non-zero exit code (WorkerCrashLoop), or it
+    waits for a reason that needs a change to clear, such as a missing Secret or image (WorkerCannotStart).
+    A crash is reported until the container is ready again: a restarted worker loading its model is
+    still the crash-looping one. The message is the last line of the termination message (the
+    worker's own last error line; with ``FallbackToLogsOnError`` the kubelet puts the log tail there),
+    then the pod, exit code and kubelet reason; a pod being deleted is never failing.
+    """
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") != resources.CONTAINER_NAME or cs.get("ready"):
+            continue
+        state, last = cs.get("state") or {}, cs.get("lastState") or {}
+        term = state.get("terminated") or (last.get("terminated") if cs.get("restartCount") else None)
+        if term and term.get("exitCode"):
+            line = _last_line(term.get("message"))
+            where = f"worker in pod {meta.get('name')} exited with code {term['exitCode']}"
+            if term.get("reason"):
+                where += f" ({term['reason']})"
+            return Problem(reason="WorkerCrashLoop", message=f"{line} ({where})" if line else where)
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") in _CANNOT_START:
+            return Problem(reason="WorkerCannotStart", message=(
+                f"{waiting.get('message') or waiting['reason']} (worker in pod {meta.get('name')}: "
+                f"{waiting['reason']})"))
+    return None
+
+
+def worker_failure(pods: Sequence[dict[str, Any]]) -> Problem | None:
+    """The failure to report for a set of worker pods: that of the first failing pod by name, or None.
+
+    Choosing by name keeps the message (and so the Event) stable while several replicas fail alike.
+    """
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name") or ""):
+        problem = pod_failure(pod)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -56,13 +113,15 @@ def compute_status(
     deployment: dict[str, Any] | None,
     service_exists: bool,
     problems: Sequence[Problem] = (),
+    worker_problem: Problem | None = None,
     previous_conditions: Sequence[dict[str, Any]] = (),
     now: str,
 ) -> dict[str, Any]:
     """The operator-owned status fields (camelCase) for one InferenceService.
 
     ``deployment`` is the apps/v1 Deployment as a dict (or None when it does not exist);
-    ``now`` is an RFC 3339 timestamp used for conditions whose status changes.
+    ``now`` is an RFC 3339 timestamp used for conditions whose status changes. ``problems`` are the
+    spec's (not rolled out); ``worker_problem`` is ``worker_failure`` of the running pods.
     Returns observedGeneration, conditions, replicas, readyReplicas, updatedReplicas, selector, url.
     Fields owned by others (admission, autoscaler) are not returned.
     """
@@ -83,6 +142,8 @@ def compute_status(
     if problems:
         degraded = _make("Degraded", True, problems[0].reason, "; ".join(p.message for p in problems),
                          generation, prev, now)
+    elif worker_problem is not None:
+        degraded = _make("Degraded", True, worker_problem.reason, worker_problem.message, generation, prev, now)
     elif stuck:
         degraded = _make("Degraded", True, "ProgressDeadlineExceeded",
                          (dprog or {}).get("message") or "rollout exceeded its progress deadline",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -64,6 +65,31 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{s.name: getattr(ns, s.name) for s in settings(EngineArgs)})
 
 
+# Kubernetes mounts a file at the container's terminationMessagePath (default /dev/termination-log) and
+# shows its content as the container's last termination message; this variable overrides the path
+# (for runtimes without that mount, such as the e2e test kubelet).
+TERMINATION_MESSAGE_ENV = "GOODPUT_TERMINATION_MESSAGE_PATH"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_MESSAGE_MAX_BYTES = 4096  # what the kubelet reads of it
+
+
+def write_termination_message(message: str) -> None:
+    """Write a fatal error line where Kubernetes reads a container's termination message.
+
+    The path is ``$GOODPUT_TERMINATION_MESSAGE_PATH``, else ``/dev/termination-log`` when it exists
+    (never created outside a container). Best effort: an unwritable path is ignored.
+    """
+    path = os.environ.get(TERMINATION_MESSAGE_ENV) or (
+        DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None)
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(message.encode("utf-8")[-TERMINATION_MESSAGE_MAX_BYTES:].decode("utf-8", "ignore"))
+    except OSError:
+        pass
+
+
 def _draining_server_class():
     """``uvicorn.Server`` whose first SIGTERM drains instead of stopping (see server/app.py).
 
@@ -94,6 +120,15 @@ def _draining_server_class():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``goodput-worker``; a fatal start-up error is also written as the termination message."""
+    try:
+        return _main(argv)
+    except Exception as exc:
+        write_termination_message(f"goodput-worker: {type(exc).__name__}: {exc}\n")
+        raise
+
+
+def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     level = getattr(logging, ns.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -118,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     error = app.state.server.load_error
     if error is not None:
-        print(f"goodput-worker: the model failed to load: {error}", file=sys.stderr)
+        line = f"goodput-worker: the model failed to load: {error}"
+        print(line, file=sys.stderr)
+        write_termination_message(line + "\n")
         return 1
     return 0
 
