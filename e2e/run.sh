@@ -5,7 +5,7 @@
 #   `pytest e2e` (the operator is started by the suite's fixtures), and ALWAYS runs `cluster.sh down`
 #   (stops everything, removes the network namespaces, veths and bridge named gpe2e-* and the
 #   Service-CIDR blackhole route).
-# Usage: bash e2e/run.sh [pytest args]      Env: GOODPUT_E2E_LOGS (keep logs there), K8S_HOME
+# Usage: bash e2e/run.sh [pytest args | e2e/test_file.py ...]      Env: GOODPUT_E2E_LOGS (keep logs there), K8S_HOME
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -23,4 +23,7 @@ cleanup() {
 trap cleanup EXIT
 bash e2e/cluster.sh down >/dev/null 2>&1 || true   # left over by an interrupted run
 eval "$(bash e2e/cluster.sh up)"
-python -m pytest -q -p no:cacheprovider e2e "$@"
+# `run.sh e2e/test_x.py ...` runs those files only; otherwise the whole suite (pytest args like -k, -x apply)
+targets=(e2e)
+for a in "$@"; do case "$a" in e2e/*) targets=() ;; esac; done
+python -m pytest -q -p no:cacheprovider "${targets[@]}" "$@"

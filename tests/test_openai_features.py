@@ -239,3 +239,15 @@ def test_streamed_logprobs_and_echo_add_up_to_the_unstreamed_answer(client):
         assert p["text"] == c.text and p["tokens"] == c.logprobs.tokens
         assert p["lps"] == pytest.approx(c.logprobs.token_logprobs)
         assert p["offsets"] == c.logprobs.text_offset
+
+
+def test_vllm_structured_outputs_json_on_completions(client, server_main):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    for extra in ({"structured_outputs": {"json": schema}}, {"guided_json": json.dumps(schema)}):
+        r = client.completions.create(model="smollm2", prompt="Is Paris in France? Reply in JSON:",
+                                      max_tokens=30, temperature=0, extra_body=extra)
+        assert json.loads(r.choices[0].text)["answer"] in ("yes", "no")
+    r = httpx.post(server_main.url + "/v1/completions", timeout=TIMEOUT, json={
+        "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": {"type": "no-such"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"

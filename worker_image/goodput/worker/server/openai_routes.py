@@ -397,19 +397,27 @@ def _check_engine_fields(st, body: CompletionRequest | ChatCompletionRequest) ->
                                          f"[0, {vocab})", param="logit_bias"))
     fmt = getattr(body, "response_format", None)
     tool = body.named_tool() if isinstance(body, ChatCompletionRequest) else None
-    if fmt is None and tool is None:
+    guided = body.guided_schema()
+    if sum(x is not None for x in (fmt, tool, guided)) > 1:
+        raise _invalid(st, APIError(400, "give one of response_format, a named tool_choice and "
+                                         "structured_outputs/guided_json", param="response_format"))
+    if fmt is None and tool is None and guided is None:
         return None
     try:
         if tool is not None:
             import json
             schema = json.dumps(tool.get("parameters") or {"type": "object"})
+        elif guided is not None:
+            schema = guided
         else:
             schema = fmt.schema_text()
         if schema is not None:
             from goodput.worker.model.structured import schema_grammar
             schema_grammar(schema)
     except ValueError as e:
-        raise _invalid(st, APIError(400, f"response_format: {e}", param="response_format"))
+        where = "tool_choice" if tool is not None else "structured_outputs" if guided is not None \
+            else "response_format"
+        raise _invalid(st, APIError(400, f"{where}: {e}", param=where))
     return schema
 
 
@@ -423,7 +431,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     cumulative log-probability."""
     arrival = time.monotonic()
     st = _checked_state(request, body)
-    _check_engine_fields(st, body)
+    schema = _check_engine_fields(st, body)
     prompts = body.prompts()
     prompt_ids = [await _encode(st, p) if isinstance(p, str) else list(p) for p in prompts]
     tok = st.llm.tokenizer
@@ -436,6 +444,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         fields["logprobs"] = body.logprobs or 0  # best_of ranks by cumulative logprob
     if body.echo and body.logprobs is not None:
         fields["prompt_logprobs"] = body.logprobs
+    if schema is not None:
+        fields["json_schema"] = schema
     entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, **fields)
     created, model = now_s(), st.model_name
     n_prompt = sum(len(p) for p in prompt_ids)

@@ -130,6 +130,13 @@ class StreamOptions(_NullMeansDefault):
     include_obfuscation: Bool | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``; only ``json`` (a JSON schema, as an object or JSON text)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[Str, Any] | Str = Field(alias="json")
+
+
 class _SamplingRequest(_NullMeansDefault):
     """Fields shared by completions and chat completions."""
 
@@ -148,6 +155,9 @@ class _SamplingRequest(_NullMeansDefault):
     frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     repetition_penalty: Float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM's; 1 = off
+    # vLLM's structured output: {"json": <schema>} (its older spelling: guided_json)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[Str, Any] | Str | None = None
     # OpenAI parameters that do not change generation: type-checked, then ignored.
     user: Str | None = None  # an end-user id for abuse tracking
     store: Bool | None = None  # OpenAI stores completions for its dashboard; nothing is stored here
@@ -195,6 +205,8 @@ class _SamplingRequest(_NullMeansDefault):
 
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedParameter` for OpenAI features not implemented here."""
+        if self.structured_outputs is not None and self.guided_json is not None:
+            raise UnsupportedParameter("guided_json", "give structured_outputs or guided_json, not both")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed with stream=true")
 
@@ -211,6 +223,14 @@ class _SamplingRequest(_NullMeansDefault):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def guided_schema(self) -> str | None:
+        """The JSON schema of vLLM's ``structured_outputs.json`` / ``guided_json``, as JSON text."""
+        import json
+        spec = self.structured_outputs.json_ if self.structured_outputs is not None else self.guided_json
+        if spec is None:
+            return None
+        return spec if isinstance(spec, str) else json.dumps(spec)
 
     def to_sampling_params(self, max_tokens: int, choice: int = 0, **engine_fields: Any) -> SamplingParams:
         """The engine's parameters for choice number ``choice`` (of ``n``/``best_of``): a seeded
