@@ -173,9 +173,10 @@ def test_unpaired_surrogate_is_a_400_not_a_500(server_main, path, raw):
 # --------------------------------------------------- finding 4: a huge prompt blocks everyone
 
 def test_huge_prompt_does_not_stall_the_event_loop(server_main):
-    """While one client's ~3.6 MB prompt is being handled, ``/health`` must keep answering. The
-    check is a ratio (machine-independent): the worst /health latency seen during the big request
-    against the big request's own duration; a blocked loop makes them nearly equal."""
+    """While one client's ~3.6 MB prompt is being handled, ``/health`` keeps answering 200 and the
+    prompt is refused with 400 (it can never fit). No wall-clock threshold: the server refuses a
+    prompt longer than max_model_len by its byte count before tokenizing, so there is no long
+    blocking step left to time; every /health probe sent meanwhile must succeed."""
     url = server_main.url
     big = {"prompt": "hello world " * 300_000, "max_tokens": 1}
     box: dict = {}
@@ -186,7 +187,7 @@ def test_huge_prompt_does_not_stall_the_event_loop(server_main):
         box["dt"] = time.monotonic() - t0
 
     worker = threading.Thread(target=send_big)
-    worst = 0.0
+    worst, probes = 0.0, 0
     with httpx.Client(timeout=TIMEOUT) as c:
         c.get(url + "/health")  # connection warm before the big request starts
         worker.start()
@@ -194,10 +195,13 @@ def test_huge_prompt_does_not_stall_the_event_loop(server_main):
             t0 = time.monotonic()
             assert c.get(url + "/health").status_code == 200
             worst = max(worst, time.monotonic() - t0)
+            probes += 1
             time.sleep(0.05)
     worker.join()
     _assert_openai_error(box["r"], 400)  # 600k tokens can never fit max_model_len 512
-    assert worst < 0.5 * box["dt"], f"/health stalled {worst:.2f}s of a {box['dt']:.2f}s request"
+    # the worker still serves after the refusal (nothing stuck, nothing leaked)
+    assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+    print(f"{probes} /health probes during the big request, worst {worst:.3f}s of {box['dt']:.3f}s")
 
 
 # -------------------------------------- finding 5: chat without max_tokens on a small KV pool
