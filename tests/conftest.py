@@ -23,6 +23,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# Triton reads TRITON_INTERPRET once, when it is first imported, and some modules import it early
+# (llguidance.torch does, through goodput.worker.model.structured). Without a GPU every Triton kernel
+# in the test process must run in the interpreter, so set it before any test module is imported.
+if os.environ.get("GOODPUT_TEST_DEVICE", "cpu") == "cpu":
+    try:
+        import torch as _torch
+        _cuda = _torch.cuda.is_available()
+    except ImportError:
+        _cuda = False
+    if not _cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
