@@ -2,7 +2,7 @@
 
     eval "$(bash e2e/cluster.sh env)"     # a running cluster (bash e2e/cluster.sh start)
     python e2e/measure_latency.py [--count 50] [--interval 0]
-    python e2e/measure_latency.py --preload 200 --count 60 --interval 1 --resync-passes 2   # issue 10
+    python e2e/measure_latency.py --preload 200 --count 60 --interval 1 --resync-passes 2
 
 It applies the CRD, starts its own operator (``python -m goodput.operator --namespace NS``, resync period
 ``--resync-seconds``), creates ``--preload`` InferenceServices as a burst and waits for their Deployments,

@@ -1,4 +1,4 @@
-"""Faults a user meets (issue 10), each on its own InferenceService against the real API server:
+"""Faults a user meets, each on its own InferenceService against the real API server:
 names of 63 characters, a child the API server refuses (4xx), quantities the server respells, a worker
 that can never start (a missing model file) and a spec the operator can refuse before starting a pod.
 Objects use ``replicas: 0`` wherever no worker process is needed (control plane only).

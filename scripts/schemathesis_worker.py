@@ -1,4 +1,4 @@
-"""Fuzz a worker's HTTP API from its own ``/openapi.json`` with schemathesis (issue 11).
+"""Fuzz a worker's HTTP API from its own ``/openapi.json`` with schemathesis.
 
     python scripts/schemathesis_worker.py                      # starts a small worker itself
     python scripts/schemathesis_worker.py --url http://127.0.0.1:8000 --max-examples 50

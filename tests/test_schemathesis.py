@@ -1,4 +1,4 @@
-"""schemathesis against the live worker's ``/openapi.json`` (issue 11): no 5xx, no undeclared
+"""schemathesis against the live worker's ``/openapi.json``: no 5xx, no undeclared
 status, declared content types, bodies and SSE events matching their declared models, schema-
 forbidden input refused; afterwards the worker is idle with 0 KV blocks in use.
 
