@@ -43,7 +43,8 @@ def test_worker_args(case):
 # Every worker setting the CRD carries, set to a value that differs from the worker's default.
 EVERY_FIELD = {
     "model": {"name": "/models/m.gguf", "revision": "r7", "servedModelName": "served"},
-    "engine": {"dtype": "float32", "device": "cpu", "kvCacheMemory": "48Mi", "blockSize": 32,
+    "engine": {"dtype": "float32", "device": "cpu", "quantization": "int4", "kvCacheMemory": "48Mi",
+               "blockSize": 32,
                "maxNumSeqs": 5, "maxNumBatchedTokens": 96, "maxModelLen": 700, "maxWaiting": 0,
                "enablePrefixCaching": False, "vllmMetricAliases": True, "schedulingPolicy": "static",
                "attentionBackend": "torch", "numThreads": 3, "logLevel": "debug", "maxStopStrings": 4,
@@ -62,7 +63,8 @@ def test_worker_args_parse_back_to_what_the_spec_asked_for():
     ns = build_parser().parse_args(r.worker_args(spec))
     a = engine_args_from(ns)
     want = {"model": "/models/m.gguf", "revision": "r7", "served_model_name": "served", "host": "0.0.0.0",
-            "port": 8000, "dtype": "float32", "device": "cpu", "kv_cache_memory": 48 * 2**20,
+            "port": 8000, "dtype": "float32", "device": "cpu", "quantization": "int4",
+            "kv_cache_memory": 48 * 2**20,
             "block_size": 32, "max_num_seqs": 5, "max_num_batched_tokens": 96, "max_model_len": 700,
             "max_waiting": 0, "enable_prefix_caching": False, "vllm_metric_aliases": True,
             "scheduling_policy": "static", "attention_backend": "torch", "num_threads": 3,

@@ -32,7 +32,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         torch.set_num_threads(args.num_threads)
     runner = ModelRunner(args.model, dtype=args.dtype, device=args.device,
                          kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
-                         attention_backend=args.attention_backend, logprobs_mode=args.logprobs_mode)
+                         attention_backend=args.attention_backend, logprobs_mode=args.logprobs_mode,
+                         quantization=args.quantization)
     mc = runner.model_config
     tok = runner.tokenizer
     max_model_len = args.max_model_len or mc.max_position_embeddings

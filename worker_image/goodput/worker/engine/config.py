@@ -28,6 +28,7 @@ from typing import Any
 from goodput.worker.engine.units import parse_bytes
 
 SCHEDULING_POLICIES = ("continuous", "static")
+QUANTIZATIONS = ("none", "int8", "int4")
 _META = "goodput.setting"
 
 
@@ -206,6 +207,10 @@ class EngineArgs(SchedulerSettings):
     port: int = setting(8000, "TCP port to listen on", ge=1, le=65535, crd=None)
     dtype: str = setting("bfloat16", "weights and KV cache dtype", choices=("float32", "bfloat16"))
     device: str = setting("auto", "auto: CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
+    quantization: str = setting(
+        "none", "weight-only quantized linears on torch's CPU kernels: int8 per output channel, "
+                "int4 in groups of 32 (a Q4_0/Q4_1 GGUF's own blocks, repacked); none keeps --dtype "
+                "weights. CPU only", choices=QUANTIZATIONS)
     kv_cache_memory: int = setting(
         1 << 30, "KV cache budget in bytes; units K/M/G (powers of 1000) or Ki/Mi/Gi, KiB/MiB/GiB "
                  "(powers of 1024), e.g. 512Mi", ge=1, parse=parse_bytes)
@@ -240,6 +245,9 @@ class EngineArgs(SchedulerSettings):
 
     def __post_init__(self) -> None:
         _validate(self)
+        if self.quantization != "none" and self.device == "cuda":
+            raise ValueError(f"quantization {self.quantization!r} runs on torch's CPU kernels only; "
+                             "use device 'cpu', or quantization 'none' on CUDA")
 
     @property
     def model_name(self) -> str:

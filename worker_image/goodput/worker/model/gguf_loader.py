@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from goodput.worker.model.config import ModelConfig, UnsupportedModelError
+from goodput.worker.model.quant import Q4Blocks, unpack_gguf_q4
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,43 @@ def load_gguf(name_or_path: str | os.PathLike, dtype: str | torch.dtype = torch.
     if cache_file is not None:
         _write_cache(cache_file, revision, meta, tensors)
     return GGUFModel(path, revision, config, tensors, meta, time.perf_counter() - t0)
+
+
+def load_q4_blocks(model: GGUFModel, cache_dir: str | os.PathLike | None | bool = None) -> dict[str, Q4Blocks]:
+    """The file's own 4-bit blocks (``Q4_0`` / ``Q4_1`` tensors of two dimensions), unpacked, by
+    GGUF name, rows in the order of ``model.tensors`` (Q/K un-permuted): what ``--quantization
+    int4`` repacks losslessly. Cached beside the weight cache (``<revision>-q4blocks-v1.pt``).
+    Other tensor types are absent from the result."""
+    cache_file = None
+    if cache_dir is not False:
+        base = Path(cache_dir) if cache_dir else default_cache_dir()
+        cache_file = base / f"{model.revision[:32]}-q4blocks-v{_CACHE_FORMAT}.pt"
+        cached = _read_cache(cache_file, model.revision)
+        if cached is not None:
+            return {name: Q4Blocks(kind, t["q"], t["d"], t.get("m"))
+                    for (name, kind), t in zip(cached[0]["kinds"].items(), cached[1].values())}
+    _, reader = read_metadata(model.path)
+    c = model.config
+    out: dict[str, Q4Blocks] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in ("Q4_0", "Q4_1") or len(t.shape) != 2:
+            continue
+        cols, rows = (int(x) for x in t.shape.tolist())
+        b = unpack_gguf_q4(np.asarray(t.data), kind, rows, cols)
+        heads = (c.num_heads if t.name.endswith("attn_q.weight")
+                 else c.num_kv_heads if t.name.endswith("attn_k.weight") else None)
+        if heads is not None:
+            b = Q4Blocks(kind, *(None if x is None else torch.from_numpy(np.ascontiguousarray(
+                unpermute_qk(x.numpy(), heads))) for x in (b.q, b.d, b.m)))
+        out[t.name] = b
+    del reader
+    if cache_file is not None:
+        tensors = {}
+        for name, b in out.items():
+            tensors[name] = {"q": b.q, "d": b.d} | ({"m": b.m} if b.m is not None else {})
+        _write_cache(cache_file, model.revision, {"kinds": {n: b.kind for n, b in out.items()}}, tensors)
+    return out
 
 
 def _check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -15,12 +15,14 @@ cos/sin computed in float32 and cast to the model dtype, residual stream in the 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
 from goodput.worker.model.config import ModelConfig
+from goodput.worker.model.quant import Int4Linear, Int8Linear, Q4Blocks, check_supported, make_linear
 
 
 def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -46,14 +48,22 @@ class _Linear:
         return F.linear(x, self.weight)
 
 
+Linear = _Linear | Int8Linear | Int4Linear
+
+# What the LM head (or the tied embedding used as one) becomes under each --quantization:
+# the head is ~21% of SmolLM2-135M's weight bytes but its logits decide every greedy token, so it
+# keeps 8 bits under int4 (bench/results/*-quant.md measures the alternatives).
+LM_HEAD_QUANTIZATION = {"none": "none", "int8": "int8", "int4": "int8"}
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor   # [D]
-    qkv: _Linear              # [(H + 2·KV)·d, D]
-    o: _Linear                # [D, H·d]
+    qkv: Linear               # [(H + 2·KV)·d, D]
+    o: Linear                 # [D, H·d]
     ffn_norm: torch.Tensor    # [D]
-    gate_up: _Linear          # [2·I, D]
-    down: _Linear             # [D, I]
+    gate_up: Linear           # [2·I, D]
+    down: Linear              # [D, I]
 
 
 class LlamaModel:
@@ -62,23 +72,39 @@ class LlamaModel:
     tensors: GGUF-named float tensors in torch ``[out, in]`` layout with Q/K rows already in
     rotate-half order (see ``gguf_loader``); they are moved/cast to ``dtype`` on ``device`` and the
     per-layer Q/K/V and gate/up weights are concatenated (the originals can then be freed).
+    quantization: "none" | "int8" | "int4": weight-only quantized linears (``quant.py``; CPU,
+        bfloat16 or float32 only, else ValueError); the embedding lookup stays in ``dtype``.
+    q4_blocks: the file's own 4-bit blocks by GGUF name (``gguf_loader.load_q4_blocks``); int4
+        repacks those instead of re-quantizing.
+    lm_head_quantization: override of :data:`LM_HEAD_QUANTIZATION` for the LM head.
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 prepack: bool | None = None):
+                 prepack: bool | None = None, quantization: str = "none",
+                 q4_blocks: Mapping[str, Q4Blocks] | None = None, lm_head_quantization: str | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         c = config
+        check_supported(quantization, dtype, self.device)
+        self.quantization = quantization
+        head_q = LM_HEAD_QUANTIZATION[quantization] if lm_head_quantization is None else lm_head_quantization
+        check_supported(head_q, dtype, self.device)
+        self.lm_head_quantization = head_q
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype)
 
         self.prepacked = _can_prepack(dtype, self.device) if prepack is None else bool(prepack)
 
-        def lin(t: torch.Tensor) -> _Linear:
-            return _Linear(t, self.prepacked)
+        def lin(*names: str, quantization: str = quantization) -> Linear:
+            # one linear from GGUF tensors whose rows are concatenated (fused Q/K/V, gate/up)
+            t = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]).contiguous()
+            if quantization == "none":
+                return _Linear(t, self.prepacked)
+            blocks = [q4_blocks.get(n) for n in names] if q4_blocks is not None else [None]
+            return make_linear(quantization, t, dtype, None if None in blocks else blocks)
 
         self.embed = w("token_embd.weight")
         self.layers: list[_Layer] = []
@@ -86,14 +112,15 @@ class LlamaModel:
             p = f"blk.{i}."
             self.layers.append(_Layer(
                 attn_norm=w(p + "attn_norm.weight"),
-                qkv=lin(torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")])),
-                o=lin(w(p + "attn_output.weight").contiguous()),
+                qkv=lin(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                o=lin(p + "attn_output.weight"),
                 ffn_norm=w(p + "ffn_norm.weight"),
-                gate_up=lin(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])),
-                down=lin(w(p + "ffn_down.weight").contiguous()),
+                gate_up=lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                down=lin(p + "ffn_down.weight"),
             ))
         self.norm = w("output_norm.weight")
-        self.lm_head = lin(self.embed if c.tie_word_embeddings else w("output.weight"))
+        self.lm_head = lin("token_embd.weight" if c.tie_word_embeddings else "output.weight",
+                           quantization=head_q)
 
         # RoPE tables [max_pos, d/2] in float32 (cast per step, as HF casts cos/sin to x's dtype)
         d = c.head_dim

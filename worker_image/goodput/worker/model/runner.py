@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from goodput.worker.engine.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprobs
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
-from goodput.worker.model.gguf_loader import load_gguf, parse_dtype
+from goodput.worker.model.gguf_loader import load_gguf, load_q4_blocks, parse_dtype
 from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.llama import LlamaModel
+from goodput.worker.model.quant import check_supported
 from goodput.worker.model.sampler import Sampler, prompt_logprobs
 from goodput.worker.model.structured import StructuredOutputs
 from goodput.worker.model.tokenizer import GGUFTokenizer
@@ -59,6 +60,8 @@ class ModelRunner:
     weight_cache_dir: see ``gguf_loader.load_gguf`` (None = default, False = off).
     seed: seed of the generator used by requests without their own seed.
     logprobs_mode: "processed" (the distribution sampled from) or "raw"; see ``sampler.py``.
+    quantization: "none" | "int8" | "int4" weight-only linears (``quant.py``; CPU only, ValueError
+    on another device).
     num_threads: torch intra-op CPU threads for this process (None = torch's default, one per
     core). On a CPU shared with other busy processes, fewer threads (or OMP_WAIT_POLICY=PASSIVE
     set before torch is imported) avoid OpenMP spin-waiting that can slow steps down ~10x.
@@ -73,7 +76,7 @@ class ModelRunner:
                  block_size: int = 16, attention_backend: str | AttentionBackend = "auto",
                  num_blocks: int | None = None, weight_cache_dir: Any = None,
                  seed: int | None = None, num_threads: int | None = None,
-                 logprobs_mode: str = "processed"):
+                 logprobs_mode: str = "processed", quantization: str = "none"):
         t0 = time.perf_counter()
         if num_threads is not None:
             if num_threads < 1:
@@ -83,12 +86,16 @@ class ModelRunner:
         self.device = resolve_device(device)
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        check_supported(quantization, self.dtype, self.device)  # before seconds of loading
         loaded = load_gguf(model, self.dtype, cache_dir=weight_cache_dir)
         self.model_path = loaded.path
         self.revision = loaded.revision
         self.model_config = loaded.config
         self.tokenizer = GGUFTokenizer(loaded.metadata)
-        self.model = LlamaModel(loaded.config, loaded.tensors, self.dtype, self.device)
+        blocks = load_q4_blocks(loaded, weight_cache_dir) if quantization == "int4" else None
+        self.model = LlamaModel(loaded.config, loaded.tensors, self.dtype, self.device,
+                                quantization=quantization, q4_blocks=blocks)
+        del blocks
         del loaded
         c = self.model_config
         self.block_size = block_size
