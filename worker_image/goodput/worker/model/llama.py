@@ -50,10 +50,12 @@ class _Linear:
 
 Linear = _Linear | Int8Linear | Int4Linear
 
-# What the LM head (or the tied embedding used as one) becomes under each --quantization:
-# the head is ~21% of SmolLM2-135M's weight bytes but its logits decide every greedy token, so it
-# keeps 8 bits under int4 (bench/results/*-quant.md measures the alternatives).
-LM_HEAD_QUANTIZATION = {"none": "none", "int8": "int8", "int4": "int8"}
+# What the LM head (or the tied embedding used as one) becomes under each --quantization. The
+# head is ~21% of SmolLM2-135M's weight bytes, but its logits decide every greedy token and a
+# Q8_0 table has no lossless form in these kernels (per-channel int8, group int4), so under int4
+# (whose linears are the file's own blocks) it stays in the serving dtype
+# (bench/results/*-quant.md measures the alternatives).
+LM_HEAD_QUANTIZATION = {"none": "none", "int8": "int8", "int4": "none"}
 
 
 @dataclass

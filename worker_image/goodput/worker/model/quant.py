@@ -17,18 +17,21 @@ GGUF files whose linears are already 4-bit blocks of 32 (``Q4_1``: ``w = d·q + 
 ``w = d·(q − 8)``; llama.cpp's ggml-quants.c) are *repacked*, not re-quantized: the file's own
 ``q`` is kept and ``s = d``, ``z = m + 8d`` (``Q4_0``: ``z = 0``). In float32 that represents every
 weight exactly (:func:`int4_from_gguf_blocks` checks it); in bfloat16 the kernel needs ``s`` and
-``z`` in bfloat16, so they are rounded once (relative error ≤ 2⁻⁹ each, the same size as the
+``z`` in bfloat16, so they are rounded once (relative error ≤ 2⁻⁸ each, the same size as the
 rounding of the bf16 reference weights themselves). Any other tensor type is quantized from its
 dequantized values by round-to-nearest (min/max per group).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from goodput.worker.engine.config import QUANTIZATIONS  # declared once, with the setting
+
+log = logging.getLogger(__name__)
 
 INT4_GROUP = 32  # GGUF's block size, so Q4_0/Q4_1 blocks map one-to-one onto groups
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -102,6 +105,8 @@ class Int4Linear:
         """Pack codes ``q`` (integers 0..15, [N, K]) with ``scales``/``zeros`` [N, K/G] (cast to
         ``dtype``). Raises ValueError for codes outside 0..15 or K not a multiple of G."""
         N, K = q.shape
+        if N % 16:
+            raise ValueError(f"int4 needs out_features ({N}) divisible by 16 (torch's CPU int4 layout)")
         if K % group_size or scales.shape != (N, K // group_size) or zeros.shape != scales.shape:
             raise ValueError(f"int4 needs K ({K}) a multiple of the group size {group_size} and "
                              f"[N, K/G] scales and zeros")
@@ -203,11 +208,18 @@ def int4_from_gguf_blocks(blocks: list[Q4Blocks], dtype: torch.dtype) -> Int4Lin
 def make_linear(quantization: str, weight: torch.Tensor, dtype: torch.dtype,
                 blocks: list[Q4Blocks] | None = None):
     """A quantized linear for the float weight [N, K] (``blocks``: the file's own 4-bit blocks of
-    the same rows, used by int4 when every part has them)."""
+    the same rows, used by int4 when every part has them). Under int4, a shape torch's int4
+    layout cannot hold (N not a multiple of 16, K not of 32) falls back to int8, with a warning."""
     if quantization == "int8":
         return Int8Linear.from_float(weight, dtype)
     if quantization == "int4":
-        if blocks is not None and weight.shape[1] % 32 == 0:
+        N, K = weight.shape
+        if N % 16 or K % INT4_GROUP:
+            # torch's int4 layout needs N % 16 == 0 and whole groups; int8 takes any shape
+            log.warning("int4 cannot hold a [%d, %d] linear (needs out %% 16 == 0, in %% %d == 0); "
+                        "it is int8 instead", N, K, INT4_GROUP)
+            return Int8Linear.from_float(weight, dtype)
+        if blocks is not None:
             return int4_from_gguf_blocks(blocks, dtype)
         return Int4Linear.from_float(weight, dtype)
     raise ValueError(f"unknown quantization {quantization!r}")
