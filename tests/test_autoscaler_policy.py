@@ -359,13 +359,21 @@ def test_batch_cut_while_a_pod_loads_does_not_pile_up():
     surge = pod("a", running=64, waiting=136, kv_usage=0.2, tpot=hist(20, 40, 50, 50, 0.07))
     d_surge = decide(5.0, Observation((surge,), (StartingPod("s1", 5.0),), (), 2), SPEC, up.state)
     assert (d_surge.replicas, d_surge.reason) == (4, "ScaleUpGoodput")
-    # at 10 s s1 is ready (first scrape): it starts with the batch it was counted with, 64, not
-    # the fleet median after the cut (48); a keeps its cut 48 (40 running < 48: no evidence)
+    # at 10 s s1 is ready (first scrape) and the load is split: s1 starts with the batch it was
+    # counted with, 64, not the fleet median after the cut (48), and a's provisional cut is
+    # undone: max(48, 64) = 64 (40 running, TPOT within the SLO: no new cut, no growth)
     a10 = pod("a", running=40, waiting=0, kv_usage=0.125, tpot=hist(0, 50, 50, 50, 0.07))
     s1 = pod("s1", running=40, interval_s=0.0, max_num_seqs=64, kv_usage=0.125)
     d10 = decide(10.0, Observation((a10, s1), (), (), 2), SPEC, d.state)
-    assert (d10.limits["a"].max_num_seqs, d10.limits["s1"].max_num_seqs) == (48, 64)
-    assert d10.replicas == 2
+    assert (d10.limits["a"].max_num_seqs, d10.limits["s1"].max_num_seqs) == (64, 64)
+    # demand max(in flight 80, 10 req/s * 7.13 = 71.3) = 80 -> ceil(80 / 64) = 2: steady, and the
+    # plan is dropped (nothing coming): the next cut counts in full
+    assert (d10.replicas, d10.reason, d10.state.plan_cap) == (2, "Steady", 0)
+    # ... a TPOT miss at the planned load cuts again: floor(min(64, 40) * 0.75) = 30
+    a15 = pod("a", running=40, waiting=0, kv_usage=0.125, tpot=hist(20, 40, 50, 50, 0.07))
+    d15 = decide(15.0, Observation((a15, pod("s1", running=40, kv_usage=0.125)), (), (), 2), SPEC,
+                 d10.state)
+    assert d15.limits["a"].max_num_seqs == 30
 
 
 def test_slow_tpot_while_pods_load_does_not_stretch_demand():
@@ -390,3 +398,23 @@ def test_slow_tpot_while_pods_load_does_not_stretch_demand():
     # with nothing coming (no plan) the same stretched TPOT is measured service time: 202 / 64 -> 4
     d = decide(5.0, Observation(loading.ready, (), (), 1), SPEC, None)
     assert (d.replicas, d.reason) == (4, "ScaleUpGoodput")
+
+
+def test_metrics_back_after_a_long_gap_wait_a_whole_window():
+    # pods a, b, c at 5 req/s: rec 2 from 3 (see test_scale_down_after_the_window...). Pod c's
+    # metrics are missing from t=0 to t=400 (longer than the 300 s window): every such tick holds
+    # (HoldMissingMetrics) and records max(rec, current) = 3
+    quiet = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
+    gap = Observation((_quiet("a"), _quiet("b")), (), ("c",), 3)
+    st = PolicyState(since=-400.0)
+    for t in (0.0, 100.0, 200.0, 300.0, 400.0):
+        d = decide(t, gap, SPEC, st)
+        assert (d.replicas, d.reason) == (3, "HoldMissingMetrics")
+        st = d.state
+    # metrics back at t=450: the window [150, 450] holds the gap's 3s -> no scale-down on one
+    # sample (recording nothing during the gap would leave only this tick's 2 and scale down)
+    d = decide(450.0, quiet, SPEC, st)
+    assert (d.replicas, d.reason) == (3, "HoldStabilizing")
+    # t=701: the window [401, 701] holds only complete-metrics 2s (450, 701): one step down
+    d = decide(701.0, quiet, SPEC, d.state)
+    assert (d.replicas, d.reason) == (2, "ScaleDown")

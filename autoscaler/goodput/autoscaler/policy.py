@@ -58,9 +58,12 @@ How each rule follows from the ideas it rests on:
    says that replicas at their planned load will need a smaller batch or serve slower, so
    neither may by itself order another replica (sized against the cut, one 64 -> 48 cut turns
    104 seqs from 2 replicas into 3). While pods load only a rise in demand (seqs in flight or
-   offered req/s) adds replicas. When nothing is coming the plan is dropped: a cut or a slow
-   TPOT that persists then counts in full, and its scale-up must still pass the scale-up window
-   (rule 8) or be proven by missed SLOs on a saturated fleet (rule 3).
+   offered req/s) adds replicas. For the same reason the cuts are provisional: on the tick the
+   last coming pod is ready, every replica's cap is raised back to at least ``plan_cap`` (the
+   load per replica is back to the planned one; if the batch still misses there, rule 2 cuts it
+   again after one interval), and the plan is dropped. A cut or a slow TPOT that then persists
+   counts in full, and its scale-up must still pass the scale-up window (rule 8) or be proven by
+   missed SLOs on a saturated fleet (rule 3).
 
 5. While capacity loads, admit only what can still meet TTFT. A waiting request at queue position
    k starts after about k / mu seconds, mu = c / service_s completions per second per replica;
@@ -94,8 +97,13 @@ How each rule follows from the ideas it rests on:
 
 10. Missing or stale metrics never cause a scale-down. If any ready pod is unreachable, or no ready
    pod has a rate yet (first scrape), ``MetricsAvailable`` is False and only a scale-up that the
-   available pods prove is allowed (reason HoldMissingMetrics otherwise). ``current_replicas``
-   below ``min_replicas`` is raised regardless (ScaleUpMinReplicas).
+   available pods prove is allowed (reason HoldMissingMetrics otherwise). Such a tick records
+   ``max(w, current)`` in the windows (the pods that did not answer are assumed busy, as HPA
+   assumes missing pods at 100 % of target on a scale-down): the stabilization window after the
+   metrics come back then holds a whole window of complete metrics before any scale-down, where
+   recording nothing would leave it empty after a gap longer than the window and let a single
+   sample act. ``current_replicas`` below ``min_replicas`` is raised regardless
+   (ScaleUpMinReplicas).
 """
 from __future__ import annotations
 
@@ -478,9 +486,13 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
 
     # --- rule 2: best batch per pod (caps of vanished pods are forgotten) ---
     fleet_cap = max(st.plan_cap, _median(list(st.caps.values()))) or None
+    # the capacity the plan waited for has arrived: cuts made meanwhile were provisional (rule 4)
+    arrived = coming == 0 and st.plan_cap > 0
     caps: dict[str, int] = {}
     for p in obs.ready:
         start = st.caps.get(p.name) or fleet_cap or p.max_num_seqs
+        if arrived:
+            start = max(start, st.plan_cap)
         start = max(spec.min_num_seqs, min(spec.max_num_seqs, start))
         caps[p.name] = _tune_cap(p, start, spec)
     for name in obs.unreachable:
@@ -566,6 +578,8 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         st.recommendations.append([now, float(rec)])
         if st.since is None:
             st.since = now
+    else:   # the silent pods are assumed busy: nothing here argues for fewer replicas
+        st.recommendations.append([now, float(max(rec, current))])
     history_s = now - st.since if st.since is not None else 0.0
     horizon = max(spec.stabilization_window_s, spec.scale_up_window_s)
     st.recommendations = [r for r in st.recommendations if now - r[0] <= horizon]
