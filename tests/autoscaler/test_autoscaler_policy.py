@@ -201,6 +201,25 @@ def test_queue_limit_tightens_while_capacity_loads():
     assert d.limits["a"].max_waiting == 15
 
 
+def test_queue_limit_leaves_the_prefill_its_part_of_ttft():
+    # as above (mu = 53.33 / 4.16 = 12.82/s), now with the queue-time histogram: TTFT mean 0.2 s,
+    # queue time mean 0.05 s -> t_first = 0.15 s after the queue; a position k request meets TTFT
+    # when k / 12.82 + 0.15 <= 1.0 -> k_ttft = floor(0.85 * 12.82) = floor(10.9) = 10.
+    # Nothing loading: 10 * 2 = 20 (24 without the histogram: those past 20 wait their whole budget)
+    q = hist(50, 50, 50, 50, 0.05)
+    pods = (pod("a", queue=q), pod("b", queue=q))
+    d = decide(0.0, Observation(pods, (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {20}
+    # 2 ready + 2 starting: floor(10 * (1 + 2/4)) = 15
+    d = decide(0.0, Observation(pods, (StartingPod("s0", 5.0), StartingPod("s1", 5.0)), (), 4), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {15}
+    # first tokens take 1.2 s after the queue (TTFT mean 1.25, queue 0.05): no queue position
+    # meets a 1 s TTFT -> budget 0, k_ttft 0 -> min_waiting 1
+    slow = tuple(pod(n, queue=q, ttft=hist(0, 0, 0, 50, 1.25)) for n in "ab")
+    d = decide(0.0, Observation(slow, (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {1}
+
+
 # ------------------------------------------------------- rule 6: preemption is saturation
 def test_preemptions_scale_up_as_saturation():
     # 5 preemptions, attainment 30 / 50 = 0.6: cap -> floor(20 * 0.75) = 15, capacity

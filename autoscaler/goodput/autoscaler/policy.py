@@ -66,8 +66,13 @@ How each rule follows from the ideas it rests on:
    missed SLOs on a saturated fleet (rule 3).
 
 5. While capacity loads, admit only what can still meet TTFT. A waiting request at queue position
-   k starts after about k / mu seconds, mu = c / service_s completions per second per replica;
-   ``k_ttft = floor(slo_ttft_s * mu)``. While pods are starting and the ready ones are saturated,
+   k leaves the queue after about k / mu seconds, mu = c / service_s completions per second per
+   replica, and then still needs ``t_first`` until its first token (its prefill, sharing each
+   step's token budget with the batch): ``t_first`` = mean TTFT - mean queue time over the
+   interval (the worker's queue-time histogram: arrival -> first scheduled). It meets TTFT when
+   ``k / mu + t_first <= slo_ttft_s``, so ``k_ttft = floor((slo_ttft_s - t_first) * mu)``.
+   (Spending the whole TTFT budget on the queue admits requests that wait their full budget and
+   then miss by their prefill.) While pods are starting and the ready ones are saturated,
    the overload lasts the whole load time, so any request queued past k_ttft misses TTFT and
    only steals capacity: ``max_waiting = k_ttft`` (a fast 429 instead). With nothing loading a
    queue is transient noise that drains, so the limit loosens to ``k_ttft * queue_slack`` in
@@ -177,6 +182,8 @@ class PodObservation:
         preempted, generation_tokens: counter increases over the interval.
     ttft, tpot: histogram increases over the interval (None when not scraped).
     age_s: seconds since the pod became ready.
+    queue: histogram increase of the queue time (arrival -> first scheduled, seconds) over the
+        interval (None when not scraped; rule 5 then assumes no time after the queue).
     """
 
     name: str
@@ -196,6 +203,7 @@ class PodObservation:
     ttft: HistogramDelta | None
     tpot: HistogramDelta | None
     age_s: float = 0.0
+    queue: HistogramDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -633,7 +641,14 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     # --- rule 5: waiting-queue limit ---
     live_mean = sum(live) / len(live) if live else cap_mean
     mu = (live_mean / f.service_s) if f.service_s > 0 else 0.0
-    k_ttft = math.floor(spec.slo_ttft_s * mu) if mu > 0 else spec.max_waiting
+    ttfts = [p.ttft for p in obs.ready if p.interval_s > 0 and p.ttft is not None and p.ttft.count > 0]
+    queues = [p.queue for p in obs.ready if p.interval_s > 0 and p.queue is not None and p.queue.count > 0]
+    t_first = 0.0
+    if ttfts and queues:   # time after the queue until the first token (prefill)
+        t_first = max(0.0, sum(h.sum for h in ttfts) / sum(h.count for h in ttfts)
+                      - sum(h.sum for h in queues) / sum(h.count for h in queues))
+    budget = max(0.0, spec.slo_ttft_s - t_first)
+    k_ttft = math.floor(budget * mu) if mu > 0 else spec.max_waiting
     loading = coming + max(0, replicas - current)
     ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
     slack = 1.0 + (spec.queue_slack - 1.0) * ready_frac
