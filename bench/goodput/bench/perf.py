@@ -432,6 +432,9 @@ class Run:
         self.log(f"{label}: {len(ok)}/{len(recs)} ok, {res['tok_s'] or 0:.1f} tok/s "
                  f"(forced {forced}, reported {res['reported_tokens']}), TPOT p50 "
                  f"{(res['tpot_p50_s'] or 0) * 1e3:.0f} ms")
+        if res["reported_tokens"] != forced and any(r.usage_completion_tokens is not None for r in ok):
+            self.notes.append(f"{label}: the server reported {res['reported_tokens']} output tokens for "
+                              f"{forced} forced (ignore_eos not honoured?)")
         if len(ok) < len(recs):
             err = next((r.error for r in recs if r.status != OK), "")
             self.notes.append(f"{label}: {len(recs) - len(ok)} of {len(recs)} requests failed ({err[:160]})")
