@@ -46,9 +46,14 @@ SPEC: dict[str, Any] = {
     "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
     "probes": {"startupTimeoutSeconds": 300, "periodSeconds": 1},
     "terminationGracePeriodSeconds": 30,  # the drain budget on a busy shared CPU
-    # SLOs a shared, oversubscribed 2-core CPU always meets: the batch limit stays at 4 (no AIMD cut
-    # from TPOT misses), so replicas follow demand in flight alone (Little's law: 6 seqs -> 2 replicas)
-    "slo": {"ttftMs": 30000, "tpotMs": 5000, "attainmentTarget": 0.8},
+    # Interactive SLOs at this worker's speed. Measured on the 2-core development machine while
+    # other jobs kept its load at ~7 (one worker as here: fp32, one thread, these prompts): TTFT
+    # 0.27 s alone and 0.6-0.9 s at 4 streams, TPOT 0.13 s alone and 0.25 s at 4 streams. 2 s and
+    # 500 ms leave about 2x for the pods and the control plane sharing the cores, so a replica at or
+    # under its batch of 4 meets them; the load step (6 streams on one replica) queues 2 requests
+    # for a whole 24-token stream (~6 s), so an overloaded replica misses TTFT, and TPOT misses
+    # under contention cut the batch (the path the no-pile-up rule must hold on).
+    "slo": {"ttftMs": 2000, "tpotMs": 500, "attainmentTarget": 0.8},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
                     "stabilizationWindowSeconds": STABILIZATION_S},
 }
@@ -171,6 +176,9 @@ class World:
     load: Load | None = None
     scaled_to: int = 0
     replicas_since_restart: list[int] = []
+    # the fleet before the metrics came back (the scale-down may follow them within a period)
+    held_replicas: int = 0
+    held_pods: set[str] = set()
 
 
 @pytest.fixture(scope="module")
@@ -332,14 +340,17 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
     # no decision of the window (status history, not only our polls) wanted fewer replicas
     window = [d for d in a["decisions"] if parse_time(d["time"]) >= wall_missing - 1]
     assert all(d["replicas"] == replicas for d in window), window
+    World.held_replicas, World.held_pods = replicas, {p["metadata"]["name"] for p in pods(kubectl, ns)}
     kubectl.run("-n", ns, "annotate", "pod", victim, "--overwrite", "prometheus.io/port=8000")
 
 
 @pytest.mark.timeout(POD_READY_S)
 def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autoscaler, diag, cluster_logs: Path):
     load = World.load
-    before = {p["metadata"]["name"] for p in pods(kubectl, ns)}
-    start = isvc(kubectl, ns, NAME)["spec"]["replicas"]
+    # the fleet as the previous test left it: reading it here instead would race with the
+    # autoscaler's next period
+    before, start = World.held_pods, World.held_replicas
+    assert start > 1 and before, "the previous test did not run"
 
     def down() -> int:
         r = isvc(kubectl, ns, NAME)["spec"]["replicas"]
