@@ -60,6 +60,15 @@ def test_context_growth_flags_a_step_slower_than_its_extra_bytes():
     assert by[(1, 9000)]["of_bound"] == pytest.approx(0.009 / 0.020)
 
 
+def test_context_growth_compares_the_least_disturbed_steps():
+    # medians disturbed by another process; the minima grow by 9 ms for 8 ms of bytes: no flag
+    pts = [{"batch": 1, "ctx": 1000, "step_s_median": 0.010, "step_s_min": 0.009},
+           {"batch": 1, "ctx": 9000, "step_s_median": 0.060, "step_s_min": 0.018}]
+    rows = perf.context_growth(pts, 0, 1000, 1e9, SHAPE, 1e18)
+    assert rows[1]["extra_s"] == pytest.approx(0.009) and not rows[1]["flag"]
+    assert rows[1]["tok_s"] == pytest.approx(1 / 0.060)
+
+
 SIDE = {"goodput bf16": {1: 90.0, 32: 400.0}, "llama-server": {1: 100.0, 32: 150.0}, "HF static": {1: 20.0, 32: 180.0}}
 
 
@@ -114,7 +123,7 @@ def test_render_report():
     assert "| goodput bf16 | 269.0 | 90.0 | 400.0 |" in md          # tok/s beside the weight MB per step
     assert "| llama-server | 96.6 | 100.0 | 150.0 |" in md
     assert "| goodput bf16 | llama-server | 0.90× | 2.67× |" in md
-    assert "| 1 | 9000 | 9.0 | 40.0 |" in md and "**slower than its bytes**" in md
+    assert "| 1 | 9000 | 9.0 | 40.0 (40.0) |" in md and "**slower than its bytes**" in md
     assert "before: 0.10/0.20/0.30, after: 1.00/1.10/1.20" in md
     assert "bash bench/run_perf.sh" in md and "--no-repack" in md and "smoke run" in md
 
@@ -134,3 +143,10 @@ def test_llama_server_cmd(monkeypatch):
     assert "--no-repack" not in llama_server_cmd("/x/llama-server", "/m.gguf", 1, 1, 384, 2)
     with pytest.raises(ValueError):
         llama_server_cmd("/x/llama-server", "/m.gguf", 1, 0, 384, 2)
+
+
+def test_reproduce_command_drops_machine_paths():
+    assert perf._shown_args(["--quick", "--results-dir", "/tmp/x", "--name", "a b"]) == ["--quick", "--name", "'a b'"]
+    assert perf._shown_args(["--results-dir=/tmp/x", "--scale", "2"]) == ["--scale", "2"]
+    assert perf._shown_cmd(["/r/.venv/bin/goodput-worker", "serve", "--port", "4321"], 4321) == \
+        "goodput-worker serve --port $PORT"

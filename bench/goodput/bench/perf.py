@@ -146,20 +146,23 @@ def context_growth(points: list[dict], weight_bytes: float, kv_bytes_per_token: 
                    shape: dict, peak_flops: float, factor: float = GROWTH_FLAG_FACTOR) -> list[dict]:
     """Per (batch, ctx) point: KV bytes, the bytes bound, and growth against the same batch's
     shortest context: extra time vs extra bytes / bandwidth (or extra FLOPs / peak, whichever
-    is larger); ``flag`` when extra time > factor × that. points: {batch, ctx, step_s_median}."""
+    is larger); ``flag`` when extra time > factor × that. points: {batch, ctx, step_s_median,
+    optional step_s_min}; the growth compares the minima when given (the least disturbed
+    estimate of each step's own cost on a shared machine), the rest uses the medians."""
     rows = []
     base = {}
     for p in sorted(points, key=lambda x: (x["batch"], x["ctx"])):
         b, t, step = p["batch"], p["ctx"], p["step_s_median"]
+        best = p.get("step_s_min", step)
         kv = kv_bytes_per_token * t * b
         bound = step_bound(weight_bytes, kv_bytes_per_token, b, t, flops_per_token(shape, t), peak_flops,
                            bandwidth)
-        row = {"batch": b, "ctx": t, "step_s": step, "tok_s": b / step, "kv_bytes": kv,
+        row = {"batch": b, "ctx": t, "step_s": step, "step_min_s": best, "tok_s": b / step, "kv_bytes": kv,
                "bound_s": bound["bound_s"], "of_bound": bound["bound_s"] / step,
                "extra_s": None, "explained_s": None, "flag": False}
         if b in base:
             b0 = base[b]
-            extra = step - b0["step_s"]
+            extra = best - b0["step_min_s"]
             explained = max((kv - b0["kv_bytes"]) / bandwidth,
                             b * (flops_per_token(shape, t) - flops_per_token(shape, b0["ctx"])) / peak_flops)
             row.update(extra_s=extra, explained_s=explained, flag=extra > factor * explained)
@@ -318,14 +321,15 @@ def render(res: dict) -> str:
     else:
         L.append(f"Our runner ({g['attention_backend']}, {g['threads']} threads) executes decode steps of B "
                  "sequences whose KV cache already holds the context (random values, distinct blocks per "
-                 f"sequence); median of {g['repeats']} steps. KV bytes = 2·L·n_kv·d_head·bytes·T·B "
-                 f"= {g['kv_bytes_per_token']:.0f} B × T × B. Bound = (weights + KV) / bandwidth. Extra = step − "
-                 "the same batch's step at the shortest context; explained = extra KV bytes / bandwidth (or "
+                 f"sequence); median (and minimum) of {g['repeats']} steps. KV bytes = 2·L·n_kv·d_head·bytes·T·B "
+                 f"= {g['kv_bytes_per_token']:.0f} B × T × B. Bound = (weights + KV) / bandwidth. Extra = minimum "
+                 "step − the same batch's minimum step at the shortest context; explained = extra KV bytes / bandwidth (or "
                  f"extra attention FLOPs / peak); flagged when extra > {GROWTH_FLAG_FACTOR:g} × explained.\n")
-        L.append("| B | context | KV MB / step | step ms | tok/s | bound ms | % of bound | extra ms | "
+        L.append("| B | context | KV MB / step | step ms (min) | tok/s | bound ms | % of bound | extra ms | "
                  "explained ms | |\n|" + "---|" * 10)
         for r in g["rows"]:
-            L.append(f"| {r['batch']} | {r['ctx']} | {_mb(r['kv_bytes'])} | {_f(r['step_s'] * 1e3)} | "
+            L.append(f"| {r['batch']} | {r['ctx']} | {_mb(r['kv_bytes'])} | {_f(r['step_s'] * 1e3)} "
+                     f"({_f(r.get('step_min_s', r['step_s']) * 1e3)}) | "
                      f"{_f(r['tok_s'])} | {_f(r['bound_s'] * 1e3)} | {_pct(r['of_bound'])} | "
                      f"{_f(r['extra_s'] * 1e3 if r['extra_s'] is not None else None)} | "
                      f"{_f(r['explained_s'] * 1e3 if r['explained_s'] is not None else None)} | "
@@ -381,7 +385,9 @@ def _portable(arg: str) -> str:
 
 
 def _shown_cmd(cmd: list[str], port: int | None = None) -> str:
-    s = " ".join(shlex.quote(_portable(c)) for c in cmd)
+    """A command as a reader can reuse it: the executable by name, repo paths relative, the port
+    as $PORT."""
+    s = " ".join(shlex.quote(os.path.basename(c) if i == 0 else _portable(c)) for i, c in enumerate(cmd))
     return s.replace(str(port), "$PORT") if port else s
 
 
@@ -669,8 +675,7 @@ def main(a: argparse.Namespace) -> int:
         "roofline": {"bandwidth": bw, "peak_flops": peak, "rows": rows},
         "context_growth": growth, "context_note": ctx_note, "targets": tg,
         "side_notes": run.notes, "commands": list(dict.fromkeys(run.commands)),
-        "command": "bash bench/run_perf.sh" + (" " + " ".join(shlex.quote(x) for x in sys.argv[2:]) if
-                                               sys.argv[1:2] == ["perf"] and len(sys.argv) > 2 else ""),
+        "command": " ".join(["bash bench/run_perf.sh"] + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
         "load_before": load_before, "load_after": os.getloadavg(), "wall_s": time.time() - t_start,
         "note": a.note if getattr(a, "note", None) else None,
     }
@@ -692,6 +697,21 @@ def main(a: argparse.Namespace) -> int:
         f.write(render(res))
     print(run.md_path)
     return 0
+
+
+def _shown_args(argv: list[str]) -> list[str]:
+    """The perf arguments without --results-dir (a path of this machine)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        if x == "--results-dir":
+            skip = True
+            continue
+        if not x.startswith("--results-dir="):
+            out.append(shlex.quote(x))
+    return out
 
 
 def _cpu_name() -> str:
