@@ -110,7 +110,9 @@ def _res() -> dict:
             "side_notes": ["a note"], "commands": ["goodput-worker serve --port $PORT"],
             "command": "bash bench/run_perf.sh", "load_before": (0.1, 0.2, 0.3), "load_after": (1.0, 1.1, 1.2),
             "wall_s": 600.0, "note": "smoke run",
-            "llama_server": {"version": "version: 1 (abc)", "build": "cmake", "amx_note": "AMX: --no-repack"}}
+            "llama_server": {"version": "version: 1 (abc)", "build": "cmake", "amx_note": "AMX: --no-repack"},
+            "profiles": {"goodput bf16": [{"batch": 32, "ctx": 107, "steps": 5, "wall_ms": 50.0, "ops_self_ms": 40.0,
+                                           "top": [{"name": "aten::mm", "self_ms": 20.0, "calls": 121.0}]}]}}
 
 
 def test_render_report():
@@ -126,6 +128,8 @@ def test_render_report():
     assert "| 1 | 9000 | 9.0 | 40.0 (40.0) |" in md and "**slower than its bytes**" in md
     assert "before: 0.10/0.20/0.30, after: 1.00/1.10/1.20" in md
     assert "bash bench/run_perf.sh" in md and "--no-repack" in md and "smoke run" in md
+    assert "**goodput bf16, B = 32**: 50.0 ms/step, ops 40.0 ms, outside ops 10.0 ms." in md
+    assert "| `aten::mm` | 20.00 | 40% | 121 |" in md
 
 
 def test_quantizations_from_help():

@@ -37,6 +37,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--profile-batches", default="",
+                   help="also profile these batch sizes (torch.profiler, first context): top ops per step")
     p.add_argument("--out", default=None, help="JSON result path")
 
 
@@ -104,6 +106,27 @@ def time_steps(runner, batch: int, ctx: int, repeats: int, warmup: int) -> list[
     return out
 
 
+def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -> dict:
+    """torch.profiler over `steps` decode steps at (batch, ctx) after one warm-up: per step the
+    wall time, the summed self time of all ops, and the `top` ops by self time
+    ({name, self_ms, calls} per step). wall − ops ≈ time outside torch ops (Python, dispatch
+    gaps), inflated somewhat by the profiler's own per-op cost."""
+    from torch.profiler import ProfilerActivity, profile
+    sched = decode_batch(batch, ctx, runner.block_size)
+    runner.execute(sched)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(sched)
+        wall = (time.perf_counter() - t) / steps
+    ka = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    ka.sort(key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ka) / 1e3 / steps
+    ops = [{"name": e.key, "self_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count / steps}
+           for e in ka[:top]]
+    return {"batch": batch, "ctx": ctx, "steps": steps, "wall_ms": wall * 1e3, "ops_self_ms": total, "top": ops}
+
+
 def run(a: argparse.Namespace) -> dict:
     import torch
     batches = [int(x) for x in a.batches.split(",") if x]
@@ -129,7 +152,8 @@ def run(a: argparse.Namespace) -> dict:
                            "tok_s": b / med})
             print(f"decode B={b:3d} T={t:5d}: {med * 1e3:8.2f} ms/step (min {min(s) * 1e3:.2f}), "
                   f"{b / med:7.1f} tok/s", file=sys.stderr, flush=True)
-    return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization,
+    profiles = [profile_steps(runner, int(b), contexts[0]) for b in a.profile_batches.split(",") if b]
+    return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "profiles": profiles,
             "threads": torch.get_num_threads(), "block_size": a.block_size, "load_s": load_s,
             "attention_backend": type(runner.attention_backend).__name__,
             "shape": {"layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,

@@ -336,6 +336,21 @@ def render(res: dict) -> str:
                      f"{'**slower than its bytes**' if r['flag'] else ''} |")
     L.append("")
 
+    if res.get("profiles"):
+        L.append("## 4. Where our decode step's time goes (torch.profiler, in-process)\n")
+        L.append("The runner's decode step at the mean decode context, profiled over a few steps: wall time "
+                 "per step, the summed self time of all torch ops, the rest (Python, dispatch gaps and the "
+                 "profiler's own per-op cost), and the ops with the most self time.\n")
+        for row, profs in res["profiles"].items():
+            for pr in profs:
+                wall = pr["wall_ms"]
+                L.append(f"**{row}, B = {pr['batch']}**: {wall:.1f} ms/step, ops {pr['ops_self_ms']:.1f} ms, "
+                         f"outside ops {wall - pr['ops_self_ms']:.1f} ms.\n")
+                L.append("| op | ms / step | % of step | calls / step |\n|---|---|---|---|")
+                for op in pr["top"][:8]:
+                    L.append(f"| `{op['name']}` | {op['self_ms']:.2f} | {op['self_ms'] / wall * 100:.0f}% | "
+                             f"{op['calls']:.0f} |")
+                L.append("")
     L.append("## Commands\n")
     L.append("```\n" + "\n".join(res["commands"]) + "\n```\n")
     if res.get("llama_server"):
@@ -404,6 +419,7 @@ class Run:
         self.tok, _ = load_gguf_tokenizer(self.gguf)
         self.commands: list[str] = []
         self.notes: list[str] = []
+        self.profiles: dict[str, list[dict]] = {}
 
     def log(self, msg: str) -> None:
         print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -528,13 +544,14 @@ def _runner_steps(run: Run, a: argparse.Namespace, systems: dict, rbatches: list
         if row not in systems:
             continue
         jobs = [("roof", ",".join(map(str, rbatches)), str(max(1, round(mean_ctx))))]
+        profiles = ["--profile-batches", ",".join(map(str, rbatches))]
         if q == "none" and not a.skip_context:
             jobs.append(("growth", a.context_batches, ",".join(map(str, contexts))))
         for kind, batches, ctxs in jobs:
             out = os.path.join(run.raw, f"decode-{q}-{kind}.json")
             cmd = [sys.executable, "-m", "goodput.bench", "decode-steps", "--quantization", q,
                    "--threads", str(a.threads), "--batches", batches, "--contexts", ctxs,
-                   "--repeats", str(repeats), "--out", out]
+                   "--repeats", str(repeats), "--out", out] + (profiles if kind == "roof" else [])
             run.commands.append("python " + " ".join(cmd[1:]).replace(run.raw, "bench/results/raw/<name>-perf"))
             run.log(f"in-process decode steps: {q} {kind} (batches {batches}, contexts {ctxs}) ...")
             p = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -551,6 +568,7 @@ def _runner_steps(run: Run, a: argparse.Namespace, systems: dict, rbatches: list
                 systems[row]["weight_bytes"] = d["weight_bytes"]["total"]
             if kind == "roof":
                 runner_steps[row] = {pt["batch"]: pt["step_s_median"] for pt in d["points"]}
+                run.profiles[row] = d.get("profiles") or []
             else:
                 growth = {"attention_backend": d["attention_backend"], "threads": d["threads"],
                           "repeats": d["repeats"], "kv_bytes_per_token": d["kv_bytes_per_token"],
@@ -673,7 +691,7 @@ def main(a: argparse.Namespace) -> int:
                     "torch": torch.__version__},
         "side_by_side": side, "systems": systems, "details": details,
         "roofline": {"bandwidth": bw, "peak_flops": peak, "rows": rows},
-        "context_growth": growth, "context_note": ctx_note, "targets": tg,
+        "context_growth": growth, "context_note": ctx_note, "targets": tg, "profiles": run.profiles,
         "side_notes": run.notes, "commands": list(dict.fromkeys(run.commands)),
         "command": " ".join(["bash bench/run_perf.sh"] + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
         "load_before": load_before, "load_after": os.getloadavg(), "wall_s": time.time() - t_start,
