@@ -390,6 +390,15 @@ def _lm_head_scheme(q: str) -> str:
         return q
 
 
+def _int4_group() -> int:
+    """The worker's int4 group size (32, GGUF's block, when it does not say)."""
+    try:
+        from goodput.worker.model import quant
+        return int(getattr(quant, "INT4_GROUP", 32))
+    except ImportError:
+        return 32
+
+
 def _portable(arg: str) -> str:
     if not os.path.isabs(arg):
         return arg
@@ -640,7 +649,7 @@ def main(a: argparse.Namespace) -> int:
     for q, row in OURS_ROWS.items():
         if (q == "none" and "goodput" in wanted) or f"goodput-{q}" in wanted:
             head = _lm_head_scheme(q)
-            f = ours_weight_bytes(shape, 2, q, head)
+            f = ours_weight_bytes(shape, 2, q, head, group=_int4_group())
             storage = "bf16" if q == "none" else f"{q} (bf16 scales), LM head {head if head != 'none' else 'bf16'}"
             systems[row] = {"storage": storage, "formula_bytes": f["total"], "weight_bytes": f["total"],
                             "lm_head_bytes": f["lm_head"]}
