@@ -70,7 +70,8 @@ def test_fraction_le_empty_and_bad_shapes():
 # --------------------------------------------------------------------------------- state
 def test_state_round_trips_through_json():
     st = PolicyState(recommendations=[[1.0, 3.0], [6.0, 4.0]], caps={"a": 48}, service_s=4.2,
-                     last_scale_time=6.0, last_direction=1, since=1.0, plan_cap=64, plan_tpot_s=0.07)
+                     last_scale_time=6.0, last_direction=1, since=1.0, plan_cap=64, plan_tpot_s=0.07,
+                     plan_offered_rps=10.0)
     back = PolicyState.from_dict(json.loads(json.dumps(st.to_dict())))
     assert back == st
     assert PolicyState.from_dict({"caps": "nonsense"}) == PolicyState()
@@ -437,3 +438,24 @@ def test_metrics_back_after_a_long_gap_wait_a_whole_window():
     # t=701: the window [401, 701] holds only complete-metrics 2s (450, 701): one step down
     d = decide(701.0, quiet, SPEC, d.state)
     assert (d.replicas, d.reason) == (2, "ScaleDown")
+
+
+def test_retried_429s_while_pods_load_are_not_new_demand():
+    # scale 1 -> 2 at t=0 as in test_batch_cut_while_a_pod_loads...: 104 in flight, offered
+    # 10 req/s (plan_offered_rps 10), service_s 7.13 s
+    t0 = pod("a", running=64, waiting=40, kv_usage=0.2, tpot=hist(0, 50, 50, 50, 0.07))
+    up = decide(0.0, Observation((t0,), (), (), 1), SPEC, None)
+    assert (up.replicas, up.state.plan_offered_rps) == (2, 10.0)
+    # while s1 loads, the tightened queue answers 429 and the clients retry: 40 admitted and 160
+    # rejections per 5 s -> offered 40 req/s, 40 * 7.13 = 285.2 seqs -> ceil(285.2 / 64) = 5
+    # would order 3 more. Sized with min(40, max(plan 10, admitted 8)) = 10 req/s -> 71.3; in
+    # flight 104 -> ceil(104 / 64) = 2 = current: hold (attainment 40 / 200 = 0.2 is not
+    # evidence while pods load, rule 3)
+    retried = pod("a", running=64, waiting=40, kv_usage=0.2, admitted=40, finished=40, slo_met=40,
+                  rejected_429=160, generation_tokens=4000, ttft=hist(0, 0, 40, 40, 0.2),
+                  tpot=hist(0, 40, 40, 40, 0.07))
+    d = decide(5.0, Observation((retried,), (StartingPod("s1", 5.0),), (), 2), SPEC, up.state)
+    assert (d.replicas, d.reason) == (2, "HoldStarting")
+    # with nothing coming the same 429s are offered demand in full: 285.2 / 64 -> 5
+    d = decide(5.0, Observation((retried,), (), (), 1), SPEC, None)
+    assert d.replicas == 5

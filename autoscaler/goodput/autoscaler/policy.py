@@ -57,8 +57,12 @@ How each rule follows from the ideas it rests on:
    the TPOT of the requests they admit now, and it stretches the measured service time; neither
    says that replicas at their planned load will need a smaller batch or serve slower, so
    neither may by itself order another replica (sized against the cut, one 64 -> 48 cut turns
-   104 seqs from 2 replicas into 3). While pods load only a rise in demand (seqs in flight or
-   offered req/s) adds replicas. For the same reason the cuts are provisional: on the tick the
+   104 seqs from 2 replicas into 3). The offered rate is sized with ``min(offered, max(
+   plan_offered_rps, admitted rate))``: while capacity loads the admission limits are tight on
+   purpose (rule 5, and the cuts), and a client that retries a 429 offers the same request
+   again, so 429s beyond the offered rate the plan was sized for are not new demand until the
+   capacity has arrived (then they count in full). While pods load only a rise in demand (seqs
+   in flight, admitted or planned req/s) adds replicas. For the same reason the cuts are provisional: on the tick the
    last coming pod is ready, every replica's cap is raised back to at least ``plan_cap`` (the
    load per replica is back to the planned one; if the batch still misses there, rule 2 cuts it
    again after one interval), and the plan is dropped. A cut or a slow TPOT that then persists
@@ -337,8 +341,9 @@ class PolicyState:
     caps: pod name -> learned ``max_num_seqs`` (the best batch, rule 2).
     service_s: last estimate of the service time of one request (seconds; 0 = unknown).
     last_scale_time: when replicas last changed (None = never). last_direction: +1, -1 or 0.
-    plan_cap, plan_tpot_s: the batch (``max_num_seqs``) per replica and the mean TPOT (seconds)
-        that the capacity now coming was sized with (rule 4); 0 when nothing is coming.
+    plan_cap, plan_tpot_s, plan_offered_rps: the batch (``max_num_seqs``) per replica, the mean
+        TPOT (seconds) and the offered load (req/s) that the capacity now coming was sized with
+        (rule 4); 0 when nothing is coming.
     since: when this history started (the first call with metrics); no scale-down before a whole
         stabilization window of history exists, so an autoscaler that lost its state waits
         instead of acting on one sample.
@@ -352,6 +357,7 @@ class PolicyState:
     since: float | None = None
     plan_cap: int = 0
     plan_tpot_s: float = 0.0
+    plan_offered_rps: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -373,6 +379,7 @@ class PolicyState:
                 since=None if d.get("since") is None else float(d["since"]),
                 plan_cap=int(d.get("plan_cap", 0)),
                 plan_tpot_s=float(d.get("plan_tpot_s", 0.0)),
+                plan_offered_rps=float(d.get("plan_offered_rps", 0.0)),
             )
         except (TypeError, ValueError, AttributeError):
             return cls()
@@ -416,6 +423,7 @@ class _Fleet:
 
     rated: int = 0                  # ready pods with interval_s > 0
     offered_rps: float = 0.0
+    admitted_rps: float = 0.0
     finished_rps: float = 0.0
     rejected_429: float = 0.0
     finished: float = 0.0
@@ -528,6 +536,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
             continue
         f.rated += 1
         f.offered_rps += (p.admitted + p.rejected_429) / p.interval_s
+        f.admitted_rps += p.admitted / p.interval_s
         f.finished_rps += p.finished / p.interval_s
         f.rejected_429 += p.rejected_429
         f.finished += p.finished
@@ -548,12 +557,17 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     tpot_mean = tpot_sum / tpot_n if tpot_n > 0 else 0.0
     if coming > 0 and not st.plan_tpot_s:
         st.plan_tpot_s = tpot_mean
+    if coming > 0 and not st.plan_offered_rps:
+        st.plan_offered_rps = f.offered_rps
+    sizing_offered_rps = f.offered_rps
+    if coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
+        sizing_offered_rps = min(f.offered_rps, max(st.plan_offered_rps, f.admitted_rps))
     offered = f.finished + f.rejected_429
     f.attainment = f.slo_met / offered if offered > 0 else None
     cap_mean = sum(capacities) / len(capacities) if capacities else float(
         _median(list(sizing_caps.values())) or spec.max_num_seqs)
     per_replica = max(1e-9, cap_mean * spec.target_utilization)
-    demand = max(float(f.in_flight), f.offered_rps * sizing_service_s)
+    demand = max(float(f.in_flight), sizing_offered_rps * sizing_service_s)
     wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
 
     saturated = f.waiting > spec.queue_target * max(1, n_ready) or f.rejected_429 > 0 \
@@ -635,8 +649,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     if replicas > current:      # what this scale-up was sized with (rule 4)
         st.plan_cap = _median(list(sizing_caps.values())) or st.plan_cap
         st.plan_tpot_s = min(tpot_mean, st.plan_tpot_s or math.inf) if tpot_mean else st.plan_tpot_s
+        st.plan_offered_rps = max(sizing_offered_rps, st.plan_offered_rps if coming else 0.0)
     elif coming == 0:
-        st.plan_cap, st.plan_tpot_s = 0, 0.0
+        st.plan_cap, st.plan_tpot_s, st.plan_offered_rps = 0, 0.0, 0.0
 
     # --- rule 5: waiting-queue limit ---
     live_mean = sum(live) / len(live) if live else cap_mean
