@@ -198,7 +198,7 @@ def test_torch_backend_matches_naive_reference(H, KV, dtype, tol, decodes_first)
 ])
 @pytest.mark.parametrize("pooled", [True, False])
 def test_torch_backend_decode_paths_match_naive_reference(specs, pooled):
-    """Decode-only steps (the fast paths: in-place view, one K+V gather reused by every layer),
+    """Decode-only steps (the fast paths: in-place view, a gather buffer reused by every layer),
     with caches that are slices of one pool (as the runner allocates them) or separate tensors;
     two layers in one step must each read their own cache."""
     torch.manual_seed(1)
