@@ -309,7 +309,8 @@ def render(res: dict) -> str:
     for r in res["roofline"]["rows"]:
         L.append(f"| {r['system']} | {r['batch']} | {_mb(r['bytes'])} | {_f(r['t_mem_s'] * 1e3)} | "
                  f"{_f(r['t_compute_s'] * 1e3, 2)} | {_f(r['bound_tok_s'], 0)} | {_f(r.get('server_tok_s'))} | "
-                 f"{_pct(r.get('server_fraction'))} | {_f(r['runner_step_s'] * 1e3 if r.get('runner_step_s') else None)} | "
+                 f"{_pct(r.get('server_fraction'))} | "
+                 f"{_f(r['runner_step_s'] * 1e3 if r.get('runner_step_s') else None)} | "
                  f"{_pct(r.get('runner_fraction'))} |")
     L.append("")
 
@@ -323,8 +324,9 @@ def render(res: dict) -> str:
                  "sequences whose KV cache already holds the context (random values, distinct blocks per "
                  f"sequence); median (and minimum) of {g['repeats']} steps. KV bytes = 2·L·n_kv·d_head·bytes·T·B "
                  f"= {g['kv_bytes_per_token']:.0f} B × T × B. Bound = (weights + KV) / bandwidth. Extra = minimum "
-                 "step − the same batch's minimum step at the shortest context; explained = extra KV bytes / bandwidth (or "
-                 f"extra attention FLOPs / peak); flagged when extra > {GROWTH_FLAG_FACTOR:g} × explained.\n")
+                 "step − the same batch's minimum step at the shortest context; explained = extra KV bytes / "
+                 f"bandwidth (or extra attention FLOPs / peak); flagged when extra > {GROWTH_FLAG_FACTOR:g} × "
+                 "explained.\n")
         L.append("| B | context | KV MB / step | step ms (min) | tok/s | bound ms | % of bound | extra ms | "
                  "explained ms | |\n|" + "---|" * 10)
         for r in g["rows"]:
@@ -481,63 +483,68 @@ def _side_by_side(run: Run, a: argparse.Namespace, wanted: list[str], streams: l
     side: dict[str, dict[int, float | None]] = {}
     details: dict = {}
     for sysname in wanted:
-        if sysname.startswith("goodput"):
-            q = sysname.partition("-")[2] or "none"
-            row = OURS_ROWS[q]
-            port = free_port()
-            flags = {"num_threads": a.threads}
-            if q != "none":
-                flags["quantization"] = q
-            cmd = goodput_worker_cmd(port, **flags)
-            run.commands.append(_shown_cmd(cmd, port))
-            with Server(cmd, port, os.path.join(run.raw, f"server-{sysname}.log"), ready_path="/ready",
-                        ready_timeout=600) as srv:
-                for c in streams:
-                    r = run.load(srv.base_url, all_specs[c], c, f"{row} C={c}")
-                    side.setdefault(row, {})[c] = r["tok_s"]
-                    details[f"{row} C={c}"] = r
-        elif sysname == "llama-server":
-            for c in streams:
+        try:
+            if sysname.startswith("goodput"):
+                q = sysname.partition("-")[2] or "none"
+                row = OURS_ROWS[q]
                 port = free_port()
-                cmd = llama_server_cmd(llama_bin, run.gguf, port, c, ctx_per_slot, a.threads)
+                flags = {"num_threads": a.threads}
+                if q != "none":
+                    flags["quantization"] = q
+                cmd = goodput_worker_cmd(port, **flags)
                 run.commands.append(_shown_cmd(cmd, port))
-                with Server(cmd, port, os.path.join(run.raw, f"server-llama-server-np{c}.log"),
-                            ready_path="/health", ready_timeout=300) as srv:
-                    r = run.load(srv.base_url, all_specs[c], c, f"llama-server C={c}")
-                    side.setdefault("llama-server", {})[c] = r["tok_s"]
-                    details[f"llama-server C={c}"] = r
-        elif sysname == "llama-cpp-python":
-            port = free_port()
-            cmd = llama_cpp_cmd(port, run.gguf, n_ctx=ctx_per_slot * 2, n_threads=a.threads)
-            run.commands.append(_shown_cmd(cmd, port))
-            with Server(cmd, port, os.path.join(run.raw, "server-llama-cpp-python.log"),
-                        ready_path="/v1/models", ready_timeout=300) as srv:
-                for c in streams:  # it has no ignore_eos: lengths forced with min_tokens
-                    r = run.load(srv.base_url, all_specs[c], c, f"llama-cpp-python C={c}",
-                                 ignore_eos=False, min_tokens_equal_max=True)
-                    side.setdefault("llama-cpp-python (serial)", {})[c] = r["tok_s"]
-                    details[f"llama-cpp-python C={c}"] = r
-            systems["llama-cpp-python (serial)"] = systems.pop("llama-cpp-python")
-        elif sysname == "hf":
-            path = os.path.join(run.raw, "hf-specs.json")
-            out = os.path.join(run.raw, "hf.json")
-            with open(path, "w") as f:
-                json.dump({"jobs": [{"batch": c, "specs": [{"prompt": s.prompt, "max_tokens": s.max_tokens}
-                                                           for s in all_specs[c]]} for c in streams]}, f)
-            cmd = [sys.executable, "-m", "goodput.bench", "hf-static", "--specs", path, "--dtype", "bfloat16",
-                   "--out", out]
-            run.commands.append("python " + " ".join(cmd[1:]).replace(run.raw, "bench/results/raw/<name>-perf"))
-            run.log("HF static batching ...")
-            env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1",
-                   "TRANSFORMERS_OFFLINE": "1"}
-            p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-            if p.returncode != 0:
-                run.notes.append(f"HF static failed: {p.stderr[-400:]}")
-                continue
-            with open(out) as f:
-                for hp in json.load(f)["points"]:
-                    side.setdefault("HF static", {})[hp["batch"]] = hp["output_token_throughput"]
-                    run.log(f"HF static C={hp['batch']}: {hp['output_token_throughput']:.1f} tok/s")
+                with Server(cmd, port, os.path.join(run.raw, f"server-{sysname}.log"), ready_path="/ready",
+                            ready_timeout=600) as srv:
+                    for c in streams:
+                        r = run.load(srv.base_url, all_specs[c], c, f"{row} C={c}")
+                        side.setdefault(row, {})[c] = r["tok_s"]
+                        details[f"{row} C={c}"] = r
+            elif sysname == "llama-server":
+                for c in streams:
+                    port = free_port()
+                    cmd = llama_server_cmd(llama_bin, run.gguf, port, c, ctx_per_slot, a.threads)
+                    run.commands.append(_shown_cmd(cmd, port))
+                    with Server(cmd, port, os.path.join(run.raw, f"server-llama-server-np{c}.log"),
+                                ready_path="/health", ready_timeout=300) as srv:
+                        r = run.load(srv.base_url, all_specs[c], c, f"llama-server C={c}")
+                        side.setdefault("llama-server", {})[c] = r["tok_s"]
+                        details[f"llama-server C={c}"] = r
+            elif sysname == "llama-cpp-python":
+                port = free_port()
+                cmd = llama_cpp_cmd(port, run.gguf, n_ctx=ctx_per_slot * 2, n_threads=a.threads)
+                run.commands.append(_shown_cmd(cmd, port))
+                with Server(cmd, port, os.path.join(run.raw, "server-llama-cpp-python.log"),
+                            ready_path="/v1/models", ready_timeout=300) as srv:
+                    for c in streams:  # it has no ignore_eos: lengths forced with min_tokens
+                        r = run.load(srv.base_url, all_specs[c], c, f"llama-cpp-python C={c}",
+                                     ignore_eos=False, min_tokens_equal_max=True)
+                        side.setdefault("llama-cpp-python (serial)", {})[c] = r["tok_s"]
+                        details[f"llama-cpp-python C={c}"] = r
+                systems["llama-cpp-python (serial)"] = systems.pop("llama-cpp-python")
+            elif sysname == "hf":
+                path = os.path.join(run.raw, "hf-specs.json")
+                out = os.path.join(run.raw, "hf.json")
+                with open(path, "w") as f:
+                    json.dump({"jobs": [{"batch": c, "specs": [{"prompt": s.prompt, "max_tokens": s.max_tokens}
+                                                               for s in all_specs[c]]} for c in streams]}, f)
+                cmd = [sys.executable, "-m", "goodput.bench", "hf-static", "--specs", path, "--dtype", "bfloat16",
+                       "--out", out]
+                run.commands.append("python " + " ".join(cmd[1:]).replace(run.raw, "bench/results/raw/<name>-perf"))
+                run.log("HF static batching ...")
+                env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1",
+                       "TRANSFORMERS_OFFLINE": "1"}
+                p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+                if p.returncode != 0:
+                    run.notes.append(f"HF static failed: {p.stderr[-400:]}")
+                    continue
+                with open(out) as f:
+                    for hp in json.load(f)["points"]:
+                        side.setdefault("HF static", {})[hp["batch"]] = hp["output_token_throughput"]
+                        run.log(f"HF static C={hp['batch']}: {hp['output_token_throughput']:.1f} tok/s")
+        except (RuntimeError, OSError, ValueError) as e:  # one failing system must not lose the others
+            run.notes.append(f"{sysname} failed: {type(e).__name__}: {str(e)[-300:]}")
+            run.log(f"{sysname} FAILED: {e}")
+
     return side, details
 
 
@@ -702,7 +709,8 @@ def main(a: argparse.Namespace) -> int:
         "roofline": {"bandwidth": bw, "peak_flops": peak, "rows": rows},
         "context_growth": growth, "context_note": ctx_note, "targets": tg, "profiles": run.profiles,
         "side_notes": run.notes, "commands": list(dict.fromkeys(run.commands)),
-        "command": " ".join(["bash bench/run_perf.sh"] + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
+        "command": " ".join(["bash bench/run_perf.sh"]
+                            + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
         "load_before": load_before, "load_after": os.getloadavg(), "wall_s": time.time() - t_start,
         "note": a.note if getattr(a, "note", None) else None,
     }
