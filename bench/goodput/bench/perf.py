@@ -431,6 +431,7 @@ class Run:
         self.commands: list[str] = []
         self.notes: list[str] = []
         self.profiles: dict[str, list[dict]] = {}
+        self.amx: dict | None = None
 
     def log(self, msg: str) -> None:
         print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -478,7 +479,7 @@ def _side_by_side(run: Run, a: argparse.Namespace, wanted: list[str], streams: l
                   llama_bin: str | None, ctx_per_slot: int, systems: dict) -> tuple[dict, dict]:
     """Every system over the same request lists, one server at a time (each stopped when its
     `with` ends). Returns ({row: {C: tok/s}}, {label: load result})."""
-    from .llama_server import llama_server_cmd
+    from .llama_server import choose_flags, llama_server_cmd
     from .servers import Server, free_port, goodput_worker_cmd, llama_cpp_cmd
     side: dict[str, dict[int, float | None]] = {}
     details: dict = {}
@@ -500,9 +501,14 @@ def _side_by_side(run: Run, a: argparse.Namespace, wanted: list[str], streams: l
                         side.setdefault(row, {})[c] = r["tok_s"]
                         details[f"{row} C={c}"] = r
             elif sysname == "llama-server":
+                run.log("llama-server: probing llama.cpp's default CPU buffer types (AMX) ...")
+                no_repack, why = choose_flags(llama_bin, run.gguf, a.threads,
+                                              os.path.join(run.raw, "server-llama-server-defaults-probe.log"))
+                run.amx = {"no_repack": no_repack, "why": why}
+                run.log(f"llama-server: {'--no-repack' if no_repack else 'defaults'} ({why})")
                 for c in streams:
                     port = free_port()
-                    cmd = llama_server_cmd(llama_bin, run.gguf, port, c, ctx_per_slot, a.threads)
+                    cmd = llama_server_cmd(llama_bin, run.gguf, port, c, ctx_per_slot, a.threads, no_repack)
                     run.commands.append(_shown_cmd(cmd, port))
                     with Server(cmd, port, os.path.join(run.raw, f"server-llama-server-np{c}.log"),
                                 ready_path="/health", ready_timeout=300) as srv:
@@ -698,7 +704,6 @@ def main(a: argparse.Namespace) -> int:
         if os.path.exists(bs):
             with open(bs) as f:
                 build_s = f.read().strip()
-    amx = cpu_has_amx()
     res = {
         "date": a.date, "model": "SmolLM2-135M-Instruct", "gguf_name": os.path.basename(run.gguf),
         "threads": a.threads, "streams": streams, "requests": nreq, "seed": a.seed, "output_range": (lo, hi),
@@ -720,11 +725,7 @@ def main(a: argparse.Namespace) -> int:
             "build": "llama.cpp vendored in llama-cpp-python's sdist; cmake Release, target llama-server, "
                      "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
                      + (f"; built in {build_s} s" if build_s else ""),
-            "amx_note": ("AMX: this CPU has AMX (amx_int8); " if amx else "AMX: this CPU has no AMX; ")
-            + ("started with `--no-repack` (llama.cpp's `no_extra_bufts`): the -march=native build's AMX "
-               "extra buffer type segfaulted in this VM, and Q4_1 has no other repacked layout on x86, so "
-               "the switch removes only the AMX path (`llama_server.py`)." if "--no-repack" in " ".join(run.commands)
-               else "started with llama.cpp's defaults (GOODPUT_LLAMA_EXTRA_BUFTS=1)."),
+            "amx_note": amx_note(cpu_has_amx(), run.amx),
         }
     with open(os.path.join(run.raw, "perf.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
@@ -732,6 +733,19 @@ def main(a: argparse.Namespace) -> int:
         f.write(render(res))
     print(run.md_path)
     return 0
+
+
+def amx_note(cpu_amx: bool, choice: dict | None) -> str:
+    """The results' sentence on llama-server's AMX path: what the probe saw and what was used."""
+    head = "AMX: this CPU has AMX (amx_int8). " if cpu_amx else "AMX: this CPU has no AMX. "
+    if choice is None:
+        return head + "llama-server did not run."
+    if choice["no_repack"]:
+        return (head + f"{choice['why'][0].upper() + choice['why'][1:]}, so the runs use its own switch "
+                "`--no-repack` (llama.cpp's `no_extra_bufts`): weights stay in the plain CPU buffer with the "
+                "AVX-512 Q4_1/Q8_0 kernels; on x86 Q4_1 and Q8_0 have no other repacked layout, so only the "
+                "AMX path is off (`llama_server.py`).")
+    return head + f"Runs use llama.cpp's default buffer types ({choice['why']})."
 
 
 def _shown_args(argv: list[str]) -> list[str]:
