@@ -102,7 +102,8 @@ class Load:
 
     Every request is recorded: a stream that answered 200 must end with a finish_reason and
     [DONE]; one that breaks after its 200 is *cut*. 429/503 and refused connections (a pod that
-    already exited) happen before any token and are retried, like a client behind a Service would.
+    already exited) happen before any token and are retried, like a client behind a Service
+    would, with the openai client's backoff (0.5 s doubling to 8 s, reset by a success).
     """
 
     def __init__(self, clients: int, max_tokens: int):
@@ -130,6 +131,7 @@ class Load:
             t.join(timeout=120)
 
     def _client(self, i: int) -> None:
+        backoff = 0.5
         with httpx.Client(timeout=httpx.Timeout(120, connect=3)) as http:
             while not self.stop_ev.is_set():
                 with self.lock:
@@ -146,8 +148,10 @@ class Load:
                             r.read()
                             with self.lock:
                                 self.refused += 1
-                            time.sleep(0.2)
+                            self.stop_ev.wait(backoff)
+                            backoff = min(8.0, backoff * 2)
                             continue
+                        backoff = 0.5
                         try:
                             for line in r.iter_lines():
                                 if line == "data: [DONE]":
@@ -161,7 +165,8 @@ class Load:
                 except httpx.HTTPError:  # refused / reset before any response: not a stream
                     with self.lock:
                         self.refused += 1
-                    time.sleep(0.2)
+                    self.stop_ev.wait(backoff)
+                    backoff = min(8.0, backoff * 2)
                     continue
                 with self.lock:
                     self.streams.append(rec)
@@ -303,12 +308,16 @@ def test_limits_it_sets_are_on_the_pods(kubectl: Kubectl, ns: str, diag):
     assert adm["maxNumSeqs"] >= 1 and adm["maxWaiting"] >= 0 and adm["updatedAt"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(POD_READY_S + 150)
 def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: str, autoscaler, diag):
     # load drops to a trickle: one stream per replica at a time (client i -> pod i)
     World.load.stop()
     assert not World.load.bad_streams(), World.load.bad_streams()[:5]
-    ready = sorted((p for p in pods(kubectl, ns) if is_ready(p)), key=lambda p: p["metadata"]["name"])
+    # every pod serves a client of the trickle (the one a scale-down removes must have streams)
+    ready = wait_for(lambda: (ps := pods(kubectl, ns)) and all(is_ready(p) for p in ps)
+                     and len(ps) == isvc(kubectl, ns, NAME)["spec"]["replicas"] and ps, POD_READY_S,
+                     "every pod ready", interval=1, on_timeout=diag)
+    ready = sorted(ready, key=lambda p: p["metadata"]["name"])
     World.load = load = Load(len(ready), max_tokens=32)
     load.set_targets([pod_ip(p) for p in ready])
     load.start()

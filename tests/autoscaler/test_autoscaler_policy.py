@@ -70,7 +70,8 @@ def test_fraction_le_empty_and_bad_shapes():
 # --------------------------------------------------------------------------------- state
 def test_state_round_trips_through_json():
     st = PolicyState(recommendations=[[1.0, 3.0], [6.0, 4.0]], caps={"a": 48}, service_s=4.2,
-                     last_scale_time=6.0, last_direction=1, since=1.0, plan_cap=64, plan_tpot_s=0.07)
+                     last_scale_time=6.0, last_direction=1, since=1.0, plan_cap=64, plan_tpot_s=0.07,
+                     plan_offered_rps=10.0)
     back = PolicyState.from_dict(json.loads(json.dumps(st.to_dict())))
     assert back == st
     assert PolicyState.from_dict({"caps": "nonsense"}) == PolicyState()
@@ -199,6 +200,25 @@ def test_queue_limit_tightens_while_capacity_loads():
     # 1 ready + 3 loading (2 starting, 1 not created yet): floor(12 * (1 + 1/4)) = 15
     d = decide(0.0, Observation((pod("a"),), starting, (), 4), SPEC, None)
     assert d.limits["a"].max_waiting == 15
+
+
+def test_queue_limit_leaves_the_prefill_its_part_of_ttft():
+    # as above (mu = 53.33 / 4.16 = 12.82/s), now with the queue-time histogram: TTFT mean 0.2 s,
+    # queue time mean 0.05 s -> t_first = 0.15 s after the queue; a position k request meets TTFT
+    # when k / 12.82 + 0.15 <= 1.0 -> k_ttft = floor(0.85 * 12.82) = floor(10.9) = 10.
+    # Nothing loading: 10 * 2 = 20 (24 without the histogram: those past 20 wait their whole budget)
+    q = hist(50, 50, 50, 50, 0.05)
+    pods = (pod("a", queue=q), pod("b", queue=q))
+    d = decide(0.0, Observation(pods, (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {20}
+    # 2 ready + 2 starting: floor(10 * (1 + 2/4)) = 15
+    d = decide(0.0, Observation(pods, (StartingPod("s0", 5.0), StartingPod("s1", 5.0)), (), 4), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {15}
+    # first tokens take 1.2 s after the queue (TTFT mean 1.25, queue 0.05): no queue position
+    # meets a 1 s TTFT -> budget 0, k_ttft 0 -> min_waiting 1
+    slow = tuple(pod(n, queue=q, ttft=hist(0, 0, 0, 50, 1.25)) for n in "ab")
+    d = decide(0.0, Observation(slow, (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {1}
 
 
 # ------------------------------------------------------- rule 6: preemption is saturation
@@ -418,3 +438,24 @@ def test_metrics_back_after_a_long_gap_wait_a_whole_window():
     # t=701: the window [401, 701] holds only complete-metrics 2s (450, 701): one step down
     d = decide(701.0, quiet, SPEC, d.state)
     assert (d.replicas, d.reason) == (2, "ScaleDown")
+
+
+def test_retried_429s_while_pods_load_are_not_new_demand():
+    # scale 1 -> 2 at t=0 as in test_batch_cut_while_a_pod_loads...: 104 in flight, offered
+    # 10 req/s (plan_offered_rps 10), service_s 7.13 s
+    t0 = pod("a", running=64, waiting=40, kv_usage=0.2, tpot=hist(0, 50, 50, 50, 0.07))
+    up = decide(0.0, Observation((t0,), (), (), 1), SPEC, None)
+    assert (up.replicas, up.state.plan_offered_rps) == (2, 10.0)
+    # while s1 loads, the tightened queue answers 429 and the clients retry: 40 admitted and 160
+    # rejections per 5 s -> offered 40 req/s, 40 * 7.13 = 285.2 seqs -> ceil(285.2 / 64) = 5
+    # would order 3 more. Sized with min(40, max(plan 10, admitted 8)) = 10 req/s -> 71.3; in
+    # flight 104 -> ceil(104 / 64) = 2 = current: hold (attainment 40 / 200 = 0.2 is not
+    # evidence while pods load, rule 3)
+    retried = pod("a", running=64, waiting=40, kv_usage=0.2, admitted=40, finished=40, slo_met=40,
+                  rejected_429=160, generation_tokens=4000, ttft=hist(0, 0, 40, 40, 0.2),
+                  tpot=hist(0, 40, 40, 40, 0.07))
+    d = decide(5.0, Observation((retried,), (StartingPod("s1", 5.0),), (), 2), SPEC, up.state)
+    assert (d.replicas, d.reason) == (2, "HoldStarting")
+    # with nothing coming the same 429s are offered demand in full: 285.2 / 64 -> 5
+    d = decide(5.0, Observation((retried,), (), (), 1), SPEC, None)
+    assert d.replicas == 5

@@ -57,8 +57,12 @@ How each rule follows from the ideas it rests on:
    the TPOT of the requests they admit now, and it stretches the measured service time; neither
    says that replicas at their planned load will need a smaller batch or serve slower, so
    neither may by itself order another replica (sized against the cut, one 64 -> 48 cut turns
-   104 seqs from 2 replicas into 3). While pods load only a rise in demand (seqs in flight or
-   offered req/s) adds replicas. For the same reason the cuts are provisional: on the tick the
+   104 seqs from 2 replicas into 3). The offered rate is sized with ``min(offered, max(
+   plan_offered_rps, admitted rate))``: while capacity loads the admission limits are tight on
+   purpose (rule 5, and the cuts), and a client that retries a 429 offers the same request
+   again, so 429s beyond the offered rate the plan was sized for are not new demand until the
+   capacity has arrived (then they count in full). While pods load only a rise in demand (seqs
+   in flight, admitted or planned req/s) adds replicas. For the same reason the cuts are provisional: on the tick the
    last coming pod is ready, every replica's cap is raised back to at least ``plan_cap`` (the
    load per replica is back to the planned one; if the batch still misses there, rule 2 cuts it
    again after one interval), and the plan is dropped. A cut or a slow TPOT that then persists
@@ -66,8 +70,13 @@ How each rule follows from the ideas it rests on:
    missed SLOs on a saturated fleet (rule 3).
 
 5. While capacity loads, admit only what can still meet TTFT. A waiting request at queue position
-   k starts after about k / mu seconds, mu = c / service_s completions per second per replica;
-   ``k_ttft = floor(slo_ttft_s * mu)``. While pods are starting and the ready ones are saturated,
+   k leaves the queue after about k / mu seconds, mu = c / service_s completions per second per
+   replica, and then still needs ``t_first`` until its first token (its prefill, sharing each
+   step's token budget with the batch): ``t_first`` = mean TTFT - mean queue time over the
+   interval (the worker's queue-time histogram: arrival -> first scheduled). It meets TTFT when
+   ``k / mu + t_first <= slo_ttft_s``, so ``k_ttft = floor((slo_ttft_s - t_first) * mu)``.
+   (Spending the whole TTFT budget on the queue admits requests that wait their full budget and
+   then miss by their prefill.) While pods are starting and the ready ones are saturated,
    the overload lasts the whole load time, so any request queued past k_ttft misses TTFT and
    only steals capacity: ``max_waiting = k_ttft`` (a fast 429 instead). With nothing loading a
    queue is transient noise that drains, so the limit loosens to ``k_ttft * queue_slack`` in
@@ -177,6 +186,8 @@ class PodObservation:
         preempted, generation_tokens: counter increases over the interval.
     ttft, tpot: histogram increases over the interval (None when not scraped).
     age_s: seconds since the pod became ready.
+    queue: histogram increase of the queue time (arrival -> first scheduled, seconds) over the
+        interval (None when not scraped; rule 5 then assumes no time after the queue).
     """
 
     name: str
@@ -196,6 +207,7 @@ class PodObservation:
     ttft: HistogramDelta | None
     tpot: HistogramDelta | None
     age_s: float = 0.0
+    queue: HistogramDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -329,8 +341,9 @@ class PolicyState:
     caps: pod name -> learned ``max_num_seqs`` (the best batch, rule 2).
     service_s: last estimate of the service time of one request (seconds; 0 = unknown).
     last_scale_time: when replicas last changed (None = never). last_direction: +1, -1 or 0.
-    plan_cap, plan_tpot_s: the batch (``max_num_seqs``) per replica and the mean TPOT (seconds)
-        that the capacity now coming was sized with (rule 4); 0 when nothing is coming.
+    plan_cap, plan_tpot_s, plan_offered_rps: the batch (``max_num_seqs``) per replica, the mean
+        TPOT (seconds) and the offered load (req/s) that the capacity now coming was sized with
+        (rule 4); 0 when nothing is coming.
     since: when this history started (the first call with metrics); no scale-down before a whole
         stabilization window of history exists, so an autoscaler that lost its state waits
         instead of acting on one sample.
@@ -344,6 +357,7 @@ class PolicyState:
     since: float | None = None
     plan_cap: int = 0
     plan_tpot_s: float = 0.0
+    plan_offered_rps: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -365,6 +379,7 @@ class PolicyState:
                 since=None if d.get("since") is None else float(d["since"]),
                 plan_cap=int(d.get("plan_cap", 0)),
                 plan_tpot_s=float(d.get("plan_tpot_s", 0.0)),
+                plan_offered_rps=float(d.get("plan_offered_rps", 0.0)),
             )
         except (TypeError, ValueError, AttributeError):
             return cls()
@@ -408,6 +423,7 @@ class _Fleet:
 
     rated: int = 0                  # ready pods with interval_s > 0
     offered_rps: float = 0.0
+    admitted_rps: float = 0.0
     finished_rps: float = 0.0
     rejected_429: float = 0.0
     finished: float = 0.0
@@ -520,6 +536,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
             continue
         f.rated += 1
         f.offered_rps += (p.admitted + p.rejected_429) / p.interval_s
+        f.admitted_rps += p.admitted / p.interval_s
         f.finished_rps += p.finished / p.interval_s
         f.rejected_429 += p.rejected_429
         f.finished += p.finished
@@ -540,12 +557,17 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     tpot_mean = tpot_sum / tpot_n if tpot_n > 0 else 0.0
     if coming > 0 and not st.plan_tpot_s:
         st.plan_tpot_s = tpot_mean
+    if coming > 0 and not st.plan_offered_rps:
+        st.plan_offered_rps = f.offered_rps
+    sizing_offered_rps = f.offered_rps
+    if coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
+        sizing_offered_rps = min(f.offered_rps, max(st.plan_offered_rps, f.admitted_rps))
     offered = f.finished + f.rejected_429
     f.attainment = f.slo_met / offered if offered > 0 else None
     cap_mean = sum(capacities) / len(capacities) if capacities else float(
         _median(list(sizing_caps.values())) or spec.max_num_seqs)
     per_replica = max(1e-9, cap_mean * spec.target_utilization)
-    demand = max(float(f.in_flight), f.offered_rps * sizing_service_s)
+    demand = max(float(f.in_flight), sizing_offered_rps * sizing_service_s)
     wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
 
     saturated = f.waiting > spec.queue_target * max(1, n_ready) or f.rejected_429 > 0 \
@@ -627,13 +649,21 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     if replicas > current:      # what this scale-up was sized with (rule 4)
         st.plan_cap = _median(list(sizing_caps.values())) or st.plan_cap
         st.plan_tpot_s = min(tpot_mean, st.plan_tpot_s or math.inf) if tpot_mean else st.plan_tpot_s
+        st.plan_offered_rps = max(sizing_offered_rps, st.plan_offered_rps if coming else 0.0)
     elif coming == 0:
-        st.plan_cap, st.plan_tpot_s = 0, 0.0
+        st.plan_cap, st.plan_tpot_s, st.plan_offered_rps = 0, 0.0, 0.0
 
     # --- rule 5: waiting-queue limit ---
     live_mean = sum(live) / len(live) if live else cap_mean
     mu = (live_mean / f.service_s) if f.service_s > 0 else 0.0
-    k_ttft = math.floor(spec.slo_ttft_s * mu) if mu > 0 else spec.max_waiting
+    ttfts = [p.ttft for p in obs.ready if p.interval_s > 0 and p.ttft is not None and p.ttft.count > 0]
+    queues = [p.queue for p in obs.ready if p.interval_s > 0 and p.queue is not None and p.queue.count > 0]
+    t_first = 0.0
+    if ttfts and queues:   # time after the queue until the first token (prefill)
+        t_first = max(0.0, sum(h.sum for h in ttfts) / sum(h.count for h in ttfts)
+                      - sum(h.sum for h in queues) / sum(h.count for h in queues))
+    budget = max(0.0, spec.slo_ttft_s - t_first)
+    k_ttft = math.floor(budget * mu) if mu > 0 else spec.max_waiting
     loading = coming + max(0, replicas - current)
     ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
     slack = 1.0 + (spec.queue_slack - 1.0) * ready_frac
