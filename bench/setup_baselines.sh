@@ -9,10 +9,10 @@
 #   bash bench/setup_baselines.sh                          # idempotent; prints the binary's path
 #   bash bench/setup_baselines.sh --with-llama-cpp-python
 #
-# AMX: a -march=native build on an AMX CPU compiles ggml's AMX extra buffer type, whose matmul
-# segfaulted in this VM. The build keeps it (it is what users get); the benchmark starts
-# llama-server with its own switch `--no-repack` (llama.cpp's `no_extra_bufts`), which keeps the
-# weights in the plain CPU buffer (bench/goodput/bench/llama_server.py says why and checks).
+# AMX: a -march=native build on an AMX CPU compiles ggml's AMX extra buffer type, which crashes in
+# this VM (SIGILL at start). The build keeps it (it is what users get); the benchmark probes
+# llama.cpp's defaults and, only when they crash, starts llama-server with its own switch
+# `--no-repack` (llama.cpp's `no_extra_bufts`; bench/goodput/bench/llama_server.py says why).
 #
 # Env: GOODPUT_BENCH_CACHE (default ~/.cache/goodput-bench), LLAMA_CPP_VERSION (default 0.3.36),
 #      BUILD_JOBS (default 2), PYTHON (default python3; used for pip download only).

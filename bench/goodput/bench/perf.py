@@ -309,7 +309,8 @@ def render(res: dict) -> str:
     for r in res["roofline"]["rows"]:
         L.append(f"| {r['system']} | {r['batch']} | {_mb(r['bytes'])} | {_f(r['t_mem_s'] * 1e3)} | "
                  f"{_f(r['t_compute_s'] * 1e3, 2)} | {_f(r['bound_tok_s'], 0)} | {_f(r.get('server_tok_s'))} | "
-                 f"{_pct(r.get('server_fraction'))} | {_f(r['runner_step_s'] * 1e3 if r.get('runner_step_s') else None)} | "
+                 f"{_pct(r.get('server_fraction'))} | "
+                 f"{_f(r['runner_step_s'] * 1e3 if r.get('runner_step_s') else None)} | "
                  f"{_pct(r.get('runner_fraction'))} |")
     L.append("")
 
@@ -323,8 +324,9 @@ def render(res: dict) -> str:
                  "sequences whose KV cache already holds the context (random values, distinct blocks per "
                  f"sequence); median (and minimum) of {g['repeats']} steps. KV bytes = 2·L·n_kv·d_head·bytes·T·B "
                  f"= {g['kv_bytes_per_token']:.0f} B × T × B. Bound = (weights + KV) / bandwidth. Extra = minimum "
-                 "step − the same batch's minimum step at the shortest context; explained = extra KV bytes / bandwidth (or "
-                 f"extra attention FLOPs / peak); flagged when extra > {GROWTH_FLAG_FACTOR:g} × explained.\n")
+                 "step − the same batch's minimum step at the shortest context; explained = extra KV bytes / "
+                 f"bandwidth (or extra attention FLOPs / peak); flagged when extra > {GROWTH_FLAG_FACTOR:g} × "
+                 "explained.\n")
         L.append("| B | context | KV MB / step | step ms (min) | tok/s | bound ms | % of bound | extra ms | "
                  "explained ms | |\n|" + "---|" * 10)
         for r in g["rows"]:
@@ -400,12 +402,16 @@ def _int4_group() -> int:
 
 
 def _portable(arg: str) -> str:
+    """Installed files relative to their site-packages, repo paths relative to the repo root,
+    other absolute paths by name: no path of this machine in the results."""
     if not os.path.isabs(arg):
         return arg
+    head, sep, tail = arg.partition("site-packages" + os.sep)
+    if sep:
+        return f"<site-packages>/{tail}"
     if arg.startswith(REPO + os.sep):
         return os.path.relpath(arg, REPO)
-    head, sep, tail = arg.partition("site-packages" + os.sep)
-    return f"<site-packages>/{tail}" if sep else os.path.basename(arg)
+    return os.path.basename(arg)
 
 
 def _shown_cmd(cmd: list[str], port: int | None = None) -> str:
@@ -429,6 +435,7 @@ class Run:
         self.commands: list[str] = []
         self.notes: list[str] = []
         self.profiles: dict[str, list[dict]] = {}
+        self.amx: dict | None = None
 
     def log(self, msg: str) -> None:
         print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -476,68 +483,78 @@ def _side_by_side(run: Run, a: argparse.Namespace, wanted: list[str], streams: l
                   llama_bin: str | None, ctx_per_slot: int, systems: dict) -> tuple[dict, dict]:
     """Every system over the same request lists, one server at a time (each stopped when its
     `with` ends). Returns ({row: {C: tok/s}}, {label: load result})."""
-    from .llama_server import llama_server_cmd
+    from .llama_server import choose_flags, llama_server_cmd
     from .servers import Server, free_port, goodput_worker_cmd, llama_cpp_cmd
     side: dict[str, dict[int, float | None]] = {}
     details: dict = {}
     for sysname in wanted:
-        if sysname.startswith("goodput"):
-            q = sysname.partition("-")[2] or "none"
-            row = OURS_ROWS[q]
-            port = free_port()
-            flags = {"num_threads": a.threads}
-            if q != "none":
-                flags["quantization"] = q
-            cmd = goodput_worker_cmd(port, **flags)
-            run.commands.append(_shown_cmd(cmd, port))
-            with Server(cmd, port, os.path.join(run.raw, f"server-{sysname}.log"), ready_path="/ready",
-                        ready_timeout=600) as srv:
-                for c in streams:
-                    r = run.load(srv.base_url, all_specs[c], c, f"{row} C={c}")
-                    side.setdefault(row, {})[c] = r["tok_s"]
-                    details[f"{row} C={c}"] = r
-        elif sysname == "llama-server":
-            for c in streams:
+        try:
+            if sysname.startswith("goodput"):
+                q = sysname.partition("-")[2] or "none"
+                row = OURS_ROWS[q]
                 port = free_port()
-                cmd = llama_server_cmd(llama_bin, run.gguf, port, c, ctx_per_slot, a.threads)
+                flags = {"num_threads": a.threads}
+                if q != "none":
+                    flags["quantization"] = q
+                cmd = goodput_worker_cmd(port, **flags)
                 run.commands.append(_shown_cmd(cmd, port))
-                with Server(cmd, port, os.path.join(run.raw, f"server-llama-server-np{c}.log"),
-                            ready_path="/health", ready_timeout=300) as srv:
-                    r = run.load(srv.base_url, all_specs[c], c, f"llama-server C={c}")
-                    side.setdefault("llama-server", {})[c] = r["tok_s"]
-                    details[f"llama-server C={c}"] = r
-        elif sysname == "llama-cpp-python":
-            port = free_port()
-            cmd = llama_cpp_cmd(port, run.gguf, n_ctx=ctx_per_slot * 2, n_threads=a.threads)
-            run.commands.append(_shown_cmd(cmd, port))
-            with Server(cmd, port, os.path.join(run.raw, "server-llama-cpp-python.log"),
-                        ready_path="/v1/models", ready_timeout=300) as srv:
-                for c in streams:  # it has no ignore_eos: lengths forced with min_tokens
-                    r = run.load(srv.base_url, all_specs[c], c, f"llama-cpp-python C={c}",
-                                 ignore_eos=False, min_tokens_equal_max=True)
-                    side.setdefault("llama-cpp-python (serial)", {})[c] = r["tok_s"]
-                    details[f"llama-cpp-python C={c}"] = r
-            systems["llama-cpp-python (serial)"] = systems.pop("llama-cpp-python")
-        elif sysname == "hf":
-            path = os.path.join(run.raw, "hf-specs.json")
-            out = os.path.join(run.raw, "hf.json")
-            with open(path, "w") as f:
-                json.dump({"jobs": [{"batch": c, "specs": [{"prompt": s.prompt, "max_tokens": s.max_tokens}
-                                                           for s in all_specs[c]]} for c in streams]}, f)
-            cmd = [sys.executable, "-m", "goodput.bench", "hf-static", "--specs", path, "--dtype", "bfloat16",
-                   "--out", out]
-            run.commands.append("python " + " ".join(cmd[1:]).replace(run.raw, "bench/results/raw/<name>-perf"))
-            run.log("HF static batching ...")
-            env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1",
-                   "TRANSFORMERS_OFFLINE": "1"}
-            p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-            if p.returncode != 0:
-                run.notes.append(f"HF static failed: {p.stderr[-400:]}")
-                continue
-            with open(out) as f:
-                for hp in json.load(f)["points"]:
-                    side.setdefault("HF static", {})[hp["batch"]] = hp["output_token_throughput"]
-                    run.log(f"HF static C={hp['batch']}: {hp['output_token_throughput']:.1f} tok/s")
+                with Server(cmd, port, os.path.join(run.raw, f"server-{sysname}.log"), ready_path="/ready",
+                            ready_timeout=600) as srv:
+                    for c in streams:
+                        r = run.load(srv.base_url, all_specs[c], c, f"{row} C={c}")
+                        side.setdefault(row, {})[c] = r["tok_s"]
+                        details[f"{row} C={c}"] = r
+            elif sysname == "llama-server":
+                run.log("llama-server: probing llama.cpp's default CPU buffer types (AMX) ...")
+                no_repack, why = choose_flags(llama_bin, run.gguf, a.threads,
+                                              os.path.join(run.raw, "server-llama-server-defaults-probe.log"))
+                run.amx = {"no_repack": no_repack, "why": why}
+                run.log(f"llama-server: {'--no-repack' if no_repack else 'defaults'} ({why})")
+                for c in streams:
+                    port = free_port()
+                    cmd = llama_server_cmd(llama_bin, run.gguf, port, c, ctx_per_slot, a.threads, no_repack)
+                    run.commands.append(_shown_cmd(cmd, port))
+                    with Server(cmd, port, os.path.join(run.raw, f"server-llama-server-np{c}.log"),
+                                ready_path="/health", ready_timeout=300) as srv:
+                        r = run.load(srv.base_url, all_specs[c], c, f"llama-server C={c}")
+                        side.setdefault("llama-server", {})[c] = r["tok_s"]
+                        details[f"llama-server C={c}"] = r
+            elif sysname == "llama-cpp-python":
+                port = free_port()
+                cmd = llama_cpp_cmd(port, run.gguf, n_ctx=ctx_per_slot * 2, n_threads=a.threads)
+                run.commands.append(_shown_cmd(cmd, port))
+                with Server(cmd, port, os.path.join(run.raw, "server-llama-cpp-python.log"),
+                            ready_path="/v1/models", ready_timeout=300) as srv:
+                    for c in streams:  # it has no ignore_eos: lengths forced with min_tokens
+                        r = run.load(srv.base_url, all_specs[c], c, f"llama-cpp-python C={c}",
+                                     ignore_eos=False, min_tokens_equal_max=True)
+                        side.setdefault("llama-cpp-python (serial)", {})[c] = r["tok_s"]
+                        details[f"llama-cpp-python C={c}"] = r
+                systems["llama-cpp-python (serial)"] = systems.pop("llama-cpp-python")
+            elif sysname == "hf":
+                path = os.path.join(run.raw, "hf-specs.json")
+                out = os.path.join(run.raw, "hf.json")
+                with open(path, "w") as f:
+                    json.dump({"jobs": [{"batch": c, "specs": [{"prompt": s.prompt, "max_tokens": s.max_tokens}
+                                                               for s in all_specs[c]]} for c in streams]}, f)
+                cmd = [sys.executable, "-m", "goodput.bench", "hf-static", "--specs", path, "--dtype", "bfloat16",
+                       "--out", out]
+                run.commands.append("python " + " ".join(cmd[1:]).replace(run.raw, "bench/results/raw/<name>-perf"))
+                run.log("HF static batching ...")
+                env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1",
+                       "TRANSFORMERS_OFFLINE": "1"}
+                p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+                if p.returncode != 0:
+                    run.notes.append(f"HF static failed: {p.stderr[-400:]}")
+                    continue
+                with open(out) as f:
+                    for hp in json.load(f)["points"]:
+                        side.setdefault("HF static", {})[hp["batch"]] = hp["output_token_throughput"]
+                        run.log(f"HF static C={hp['batch']}: {hp['output_token_throughput']:.1f} tok/s")
+        except (RuntimeError, OSError, ValueError) as e:  # one failing system must not lose the others
+            run.notes.append(f"{sysname} failed: {type(e).__name__}: {str(e)[-300:]}")
+            run.log(f"{sysname} FAILED: {e}")
+
     return side, details
 
 
@@ -691,7 +708,6 @@ def main(a: argparse.Namespace) -> int:
         if os.path.exists(bs):
             with open(bs) as f:
                 build_s = f.read().strip()
-    amx = cpu_has_amx()
     res = {
         "date": a.date, "model": "SmolLM2-135M-Instruct", "gguf_name": os.path.basename(run.gguf),
         "threads": a.threads, "streams": streams, "requests": nreq, "seed": a.seed, "output_range": (lo, hi),
@@ -702,7 +718,8 @@ def main(a: argparse.Namespace) -> int:
         "roofline": {"bandwidth": bw, "peak_flops": peak, "rows": rows},
         "context_growth": growth, "context_note": ctx_note, "targets": tg, "profiles": run.profiles,
         "side_notes": run.notes, "commands": list(dict.fromkeys(run.commands)),
-        "command": " ".join(["bash bench/run_perf.sh"] + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
+        "command": " ".join(["bash bench/run_perf.sh"]
+                            + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
         "load_before": load_before, "load_after": os.getloadavg(), "wall_s": time.time() - t_start,
         "note": a.note if getattr(a, "note", None) else None,
     }
@@ -712,11 +729,7 @@ def main(a: argparse.Namespace) -> int:
             "build": "llama.cpp vendored in llama-cpp-python's sdist; cmake Release, target llama-server, "
                      "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
                      + (f"; built in {build_s} s" if build_s else ""),
-            "amx_note": ("AMX: this CPU has AMX (amx_int8); " if amx else "AMX: this CPU has no AMX; ")
-            + ("started with `--no-repack` (llama.cpp's `no_extra_bufts`): the -march=native build's AMX "
-               "extra buffer type segfaulted in this VM, and Q4_1 has no other repacked layout on x86, so "
-               "the switch removes only the AMX path (`llama_server.py`)." if "--no-repack" in " ".join(run.commands)
-               else "started with llama.cpp's defaults (GOODPUT_LLAMA_EXTRA_BUFTS=1)."),
+            "amx_note": amx_note(cpu_has_amx(), run.amx),
         }
     with open(os.path.join(run.raw, "perf.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
@@ -724,6 +737,19 @@ def main(a: argparse.Namespace) -> int:
         f.write(render(res))
     print(run.md_path)
     return 0
+
+
+def amx_note(cpu_amx: bool, choice: dict | None) -> str:
+    """The results' sentence on llama-server's AMX path: what the probe saw and what was used."""
+    head = "AMX: this CPU has AMX (amx_int8). " if cpu_amx else "AMX: this CPU has no AMX. "
+    if choice is None:
+        return head + "llama-server did not run."
+    if choice["no_repack"]:
+        return (head + f"{choice['why'][0].upper() + choice['why'][1:]}, so the runs use its own switch "
+                "`--no-repack` (llama.cpp's `no_extra_bufts`): weights stay in the plain CPU buffer with the "
+                "AVX-512 Q4_1/Q8_0 kernels; on x86 Q4_1 and Q8_0 have no other repacked layout, so only the "
+                "AMX path is off (`llama_server.py`).")
+    return head + f"Runs use llama.cpp's default buffer types ({choice['why']})."
 
 
 def _shown_args(argv: list[str]) -> list[str]:
