@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the Triton attention path, one command on one CUDA GPU (target: one H200, < 8 min):
-#   1. the kernel tests (tests/test_triton_attention.py) compiled on CUDA instead of the interpreter;
+#   1. the kernel tests (tests/worker/model/attention/test_triton_attention.py) compiled on CUDA instead of the interpreter;
 #   2. the engine end to end: greedy tokens of 4 prompts, CUDA fp32/bf16 vs the CPU fp32 reference;
 #   3. decode attention kernel at batch 1/16/64/256, context 1k: time vs SDPA on gathered K/V, %HBM;
 #   4. whole decode steps of the model runner at the same batches: bytes/step, %HBM.
@@ -42,7 +42,7 @@ PYEOF
 t0=$SECONDS
 echo "== 1/4 kernel tests on CUDA"
 GOODPUT_TEST_DEVICE=cuda "$PY" -m pytest -q --noconftest -p no:cacheprovider -o addopts="" \
-  tests/test_triton_attention.py
+  tests/worker/model/attention/test_triton_attention.py
 echo "== 2/4 engine end to end: greedy tokens vs CPU fp32 ($((SECONDS - t0)) s so far)"
 "$PY" -m goodput.bench.gpu_check e2e --model "$MODEL"
 echo "== 3/4 decode attention kernel vs SDPA ($((SECONDS - t0)) s so far)"

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 . .venv/bin/activate
 # the llama.cpp baseline (cached wheel, separate venv); experiment 5 skips it when missing
-bash bench/setup_baselines.sh || echo "llama-cpp-python baseline unavailable; continuing without it" >&2
+bash bench/setup_baselines.sh --with-llama-cpp-python || echo "llama.cpp baselines unavailable; continuing without them" >&2
 python -m pip install -q "py-spy>=0.3" 2>/dev/null || true   # the profile in experiment 5 (bench extra)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 exec python -m goodput.bench experiments "$@"

@@ -46,9 +46,14 @@ SPEC: dict[str, Any] = {
     "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
     "probes": {"startupTimeoutSeconds": 300, "periodSeconds": 1},
     "terminationGracePeriodSeconds": 30,  # the drain budget on a busy shared CPU
-    # SLOs a shared, oversubscribed 2-core CPU always meets: the batch limit stays at 4 (no AIMD cut
-    # from TPOT misses), so replicas follow demand in flight alone (Little's law: 6 seqs -> 2 replicas)
-    "slo": {"ttftMs": 30000, "tpotMs": 5000, "attainmentTarget": 0.8},
+    # Interactive SLOs at this worker's speed. Measured on the 2-core development machine while
+    # other jobs kept its load at ~7 (one worker as here: fp32, one thread, these prompts): TTFT
+    # 0.27 s alone and 0.6-0.9 s at 4 streams, TPOT 0.13 s alone and 0.25 s at 4 streams. 2 s and
+    # 500 ms leave about 2x for the pods and the control plane sharing the cores, so a replica at or
+    # under its batch of 4 meets them; the load step (6 streams on one replica) queues 2 requests
+    # for a whole 24-token stream (~6 s), so an overloaded replica misses TTFT, and TPOT misses
+    # under contention cut the batch (the path the no-pile-up rule must hold on).
+    "slo": {"ttftMs": 2000, "tpotMs": 500, "attainmentTarget": 0.8},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
                     "stabilizationWindowSeconds": STABILIZATION_S},
 }
@@ -97,7 +102,8 @@ class Load:
 
     Every request is recorded: a stream that answered 200 must end with a finish_reason and
     [DONE]; one that breaks after its 200 is *cut*. 429/503 and refused connections (a pod that
-    already exited) happen before any token and are retried, like a client behind a Service would.
+    already exited) happen before any token and are retried, like a client behind a Service
+    would, with the openai client's backoff (0.5 s doubling to 8 s, reset by a success).
     """
 
     def __init__(self, clients: int, max_tokens: int):
@@ -125,6 +131,7 @@ class Load:
             t.join(timeout=120)
 
     def _client(self, i: int) -> None:
+        backoff = 0.5
         with httpx.Client(timeout=httpx.Timeout(120, connect=3)) as http:
             while not self.stop_ev.is_set():
                 with self.lock:
@@ -141,8 +148,10 @@ class Load:
                             r.read()
                             with self.lock:
                                 self.refused += 1
-                            time.sleep(0.2)
+                            self.stop_ev.wait(backoff)
+                            backoff = min(8.0, backoff * 2)
                             continue
+                        backoff = 0.5
                         try:
                             for line in r.iter_lines():
                                 if line == "data: [DONE]":
@@ -156,7 +165,8 @@ class Load:
                 except httpx.HTTPError:  # refused / reset before any response: not a stream
                     with self.lock:
                         self.refused += 1
-                    time.sleep(0.2)
+                    self.stop_ev.wait(backoff)
+                    backoff = min(8.0, backoff * 2)
                     continue
                 with self.lock:
                     self.streams.append(rec)
@@ -171,6 +181,9 @@ class World:
     load: Load | None = None
     scaled_to: int = 0
     replicas_since_restart: list[int] = []
+    # the fleet before the metrics came back (the scale-down may follow them within a period)
+    held_replicas: int = 0
+    held_pods: set[str] = set()
 
 
 @pytest.fixture(scope="module")
@@ -295,12 +308,16 @@ def test_limits_it_sets_are_on_the_pods(kubectl: Kubectl, ns: str, diag):
     assert adm["maxNumSeqs"] >= 1 and adm["maxWaiting"] >= 0 and adm["updatedAt"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(POD_READY_S + 150)
 def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: str, autoscaler, diag):
     # load drops to a trickle: one stream per replica at a time (client i -> pod i)
     World.load.stop()
     assert not World.load.bad_streams(), World.load.bad_streams()[:5]
-    ready = sorted((p for p in pods(kubectl, ns) if is_ready(p)), key=lambda p: p["metadata"]["name"])
+    # every pod serves a client of the trickle (the one a scale-down removes must have streams)
+    ready = wait_for(lambda: (ps := pods(kubectl, ns)) and all(is_ready(p) for p in ps)
+                     and len(ps) == isvc(kubectl, ns, NAME)["spec"]["replicas"] and ps, POD_READY_S,
+                     "every pod ready", interval=1, on_timeout=diag)
+    ready = sorted(ready, key=lambda p: p["metadata"]["name"])
     World.load = load = Load(len(ready), max_tokens=32)
     load.set_targets([pod_ip(p) for p in ready])
     load.start()
@@ -332,14 +349,17 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
     # no decision of the window (status history, not only our polls) wanted fewer replicas
     window = [d for d in a["decisions"] if parse_time(d["time"]) >= wall_missing - 1]
     assert all(d["replicas"] == replicas for d in window), window
+    World.held_replicas, World.held_pods = replicas, {p["metadata"]["name"] for p in pods(kubectl, ns)}
     kubectl.run("-n", ns, "annotate", "pod", victim, "--overwrite", "prometheus.io/port=8000")
 
 
 @pytest.mark.timeout(POD_READY_S)
 def test_scales_down_once_and_no_stream_is_cut(kubectl: Kubectl, ns: str, autoscaler, diag, cluster_logs: Path):
     load = World.load
-    before = {p["metadata"]["name"] for p in pods(kubectl, ns)}
-    start = isvc(kubectl, ns, NAME)["spec"]["replicas"]
+    # the fleet as the previous test left it: reading it here instead would race with the
+    # autoscaler's next period
+    before, start = World.held_pods, World.held_replicas
+    assert start > 1 and before, "the previous test did not run"
 
     def down() -> int:
         r = isvc(kubectl, ns, NAME)["spec"]["replicas"]

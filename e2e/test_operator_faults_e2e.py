@@ -99,7 +99,7 @@ def test_quantities_the_server_respells_cause_no_write_on_resync(kubectl: Kubect
     wait_for(lambda: cond(isvc(kubectl, ns, name), "Ready").get("reason") == "ScaledToZero", 45, "settled",
              on_timeout=diag)
     dep = kubectl.json("-n", ns, "get", "deployment", name)
-    # what the API server stored (the table of tests/test_operator_resources.py SERVER_SPELLINGS)
+    # what the API server stored (the table of tests/operator/test_operator_resources.py SERVER_SPELLINGS)
     res = dep["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert res["requests"] == {"cpu": "1m", "memory": "9223372036854775807"}, res
     time.sleep(2)  # in-flight Deployment status updates by the controller-manager

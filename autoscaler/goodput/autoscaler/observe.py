@@ -21,6 +21,7 @@ What feeds the policy (``policy.PodObservation``):
   generation_tokens  increase of goodput_generation_tokens_total
   ttft, tpot     histogram increases of goodput_time_to_first_token_seconds and
                  goodput_time_per_output_token_seconds
+  queue          histogram increase of goodput_request_queue_time_seconds
   running, waiting, kv_usage, max_num_seqs, max_waiting: the current sample's gauges.
 Several ``model_name`` label values (one worker serves one model, so normally one) are summed.
 """
@@ -73,6 +74,7 @@ class PodSample:
     generation_tokens: float
     ttft: Histogram
     tpot: Histogram
+    queue: Histogram
 
     def counters(self) -> tuple[float, ...]:
         return (self.admitted, self.finished, self.slo_met, self.rejected_429, self.rejected_400,
@@ -118,7 +120,7 @@ GAUGES = (m.REQUESTS_RUNNING, m.REQUESTS_WAITING, m.KV_CACHE_USAGE_RATIO, m.ADMI
           m.ADMISSION_MAX_WAITING)
 COUNTERS = (m.REQUESTS_ADMITTED, m.REQUESTS_FINISHED, m.REQUESTS_SLO_MET, m.REQUESTS_REJECTED,
             m.PREEMPTIONS, m.GENERATION_TOKENS)
-HISTOGRAMS = (m.TIME_TO_FIRST_TOKEN, m.TIME_PER_OUTPUT_TOKEN)
+HISTOGRAMS = (m.TIME_TO_FIRST_TOKEN, m.TIME_PER_OUTPUT_TOKEN, m.REQUEST_QUEUE_TIME)
 
 
 def needed_series() -> tuple[str, ...]:
@@ -155,7 +157,8 @@ def sample_from_series(idx: dict[str, list[tuple[dict[str, str], float]]], time:
         rejected_400=c(m.REQUESTS_REJECTED, reason="never_fits") + c(m.REQUESTS_REJECTED, reason="invalid"),
         preempted=c(m.PREEMPTIONS), generation_tokens=c(m.GENERATION_TOKENS),
         ttft=_histogram(idx, m.TIME_TO_FIRST_TOKEN, miss),
-        tpot=_histogram(idx, m.TIME_PER_OUTPUT_TOKEN, miss))
+        tpot=_histogram(idx, m.TIME_PER_OUTPUT_TOKEN, miss),
+        queue=_histogram(idx, m.REQUEST_QUEUE_TIME, miss))
     if miss:
         raise MetricsParseError("missing metrics: " + ", ".join(sorted(set(miss))))
     return sample
@@ -165,7 +168,7 @@ def restarted(prev: PodSample, cur: PodSample) -> bool:
     """True when some cumulative series went down between the samples (the worker restarted)."""
     if any(c < p for c, p in zip(cur.counters(), prev.counters())):
         return True
-    for hp, hc in ((prev.ttft, cur.ttft), (prev.tpot, cur.tpot)):
+    for hp, hc in ((prev.ttft, cur.ttft), (prev.tpot, cur.tpot), (prev.queue, cur.queue)):
         if hc.bounds != hp.bounds or hc.count < hp.count or any(c < p for c, p in zip(hc.counts, hp.counts)):
             return True
     return False
@@ -201,4 +204,4 @@ def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float 
         rejected_429=d("rejected_429"), rejected_400=d("rejected_400"), preempted=d("preempted"),
         generation_tokens=d("generation_tokens"),
         ttft=_hist_delta(base and base.ttft, cur.ttft), tpot=_hist_delta(base and base.tpot, cur.tpot),
-        age_s=age_s)
+        age_s=age_s, queue=_hist_delta(base and base.queue, cur.queue))

@@ -27,7 +27,8 @@ How each rule follows from the ideas it rests on:
    batch_increase))`` while it holds at ``tpot_margin`` of it, never past the batch whose KV,
    extrapolated from the KV per running request, reaches ``kv_target``. Otherwise it stays (too
    little evidence moves nothing). A new replica starts at the fleet's
-   median learned cap, so what one replica learned is not re-learned.
+   median learned cap (or at the batch it was ordered with, if larger: rule 4), so what one
+   replica learned is not re-learned.
 
 3. Size from demand in flight (Little's law). The concurrency the fleet must carry is
    ``L = max(running + waiting now, offered_rps * service_s)`` with
@@ -45,11 +46,37 @@ How each rule follows from the ideas it rests on:
 4. Starting pods are capacity that is coming. ``w`` is compared with ``current_replicas``, which
    counts pods that are loading or not yet created, never with the ready pods alone: demand that
    the loading pods will serve never adds replicas again (no pile-up while a model loads;
-   reason HoldStarting).
+   reason HoldStarting). Coming capacity is counted with the batch and the TPOT it will have:
+   those the scale-up that ordered it was sized with (``PolicyState.plan_cap``, the median
+   learned cap, and ``plan_tpot_s``, the mean TPOT, of that decision; pods found loading without
+   a plan get the caps in force before the tick and the TPOT of the tick). While anything is
+   coming, every replica is sized with ``max(its cap, plan_cap)`` and service_s with
+   ``min(mean TPOT, plan_tpot_s)``; a pod that becomes ready starts at ``max(plan_cap, median
+   learned cap)``. Why: a TPOT miss during the load happens on the replicas that carry the
+   overload the coming pods are ordered to absorb. It cuts their batch (rule 2), which protects
+   the TPOT of the requests they admit now, and it stretches the measured service time; neither
+   says that replicas at their planned load will need a smaller batch or serve slower, so
+   neither may by itself order another replica (sized against the cut, one 64 -> 48 cut turns
+   104 seqs from 2 replicas into 3). The offered rate is sized with ``min(offered, max(
+   plan_offered_rps, admitted rate))``: while capacity loads the admission limits are tight on
+   purpose (rule 5, and the cuts), and a client that retries a 429 offers the same request
+   again, so 429s beyond the offered rate the plan was sized for are not new demand until the
+   capacity has arrived (then they count in full). While pods load only a rise in demand (seqs
+   in flight, admitted or planned req/s) adds replicas. For the same reason the cuts are provisional: on the tick the
+   last coming pod is ready, every replica's cap is raised back to at least ``plan_cap`` (the
+   load per replica is back to the planned one; if the batch still misses there, rule 2 cuts it
+   again after one interval), and the plan is dropped. A cut or a slow TPOT that then persists
+   counts in full, and its scale-up must still pass the scale-up window (rule 8) or be proven by
+   missed SLOs on a saturated fleet (rule 3).
 
 5. While capacity loads, admit only what can still meet TTFT. A waiting request at queue position
-   k starts after about k / mu seconds, mu = c / service_s completions per second per replica;
-   ``k_ttft = floor(slo_ttft_s * mu)``. While pods are starting and the ready ones are saturated,
+   k leaves the queue after about k / mu seconds, mu = c / service_s completions per second per
+   replica, and then still needs ``t_first`` until its first token (its prefill, sharing each
+   step's token budget with the batch): ``t_first`` = mean TTFT - mean queue time over the
+   interval (the worker's queue-time histogram: arrival -> first scheduled). It meets TTFT when
+   ``k / mu + t_first <= slo_ttft_s``, so ``k_ttft = floor((slo_ttft_s - t_first) * mu)``.
+   (Spending the whole TTFT budget on the queue admits requests that wait their full budget and
+   then miss by their prefill.) While pods are starting and the ready ones are saturated,
    the overload lasts the whole load time, so any request queued past k_ttft misses TTFT and
    only steals capacity: ``max_waiting = k_ttft`` (a fast 429 instead). With nothing loading a
    queue is transient noise that drains, so the limit loosens to ``k_ttft * queue_slack`` in
@@ -79,8 +106,13 @@ How each rule follows from the ideas it rests on:
 
 10. Missing or stale metrics never cause a scale-down. If any ready pod is unreachable, or no ready
    pod has a rate yet (first scrape), ``MetricsAvailable`` is False and only a scale-up that the
-   available pods prove is allowed (reason HoldMissingMetrics otherwise). ``current_replicas``
-   below ``min_replicas`` is raised regardless (ScaleUpMinReplicas).
+   available pods prove is allowed (reason HoldMissingMetrics otherwise). Such a tick records
+   ``max(w, current)`` in the windows (the pods that did not answer are assumed busy, as HPA
+   assumes missing pods at 100 % of target on a scale-down): the stabilization window after the
+   metrics come back then holds a whole window of complete metrics before any scale-down, where
+   recording nothing would leave it empty after a gap longer than the window and let a single
+   sample act. ``current_replicas`` below ``min_replicas`` is raised regardless
+   (ScaleUpMinReplicas).
 """
 from __future__ import annotations
 
@@ -154,6 +186,8 @@ class PodObservation:
         preempted, generation_tokens: counter increases over the interval.
     ttft, tpot: histogram increases over the interval (None when not scraped).
     age_s: seconds since the pod became ready.
+    queue: histogram increase of the queue time (arrival -> first scheduled, seconds) over the
+        interval (None when not scraped; rule 5 then assumes no time after the queue).
     """
 
     name: str
@@ -173,6 +207,7 @@ class PodObservation:
     ttft: HistogramDelta | None
     tpot: HistogramDelta | None
     age_s: float = 0.0
+    queue: HistogramDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -306,6 +341,9 @@ class PolicyState:
     caps: pod name -> learned ``max_num_seqs`` (the best batch, rule 2).
     service_s: last estimate of the service time of one request (seconds; 0 = unknown).
     last_scale_time: when replicas last changed (None = never). last_direction: +1, -1 or 0.
+    plan_cap, plan_tpot_s, plan_offered_rps: the batch (``max_num_seqs``) per replica, the mean
+        TPOT (seconds) and the offered load (req/s) that the capacity now coming was sized with
+        (rule 4); 0 when nothing is coming.
     since: when this history started (the first call with metrics); no scale-down before a whole
         stabilization window of history exists, so an autoscaler that lost its state waits
         instead of acting on one sample.
@@ -317,6 +355,9 @@ class PolicyState:
     last_scale_time: float | None = None
     last_direction: int = 0
     since: float | None = None
+    plan_cap: int = 0
+    plan_tpot_s: float = 0.0
+    plan_offered_rps: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -336,6 +377,9 @@ class PolicyState:
                 last_scale_time=None if d.get("last_scale_time") is None else float(d["last_scale_time"]),
                 last_direction=int(d.get("last_direction", 0)),
                 since=None if d.get("since") is None else float(d["since"]),
+                plan_cap=int(d.get("plan_cap", 0)),
+                plan_tpot_s=float(d.get("plan_tpot_s", 0.0)),
+                plan_offered_rps=float(d.get("plan_offered_rps", 0.0)),
             )
         except (TypeError, ValueError, AttributeError):
             return cls()
@@ -379,6 +423,7 @@ class _Fleet:
 
     rated: int = 0                  # ready pods with interval_s > 0
     offered_rps: float = 0.0
+    admitted_rps: float = 0.0
     finished_rps: float = 0.0
     rejected_429: float = 0.0
     finished: float = 0.0
@@ -391,12 +436,13 @@ class _Fleet:
     service_s: float = 0.0
 
 
-def _pod_service_s(p: PodObservation, slo_ttft_s: float) -> float | None:
+def _pod_service_s(p: PodObservation, slo_ttft_s: float, tpot_ceiling_s: float = math.inf
+                   ) -> float | None:
     if p.interval_s <= 0 or p.finished <= 0 or p.tpot is None or p.tpot.mean is None:
         return None
     ttft = p.ttft.mean if p.ttft is not None and p.ttft.mean is not None else 0.0
     out = max(1.0, p.generation_tokens / p.finished)
-    return min(ttft, slo_ttft_s) + (out - 1.0) * p.tpot.mean
+    return min(ttft, slo_ttft_s) + (out - 1.0) * min(p.tpot.mean, tpot_ceiling_s)
 
 
 def _tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
@@ -447,31 +493,50 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     ready_names = [p.name for p in obs.ready]
     n_ready = len(obs.ready)
 
+    # pods loading or not yet created (rule 4)
+    coming = len(obs.starting) + max(0, current - n_ready - len(obs.unreachable) - len(obs.starting))
+    if coming > 0 and not st.plan_cap:
+        # loading found without a plan of ours (created elsewhere, or state lost): the batch in
+        # force before this tick's cuts is the one it will have
+        st.plan_cap = _median([st.caps.get(p.name) or p.max_num_seqs for p in obs.ready])
+
     # --- rule 2: best batch per pod (caps of vanished pods are forgotten) ---
-    fleet_cap = _median(list(st.caps.values())) or None
+    fleet_cap = max(st.plan_cap, _median(list(st.caps.values()))) or None
+    # the capacity the plan waited for has arrived: cuts made meanwhile were provisional (rule 4)
+    arrived = coming == 0 and st.plan_cap > 0
     caps: dict[str, int] = {}
     for p in obs.ready:
         start = st.caps.get(p.name) or fleet_cap or p.max_num_seqs
+        if arrived:
+            start = max(start, st.plan_cap)
         start = max(spec.min_num_seqs, min(spec.max_num_seqs, start))
         caps[p.name] = _tune_cap(p, start, spec)
     for name in obs.unreachable:
         if name in st.caps:
             caps[name] = st.caps[name]
     st.caps = caps
+    # the batch each replica is sized with: a cut while capacity is coming does not shrink it
+    sizing_caps = {n: max(c, st.plan_cap) if coming > 0 else c for n, c in caps.items()}
 
     # --- rule 1 and 3: demand and capacity ---
     f = _Fleet()
-    services: list[tuple[float, float]] = []
-    capacities: list[float] = []
+    services: list[tuple[float, float]] = []     # (live service_s, finished) per pod
+    sized: list[tuple[float, float]] = []        # with TPOT at most the plan's (rule 4)
+    tpot_sum = tpot_n = 0.0
+    tpot_ceiling = st.plan_tpot_s if coming > 0 and st.plan_tpot_s > 0 else math.inf
+    capacities: list[float] = []        # sized with sizing_caps (rule 4)
+    live: list[float] = []              # with the caps in force now (rule 5: how fast queues drain)
     for p in obs.ready:
         f.in_flight += p.running + p.waiting
         f.waiting += p.waiting
         f.kv_hot = f.kv_hot or p.kv_usage > spec.kv_target
-        capacities.append(_replica_capacity(p, caps[p.name], spec))
+        capacities.append(_replica_capacity(p, sizing_caps[p.name], spec))
+        live.append(_replica_capacity(p, caps[p.name], spec))
         if p.interval_s <= 0:
             continue
         f.rated += 1
         f.offered_rps += (p.admitted + p.rejected_429) / p.interval_s
+        f.admitted_rps += p.admitted / p.interval_s
         f.finished_rps += p.finished / p.interval_s
         f.rejected_429 += p.rejected_429
         f.finished += p.finished
@@ -480,16 +545,29 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         s = _pod_service_s(p, spec.slo_ttft_s)
         if s is not None:
             services.append((s, p.finished))
+            sized.append((_pod_service_s(p, spec.slo_ttft_s, tpot_ceiling) or s, p.finished))
+        if p.tpot is not None and p.tpot.count > 0:
+            tpot_sum, tpot_n = tpot_sum + p.tpot.sum, tpot_n + p.tpot.count
+    sizing_service_s = st.service_s
     if services:
         w = sum(n for _, n in services)
         st.service_s = sum(s * n for s, n in services) / w
-    f.service_s = st.service_s
+        sizing_service_s = sum(s * n for s, n in sized) / w
+    f.service_s = st.service_s       # how fast queues drain now (rule 5)
+    tpot_mean = tpot_sum / tpot_n if tpot_n > 0 else 0.0
+    if coming > 0 and not st.plan_tpot_s:
+        st.plan_tpot_s = tpot_mean
+    if coming > 0 and not st.plan_offered_rps:
+        st.plan_offered_rps = f.offered_rps
+    sizing_offered_rps = f.offered_rps
+    if coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
+        sizing_offered_rps = min(f.offered_rps, max(st.plan_offered_rps, f.admitted_rps))
     offered = f.finished + f.rejected_429
     f.attainment = f.slo_met / offered if offered > 0 else None
     cap_mean = sum(capacities) / len(capacities) if capacities else float(
-        _median(list(caps.values())) or spec.max_num_seqs)
+        _median(list(sizing_caps.values())) or spec.max_num_seqs)
     per_replica = max(1e-9, cap_mean * spec.target_utilization)
-    demand = max(float(f.in_flight), f.offered_rps * f.service_s)
+    demand = max(float(f.in_flight), sizing_offered_rps * sizing_service_s)
     wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
 
     saturated = f.waiting > spec.queue_target * max(1, n_ready) or f.rejected_429 > 0 \
@@ -497,7 +575,6 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     missing_attainment = (f.attainment is not None
                           and f.attainment < spec.attainment_target * (1 - spec.tolerance / 2))
     up_reason = "ScaleUpSaturation" if (f.preempted > 0 or f.kv_hot) else "ScaleUpGoodput"
-    coming = len(obs.starting) + max(0, current - n_ready - len(obs.unreachable) - len(obs.starting))
     # misses while pods load are expected (rule 4): only a fleet with nothing coming is evidence
     evidence = missing_attainment and saturated and coming == 0
     if evidence:
@@ -523,6 +600,8 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
         st.recommendations.append([now, float(rec)])
         if st.since is None:
             st.since = now
+    else:   # the silent pods are assumed busy: nothing here argues for fewer replicas
+        st.recommendations.append([now, float(max(rec, current))])
     history_s = now - st.since if st.since is not None else 0.0
     horizon = max(spec.stabilization_window_s, spec.scale_up_window_s)
     st.recommendations = [r for r in st.recommendations if now - r[0] <= horizon]
@@ -567,10 +646,24 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     if replicas != current:
         st.last_direction = 1 if replicas > current else -1
         st.last_scale_time = now
+    if replicas > current:      # what this scale-up was sized with (rule 4)
+        st.plan_cap = _median(list(sizing_caps.values())) or st.plan_cap
+        st.plan_tpot_s = min(tpot_mean, st.plan_tpot_s or math.inf) if tpot_mean else st.plan_tpot_s
+        st.plan_offered_rps = max(sizing_offered_rps, st.plan_offered_rps if coming else 0.0)
+    elif coming == 0:
+        st.plan_cap, st.plan_tpot_s, st.plan_offered_rps = 0, 0.0, 0.0
 
     # --- rule 5: waiting-queue limit ---
-    mu = (cap_mean / f.service_s) if f.service_s > 0 else 0.0
-    k_ttft = math.floor(spec.slo_ttft_s * mu) if mu > 0 else spec.max_waiting
+    live_mean = sum(live) / len(live) if live else cap_mean
+    mu = (live_mean / f.service_s) if f.service_s > 0 else 0.0
+    ttfts = [p.ttft for p in obs.ready if p.interval_s > 0 and p.ttft is not None and p.ttft.count > 0]
+    queues = [p.queue for p in obs.ready if p.interval_s > 0 and p.queue is not None and p.queue.count > 0]
+    t_first = 0.0
+    if ttfts and queues:   # time after the queue until the first token (prefill)
+        t_first = max(0.0, sum(h.sum for h in ttfts) / sum(h.count for h in ttfts)
+                      - sum(h.sum for h in queues) / sum(h.count for h in queues))
+    budget = max(0.0, spec.slo_ttft_s - t_first)
+    k_ttft = math.floor(budget * mu) if mu > 0 else spec.max_waiting
     loading = coming + max(0, replicas - current)
     ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
     slack = 1.0 + (spec.queue_slack - 1.0) * ready_frac

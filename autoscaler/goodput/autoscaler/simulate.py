@@ -279,6 +279,7 @@ class Replica:
         self.slo_met = 0
         self.ttft = _Hist(TTFT_BUCKETS)
         self.tpot = _Hist(TOKEN_LATENCY_BUCKETS)
+        self.queue = _Hist(TTFT_BUCKETS)    # arrival -> first scheduled, as the worker exports it
         self.cls: dict[str, int] = {}
         self.prev: dict | None = None     # counters at the previous policy tick
         self.prev_t = 0.0
@@ -289,7 +290,8 @@ class Replica:
         return {"admitted": s.admitted_total, "finished": sum(s.finished_total.values()),
                 "slo_met": self.slo_met, "r429": rej["queue_full"],
                 "r400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
-                "gen": s.generation_tokens_total, "ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot()}
+                "gen": s.generation_tokens_total, "ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(),
+                "queue": self.queue.snapshot()}
 
     def observe(self, now: float) -> PodObservation:
         """The PodObservation the real loop would build from two scrapes (this tick's and the
@@ -309,6 +311,7 @@ class Replica:
             preempted=cur["preempted"] - prev["preempted"], generation_tokens=cur["gen"] - prev["gen"],
             ttft=_hist_delta(self.ttft.bounds, cur["ttft"], prev["ttft"]),
             tpot=_hist_delta(self.tpot.bounds, cur["tpot"], prev["tpot"]),
+            queue=_hist_delta(self.queue.bounds, cur["queue"], prev["queue"]),
             age_s=max(0.0, now - self.ready_at))
 
 
@@ -574,6 +577,8 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
             req = o.request
             if req.num_output_tokens == 1:
                 r.ttft.observe(req.ttft)
+                if req.first_scheduled_time is not None:
+                    r.queue.observe(req.first_scheduled_time - req.arrival_time)
             if o.finished:
                 c = r.cls.pop(req.request_id, 0)
                 ttft, tpot = req.ttft, req.tpot

@@ -6,6 +6,8 @@
   goodput-bench run ... --workload trace --trace PATH --rate-scale 0.1
   goodput-bench roofline [--batches 1,8,32]
   goodput-bench experiments [--only 1,2,...] [--quick]    (see bench/README.md)
+  goodput-bench perf [--scale 0.5]          (vs llama-server; bench/run_perf.sh)
+  goodput-bench decode-steps --batches 1,16 --contexts 512,2048,8192
 """
 from __future__ import annotations
 
@@ -165,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     hp = sub.add_parser("hf-static", help="HF transformers static batching baseline (in-process)")
     from .hf_static import add_args as add_hf_args
     add_hf_args(hp)
+    dp = sub.add_parser("decode-steps", help="time our decode steps in-process at given batch x context")
+    from .decode_steps import add_args as add_ds_args
+    add_ds_args(dp)
+    pp = sub.add_parser("perf", help="side by side vs llama-server and HF, roofline, context growth")
+    from .perf import add_args as add_perf_args
+    add_perf_args(pp)
     a = ap.parse_args(argv)
     if a.cmd == "run":
         cmd_run(a)
@@ -174,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "experiments":
         from .experiments import main as exp_main
         exp_main(a)
+    elif a.cmd == "decode-steps":
+        from .decode_steps import main as ds_main
+        ds_main(a)
+    elif a.cmd == "perf":
+        from .perf import main as perf_main
+        return perf_main(a)
     elif a.cmd == "hf-static":
         from .hf_static import main as hf_main
         hf_main(a)

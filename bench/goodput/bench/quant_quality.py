@@ -142,7 +142,6 @@ def teacher_forced(r, prompts: list[list[int]], conts: list[list[int]]):
 def step_times(r, batch: int, steps: int, prompt: list[int], profile_steps: int = 5):
     """Median decode step (s) at ``batch`` after a prefill and 3 warm-up steps, and the
     profiler's top ops over ``profile_steps`` more steps (self CPU ms per step)."""
-    import torch
     from goodput.worker.engine.outputs import SchedulerOutput
     total = 3 + steps + profile_steps
     per = -(-(len(prompt) + total + 1) // 16)

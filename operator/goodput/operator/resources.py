@@ -313,7 +313,7 @@ _BINARY_SUFFIXES = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 def as_stored(value: Decimal, binary: bool = False) -> Decimal:
     """The value the API server stores in a pod's ``resources`` for a quantity of exact ``value``.
 
-    Two rules of Kubernetes (checked against kube-apiserver 1.20, see tests/test_operator_resources.py):
+    Two rules of Kubernetes (checked against kube-apiserver 1.20, see tests/operator/test_operator_resources.py):
     ParseQuantity (k8s.io/apimachinery/pkg/api/resource/quantity.go) caps a binary-suffixed (``binary``:
     Ki..Ei) quantity above 2^63-1 at 2^63-1, and SetDefaults_ResourceList (pkg/apis/core/v1/defaults.go)
     rounds every non-zero value up, away from zero, to whole milli-units. So "0.0001" is stored as "1m",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from goodput.worker.model.quant import (Int4Linear, Int8Linear, Q4Blocks, check_supported,
+from goodput.worker.model.quant import (Int4Linear, Int8Linear, check_supported,
                                         int4_from_gguf_blocks, unpack_gguf_q4)
 
 U_OUT = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}

@@ -137,6 +137,9 @@ class LlamaModel:
         freqs = torch.outer(pos, inv_freq)
         self._cos = freqs.cos().to(self.device)
         self._sin = freqs.sin().to(self.device)
+        # full-width rows for a 4-op RoPE: [max_pos, 2, d] = ((cos, cos), (-sin, sin))
+        self._cos_sin = torch.stack((torch.cat((self._cos, self._cos), -1),
+                                     torch.cat((-self._sin, self._sin), -1)), 1)
         self.scale = d ** -0.5
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -158,26 +161,31 @@ class LlamaModel:
         c = self.config
         H, KV, d = c.num_heads, c.num_kv_heads, c.head_dim
         T = input_ids.shape[0]
-        half = d // 2
-        cos = self._cos.index_select(0, positions).to(self.dtype)[:, None, :]   # [T, 1, d/2]
-        sin = self._sin.index_select(0, positions).to(self.dtype)[:, None, :]
-        I = c.intermediate_size
+        half, I, HKd = d // 2, c.intermediate_size, (H + KV) * d
+        # RoPE rows gathered and cast once per step for every layer: x·cos + rotate_half(x)·sin
+        # with rotate_half(x) = (-x2, x1) written as (x2, x1)·(-sin, sin) (the same roundings as
+        # HF's x1·cos - x2·sin, x2·cos + x1·sin).
+        cs = self._cos_sin.index_select(0, positions).to(self.dtype)            # [T, 2, d]
+        cos, sin = cs[:, 0, None, :], cs[:, 1, None, :]                          # [T, 1, d]
 
         x = self.embed.index_select(0, input_ids)                                # [T, D]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms_norm(x, layer.attn_norm)
             qkv = layer.qkv(h)                                                    # [T, (H+2KV)·d]
-            qk = qkv[:, :(H + KV) * d].view(T, H + KV, d)
-            x1, x2 = qk[..., :half], qk[..., half:]
-            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)   # rotate-half RoPE
+            qk = qkv[:, :HKd].view(T, H + KV, d)
+            rot = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos
+            qk += rot * sin                                                       # rotate-half RoPE
             q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + KV) * d:].view(T, KV, d)
+            v = qkv[:, HKd:].view(T, KV, d)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)             # [T, H, d]
-            x = x + layer.o(o.reshape(T, H * d))
+            x += layer.o(o.reshape(T, H * d))                # x is this step's own buffer
             h = self._rms_norm(x, layer.ffn_norm)
             gu = layer.gate_up(h)                                               # [T, 2I]
-            x = x + layer.down(F.silu(gu[:, :I]) * gu[:, I:])
+            a = F.silu(gu[:, :I])
+            a *= gu[:, I:]
+            x += layer.down(a)
 
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)

@@ -22,7 +22,7 @@ from goodput.worker.model.gguf_loader import load_gguf, load_q4_blocks, parse_dt
 from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.llama import LlamaModel
 from goodput.worker.model.quant import check_supported
-from goodput.worker.model.sampler import Sampler, prompt_logprobs
+from goodput.worker.model.sampler import Sampler, greedy_tokens, prompt_logprobs
 from goodput.worker.model.structured import StructuredOutputs
 from goodput.worker.model.tokenizer import GGUFTokenizer
 
@@ -232,6 +232,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         allowed = self.structured.allowed_mask(chunks)
+        if allowed is None and self.sampler.all_plain_greedy(chunks, logits.shape[-1]):
+            return {c.request_id: t for c, t in zip(chunks, greedy_tokens(logits))}, {}
         batch = self.sampler.prepare(chunks, logits.shape[-1], allowed)
         res = self.sampler.sample(logits, batch)
         if allowed is not None:

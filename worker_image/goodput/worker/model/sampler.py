@@ -280,6 +280,27 @@ class Sampler:
         """Sample one token per row: see :func:`sample`."""
         return sample(logits, batch)
 
+    @staticmethod
+    def all_plain_greedy(rows: Sequence[SamplingRow], vocab_size: int) -> bool:
+        """True when every row is greedy with nothing that changes its logits or output: no
+        log-probabilities, logit_bias, penalties, or min_tokens ban in force (a grammar is the
+        caller's to check). Then :func:`greedy_tokens` gives exactly what :func:`sample` would."""
+        for r in rows:
+            p = r.sampling_params
+            if ((p.temperature >= GREEDY_TEMPERATURE and p.top_k != 1) or p.logprobs is not None
+                    or p.logit_bias or p.has_penalties
+                    or (r.num_output_tokens < p.min_tokens
+                        and any(0 <= t < vocab_size for t in r.stop_token_ids))):
+                return False
+        return True
+
+
+@torch.inference_mode()
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of float logits [B, V] (the first index among equal maxima, as
+    ``argmax``), without the general path's copies; ``max`` is the faster CPU reduction."""
+    return logits.max(dim=-1).indices.tolist()
+
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Masks, logit_bias and penalties applied to float32 logits [B, V] (a new tensor)."""

@@ -45,6 +45,11 @@ class _Plan:
     dec_blocks: torch.Tensor | None  # [Bd * nb] block ids, row-major (one index_select per layer)
     dec_mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] additive: 0 attend, -inf padding
     prefills: list[_PrefillSeq]
+    # one decode sequence whose blocks are consecutive in the pool: (first block, seq_len);
+    # attention then reads the cache in place (a view), with no gather and no mask
+    dec_run: tuple[int, int] | None = None
+    dec_buf: torch.Tensor | None = None  # [2, Bd * nb, block_size, n_kv, d] K/V gather target, reused by layers
+    only_dec: bool = False           # every query row is a decode row, in order (rows 0..Bd-1)
 
 
 class TorchReferenceBackend:
@@ -56,6 +61,8 @@ class TorchReferenceBackend:
         self._plan_meta: AttentionMetadata | None = None
         self._plan_block_size = 0
         self._plan: _Plan | None = None
+        self._slots: torch.Tensor | None = None  # slot_mapping whose padding check is cached
+        self._slots_keep: torch.Tensor | None = None
 
     # -- KV write --------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -66,8 +73,11 @@ class TorchReferenceBackend:
         kc = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
         vc = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
         slots = slot_mapping
-        if bool((slots < 0).any()):
-            keep = slots >= 0
+        if slots is not self._slots:  # once per step, not once per layer (a device sync)
+            self._slots = slots
+            self._slots_keep = (slots >= 0) if bool((slots < 0).any()) else None
+        keep = self._slots_keep
+        if keep is not None:
             slots, k, v = slots[keep], k[keep], v[keep]
         kc.index_copy_(0, slots, k.to(kc.dtype))
         vc.index_copy_(0, slots, v.to(vc.dtype))
@@ -97,8 +107,13 @@ class TorchReferenceBackend:
             nb = -(-max(seq_lens[i] for i in dec) // block_size)
             idx = torch.tensor(dec, dtype=torch.long, device=device)
             plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
-            pos = torch.arange(nb * block_size, device=device)
-            plan.dec_mask = _additive((pos[None, :] < lens[:, None])[:, None, None, :], dtype)
+            if len(dec) == 1:
+                ids = plan.dec_blocks.tolist()
+                if ids == list(range(ids[0], ids[0] + nb)):
+                    plan.dec_run = (ids[0], seq_lens[dec[0]])
+            if plan.dec_run is None:
+                pos = torch.arange(nb * block_size, device=device)
+                plan.dec_mask = _additive((pos[None, :] < lens[:, None])[:, None, None, :], dtype)
         for i in pre:
             s, e, sl = qsl[i], qsl[i + 1], seq_lens[i]
             ctx = sl - (e - s)
@@ -109,7 +124,23 @@ class TorchReferenceBackend:
                 qpos = torch.arange(ctx, sl, device=device)
                 mask = _additive(torch.arange(sl, device=device)[None, :] <= qpos[:, None], dtype)
             plan.prefills.append(_PrefillSeq(s, e, sl, ctx, blocks, mask))
+        plan.only_dec = not pre and plan.dec_rows is None and len(dec) == qsl[-1]
         return plan
+
+    @staticmethod
+    def _gather_dec(plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows' blocks, row-major: two [Bd * nb, block_size, n_kv, d] tensors, written
+        into one buffer that every layer of the step reuses (no per-layer allocation).
+        index_select on dim 0 copies whole contiguous blocks and is parallel; a single
+        index_select over a [2, ...] K+V view (dim 1) measured slower with 2 threads."""
+        n = plan.dec_blocks.shape[0]
+        buf = plan.dec_buf
+        if buf is None or buf.dtype != k_cache.dtype or buf.shape[2:] != k_cache.shape[1:]:
+            buf = plan.dec_buf = k_cache.new_empty((2, n, *k_cache.shape[1:]))
+        torch.index_select(k_cache, 0, plan.dec_blocks, out=buf[0])
+        torch.index_select(v_cache, 0, plan.dec_blocks, out=buf[1])
+        return buf[0], buf[1]
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -122,21 +153,29 @@ class TorchReferenceBackend:
             self._plan_meta, self._plan_block_size = meta, block_size
         plan = self._plan
         assert plan is not None
-        out = q.new_zeros(T, H, D) if plan.num_dec + sum(p.q_end - p.q_start for p in plan.prefills) < T \
-            else torch.empty_like(q)
-
         if plan.num_dec:
             B = plan.num_dec
             qd = q[:B] if plan.dec_rows is None else q.index_select(0, plan.dec_rows)
             qd = qd.view(B, KV, g, D)
-            S = plan.dec_blocks.shape[0] // B * block_size
-            # index_select on dim 0 copies whole contiguous blocks (cheaper than advanced indexing)
-            kd = k_cache.index_select(0, plan.dec_blocks).view(B, S, KV, D).transpose(1, 2)
-            vd = v_cache.index_select(0, plan.dec_blocks).view(B, S, KV, D).transpose(1, 2)
+            if plan.dec_run is not None:  # in place: a view of the consecutive blocks
+                b0, sl = plan.dec_run
+                nb = -(-sl // block_size)
+                kd = k_cache[b0:b0 + nb].view(1, nb * block_size, KV, D)[:, :sl].transpose(1, 2)
+                vd = v_cache[b0:b0 + nb].view(1, nb * block_size, KV, D)[:, :sl].transpose(1, 2)
+            else:
+                S = plan.dec_blocks.shape[0] // B * block_size
+                kg, vg = self._gather_dec(plan, k_cache, v_cache)
+                kd = kg.view(B, S, KV, D).transpose(1, 2)
+                vd = vg.view(B, S, KV, D).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
             od = od.reshape(B, H, D)
+            if plan.only_dec and B == T:
+                return od
+        out = q.new_zeros(T, H, D) if plan.num_dec + sum(p.q_end - p.q_start for p in plan.prefills) < T \
+            else torch.empty_like(q)
+        if plan.num_dec:
             if plan.dec_rows is None:
-                out[:B] = od
+                out[:plan.num_dec] = od
             else:
                 out.index_copy_(0, plan.dec_rows, od)
 

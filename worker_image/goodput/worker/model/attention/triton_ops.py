@@ -34,9 +34,9 @@ by the tests) the operands of ``tl.dot`` are converted to fp32 first, because th
 bf16 arithmetic on the raw bit patterns (triton-lang/triton#11584); on GPUs the dots run in the
 input dtype with fp32 accumulation (and ``ieee`` precision for fp32 inputs, not TF32).
 
-Tested on CPU by tests/test_triton_attention.py (interpreter, vs a naive fp64 reference) and
-tests/triton_compile_check.py (every kernel lowered to PTX and assembled for sm_90 without a GPU);
-on a GPU by bench/gpu_check.sh.
+Tested in tests/worker/model/attention/: on CPU by test_triton_attention.py (interpreter, vs a naive
+fp64 reference) and triton_compile_check.py (every kernel lowered to PTX and assembled for sm_90
+without a GPU); on a GPU by bench/gpu_check.sh.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The policy is replaced by a scripted ``decide`` here: these tests check what the loop does with a
 decision (scale subresource, limits PUTs, status merge patches, Events, resuming PolicyState), not
-the decision itself (tests/test_autoscaler_policy.py). Metrics come from a real worker registry.
+the decision itself (tests/autoscaler/test_autoscaler_policy.py). Metrics come from a real worker registry.
 """
 from __future__ import annotations
 

@@ -8,13 +8,14 @@ phase, 5 examples per operation); the script's default run without the cap is do
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO
+
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 def test_schemathesis_finds_nothing_and_no_block_leaks(capsys):

@@ -1,7 +1,7 @@
 """The FastAPI app in-process (no model): loading/ready/health life cycle and a failed load.
 
 The engine factory builds an LLMEngine over the real scheduler with the counting fake runner of
-test_server_engine_loop (the token after t is t+1), so expected texts are known by hand.
+tests/fake_engine.py (the token after t is t+1), so expected texts are known by hand.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from goodput.worker.engine_args import EngineArgs
 from goodput.worker.server.app import create_app
-from test_server_engine_loop import ByteTokenizer, make_engine
+from fake_engine import ByteTokenizer, make_engine
 
 
 class TextByteTokenizer(ByteTokenizer):

@@ -6,7 +6,6 @@ metrics.py, and the exposition is read back with prometheus_client's own text pa
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from goodput.worker import metric_names
@@ -17,7 +16,9 @@ from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
 from goodput.worker.metrics import WorkerMetrics, slo_met
 from prometheus_client.parser import text_string_to_metric_families
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+from conftest import REPO
+
+DOC = REPO / "docs" / "metrics.md"
 
 
 def doc_table() -> dict[str, tuple[str, set[str], str | None]]:

@@ -191,6 +191,47 @@ def test_torch_backend_matches_naive_reference(H, KV, dtype, tol, decodes_first)
     torch.testing.assert_close(be.forward(q, k_cache, v_cache, meta, scale), out)
 
 
+@pytest.mark.parametrize("specs", [
+    [(1, 9, [4, 5, 6])],                      # one decode, consecutive blocks: read in place
+    [(1, 9, [6, 2, 4])],                      # one decode, scattered blocks: gathered
+    [(1, 9, [4, 5, 6]), (1, 3, [0]), (1, 5, [8, 9])],  # decode-only batch
+])
+@pytest.mark.parametrize("pooled", [True, False])
+def test_torch_backend_decode_paths_match_naive_reference(specs, pooled):
+    """Decode-only steps (the fast paths: in-place view, a gather buffer reused by every layer),
+    with caches that are slices of one pool (as the runner allocates them) or separate tensors;
+    two layers in one step must each read their own cache."""
+    torch.manual_seed(1)
+    bs, d, H, KV, num_blocks = 4, 8, 6, 2, 12
+    if pooled:
+        caches = allocate_kv_caches(2, num_blocks, bs, KV, d, torch.float32)
+        for kc, vc in caches:
+            kc.copy_(torch.randn_like(kc))
+            vc.copy_(torch.randn_like(vc))
+    else:
+        caches = [(torch.randn(num_blocks, bs, KV, d), torch.randn(num_blocks, bs, KV, d)) for _ in range(2)]
+    seqs, start = [], 0
+    for q_len, ctx, table in specs:
+        seqs.append((start, q_len, ctx, table))
+        start += q_len
+    meta = build_meta(seqs, bs)
+    be = TorchReferenceBackend()
+    scale = d ** -0.5
+    for kc, vc in caches:  # layer after layer with the same metadata, as the model calls it
+        q = torch.randn(start, H, d)
+        be.write_kv(torch.randn(start, KV, d), torch.randn(start, KV, d), kc, vc, meta.slot_mapping)
+        out = be.forward(q, kc, vc, meta, scale)
+        ref = naive_paged_attention(q, kc, vc, seqs, bs, scale)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # a padding row past the last sequence comes back as zeros
+    q = torch.randn(start + 1, H, d)
+    meta = build_meta(seqs, bs)
+    out = be.forward(q, *caches[0], meta, scale)
+    assert out.shape == q.shape and out[start].eq(0).all()
+    torch.testing.assert_close(out.double(), naive_paged_attention(q, *caches[0], seqs, bs, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_write_kv_skips_negative_slots():
     be = TorchReferenceBackend()
     kc, vc = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)

@@ -70,7 +70,8 @@ def test_fraction_le_empty_and_bad_shapes():
 # --------------------------------------------------------------------------------- state
 def test_state_round_trips_through_json():
     st = PolicyState(recommendations=[[1.0, 3.0], [6.0, 4.0]], caps={"a": 48}, service_s=4.2,
-                     last_scale_time=6.0, last_direction=1, since=1.0)
+                     last_scale_time=6.0, last_direction=1, since=1.0, plan_cap=64, plan_tpot_s=0.07,
+                     plan_offered_rps=10.0)
     back = PolicyState.from_dict(json.loads(json.dumps(st.to_dict())))
     assert back == st
     assert PolicyState.from_dict({"caps": "nonsense"}) == PolicyState()
@@ -199,6 +200,25 @@ def test_queue_limit_tightens_while_capacity_loads():
     # 1 ready + 3 loading (2 starting, 1 not created yet): floor(12 * (1 + 1/4)) = 15
     d = decide(0.0, Observation((pod("a"),), starting, (), 4), SPEC, None)
     assert d.limits["a"].max_waiting == 15
+
+
+def test_queue_limit_leaves_the_prefill_its_part_of_ttft():
+    # as above (mu = 53.33 / 4.16 = 12.82/s), now with the queue-time histogram: TTFT mean 0.2 s,
+    # queue time mean 0.05 s -> t_first = 0.15 s after the queue; a position k request meets TTFT
+    # when k / 12.82 + 0.15 <= 1.0 -> k_ttft = floor(0.85 * 12.82) = floor(10.9) = 10.
+    # Nothing loading: 10 * 2 = 20 (24 without the histogram: those past 20 wait their whole budget)
+    q = hist(50, 50, 50, 50, 0.05)
+    pods = (pod("a", queue=q), pod("b", queue=q))
+    d = decide(0.0, Observation(pods, (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {20}
+    # 2 ready + 2 starting: floor(10 * (1 + 2/4)) = 15
+    d = decide(0.0, Observation(pods, (StartingPod("s0", 5.0), StartingPod("s1", 5.0)), (), 4), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {15}
+    # first tokens take 1.2 s after the queue (TTFT mean 1.25, queue 0.05): no queue position
+    # meets a 1 s TTFT -> budget 0, k_ttft 0 -> min_waiting 1
+    slow = tuple(pod(n, queue=q, ttft=hist(0, 0, 0, 50, 1.25)) for n in "ab")
+    d = decide(0.0, Observation(slow, (), (), 2), SPEC, None)
+    assert {lim.max_waiting for lim in d.limits.values()} == {1}
 
 
 # ------------------------------------------------------- rule 6: preemption is saturation
@@ -332,3 +352,110 @@ def test_successive_scale_downs_are_a_model_load_apart():
     # after a scale-UP 30 s ago nothing waits on this rule (the window already covers it)
     up = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=1)
     assert decide(0.0, obs, SPEC, up).replicas == 2
+
+
+# ------------------------------- rule 4: a batch cut while capacity loads adds no replica
+def test_batch_cut_while_a_pod_loads_does_not_pile_up():
+    # One pod, 64 running + 40 waiting, kv 0.2, every TPOT in (50, 100] ms (mean 70 ms):
+    # fraction_le(0.1) = 1.0 (no cut), fraction_le(0.08) = 0.6 (no growth) -> cap stays 64.
+    # service_s = 0.2 + 99 * 0.07 = 7.13 s; demand = max(in flight 104, 10 req/s * 7.13 = 71.3)
+    # = 104; capacity min(64, 64 * 0.8 / 0.2 = 256) = 64 -> ceil(104 / 64) = 2: scale 1 -> 2.
+    t0 = pod("a", running=64, waiting=40, kv_usage=0.2, tpot=hist(0, 50, 50, 50, 0.07))
+    up = decide(0.0, Observation((t0,), (), (), 1), SPEC, None)
+    assert (up.replicas, up.reason, up.limits["a"].max_num_seqs) == (2, "ScaleUpGoodput", 64)
+    # 5 s later the new pod s1 is loading and pod a misses TPOT (40 of 50 <= 100 ms: 0.8 < 0.9):
+    # its cap is cut to floor(64 * 0.75) = 48, which is the limit it gets. Demand is unchanged
+    # (104). Sized against the cut batch, ceil(104 / 48) = 3 would order a third replica while
+    # the second still loads (the pile-up). Replicas that count: a (ready) and s1 (coming), each
+    # with the batch the scale-up was sized with, 64 -> ceil(104 / 64) = 2 = current: hold.
+    t5 = pod("a", running=64, waiting=40, kv_usage=0.2, tpot=hist(20, 40, 50, 50, 0.07))
+    d = decide(5.0, Observation((t5,), (StartingPod("s1", 5.0),), (), 2), SPEC, up.state)
+    assert (d.replicas, d.reason, d.limits["a"].max_num_seqs) == (2, "HoldStarting", 48)
+    # pods ordered but not yet created count the same way (current 2, nothing listed yet)
+    d_unlisted = decide(5.0, Observation((t5,), (), (), 2), SPEC, up.state)
+    assert (d_unlisted.replicas, d_unlisted.reason) == (2, "HoldStarting")
+    # a real rise in demand while s1 loads still scales up: 200 in flight (a: 64 + 136 waiting)
+    # -> ceil(200 / 64) = 4 (against the cut batch it would be ceil(200 / 48) = 5)
+    surge = pod("a", running=64, waiting=136, kv_usage=0.2, tpot=hist(20, 40, 50, 50, 0.07))
+    d_surge = decide(5.0, Observation((surge,), (StartingPod("s1", 5.0),), (), 2), SPEC, up.state)
+    assert (d_surge.replicas, d_surge.reason) == (4, "ScaleUpGoodput")
+    # at 10 s s1 is ready (first scrape) and the load is split: s1 starts with the batch it was
+    # counted with, 64, not the fleet median after the cut (48), and a's provisional cut is
+    # undone: max(48, 64) = 64 (40 running, TPOT within the SLO: no new cut, no growth)
+    a10 = pod("a", running=40, waiting=0, kv_usage=0.125, tpot=hist(0, 50, 50, 50, 0.07))
+    s1 = pod("s1", running=40, interval_s=0.0, max_num_seqs=64, kv_usage=0.125)
+    d10 = decide(10.0, Observation((a10, s1), (), (), 2), SPEC, d.state)
+    assert (d10.limits["a"].max_num_seqs, d10.limits["s1"].max_num_seqs) == (64, 64)
+    # demand max(in flight 80, 10 req/s * 7.13 = 71.3) = 80 -> ceil(80 / 64) = 2: steady, and the
+    # plan is dropped (nothing coming): the next cut counts in full
+    assert (d10.replicas, d10.reason, d10.state.plan_cap) == (2, "Steady", 0)
+    # ... a TPOT miss at the planned load cuts again: floor(min(64, 40) * 0.75) = 30
+    a15 = pod("a", running=40, waiting=0, kv_usage=0.125, tpot=hist(20, 40, 50, 50, 0.07))
+    d15 = decide(15.0, Observation((a15, pod("s1", running=40, kv_usage=0.125)), (), (), 2), SPEC,
+                 d10.state)
+    assert d15.limits["a"].max_num_seqs == 30
+
+
+def test_slow_tpot_while_pods_load_does_not_stretch_demand():
+    # One pod at 20 req/s (100 finished per 5 s, 100 tokens each), 40 running, kv 0.2, TPOT mean
+    # 70 ms all within the SLO: service_s = 0.2 + 99 * 0.07 = 7.13 s, demand max(40, 20 * 7.13 =
+    # 142.6) = 142.6; capacity min(64, 40 * 0.8 / 0.2 = 160) = 64 -> ceil(2.23) = 3: scale 1 -> 3.
+    def busy(tpot: HistogramDelta) -> PodObservation:
+        return pod("a", running=40, kv_usage=0.2, admitted=100, finished=100, slo_met=100,
+                   generation_tokens=10000, ttft=hist(0, 0, 100, 100, 0.2), tpot=tpot)
+    up = decide(0.0, Observation((busy(hist(0, 100, 100, 100, 0.07)),), (), (), 1), SPEC, None)
+    assert (up.replicas, up.reason) == (3, "ScaleUpGoodput")
+    # while 2 pods load, pod a's TPOT stretches to a mean of 100 ms (90 % within the SLO: no
+    # cut). Measured service_s 0.2 + 99 * 0.1 = 10.1 s -> demand 202 -> ceil(202 / 64) = 4 would
+    # order a 4th replica; with the TPOT the plan was sized with (70 ms) demand stays 142.6 -> 3
+    loading = Observation((busy(hist(0, 90, 100, 100, 0.1)),), (StartingPod("s1", 5.0),
+                                                                 StartingPod("s2", 5.0)), (), 3)
+    d = decide(5.0, loading, SPEC, up.state)
+    assert (d.replicas, d.reason, d.limits["a"].max_num_seqs) == (3, "HoldStarting", 64)
+    # the queue limit still uses the service time measured now (how fast the queue drains):
+    # mu = 64 / 10.1 = 6.34/s -> k_ttft = floor(1.0 * 6.34) = 6; 1 of 3 ready -> floor(6 * 4/3) = 8
+    assert d.limits["a"].max_waiting == 8
+    # with nothing coming (no plan) the same stretched TPOT is measured service time: 202 / 64 -> 4
+    d = decide(5.0, Observation(loading.ready, (), (), 1), SPEC, None)
+    assert (d.replicas, d.reason) == (4, "ScaleUpGoodput")
+
+
+def test_metrics_back_after_a_long_gap_wait_a_whole_window():
+    # pods a, b, c at 5 req/s: rec 2 from 3 (see test_scale_down_after_the_window...). Pod c's
+    # metrics are missing from t=0 to t=400 (longer than the 300 s window): every such tick holds
+    # (HoldMissingMetrics) and records max(rec, current) = 3
+    quiet = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
+    gap = Observation((_quiet("a"), _quiet("b")), (), ("c",), 3)
+    st = PolicyState(since=-400.0)
+    for t in (0.0, 100.0, 200.0, 300.0, 400.0):
+        d = decide(t, gap, SPEC, st)
+        assert (d.replicas, d.reason) == (3, "HoldMissingMetrics")
+        st = d.state
+    # metrics back at t=450: the window [150, 450] holds the gap's 3s -> no scale-down on one
+    # sample (recording nothing during the gap would leave only this tick's 2 and scale down)
+    d = decide(450.0, quiet, SPEC, st)
+    assert (d.replicas, d.reason) == (3, "HoldStabilizing")
+    # t=701: the window [401, 701] holds only complete-metrics 2s (450, 701): one step down
+    d = decide(701.0, quiet, SPEC, d.state)
+    assert (d.replicas, d.reason) == (2, "ScaleDown")
+
+
+def test_retried_429s_while_pods_load_are_not_new_demand():
+    # scale 1 -> 2 at t=0 as in test_batch_cut_while_a_pod_loads...: 104 in flight, offered
+    # 10 req/s (plan_offered_rps 10), service_s 7.13 s
+    t0 = pod("a", running=64, waiting=40, kv_usage=0.2, tpot=hist(0, 50, 50, 50, 0.07))
+    up = decide(0.0, Observation((t0,), (), (), 1), SPEC, None)
+    assert (up.replicas, up.state.plan_offered_rps) == (2, 10.0)
+    # while s1 loads, the tightened queue answers 429 and the clients retry: 40 admitted and 160
+    # rejections per 5 s -> offered 40 req/s, 40 * 7.13 = 285.2 seqs -> ceil(285.2 / 64) = 5
+    # would order 3 more. Sized with min(40, max(plan 10, admitted 8)) = 10 req/s -> 71.3; in
+    # flight 104 -> ceil(104 / 64) = 2 = current: hold (attainment 40 / 200 = 0.2 is not
+    # evidence while pods load, rule 3)
+    retried = pod("a", running=64, waiting=40, kv_usage=0.2, admitted=40, finished=40, slo_met=40,
+                  rejected_429=160, generation_tokens=4000, ttft=hist(0, 0, 40, 40, 0.2),
+                  tpot=hist(0, 40, 40, 40, 0.07))
+    d = decide(5.0, Observation((retried,), (StartingPod("s1", 5.0),), (), 2), SPEC, up.state)
+    assert (d.replicas, d.reason) == (2, "HoldStarting")
+    # with nothing coming the same 429s are offered demand in full: 285.2 / 64 -> 5
+    d = decide(5.0, Observation((retried,), (), (), 1), SPEC, None)
+    assert d.replicas == 5

@@ -1,6 +1,6 @@
 """LLMEngine / AsyncLLMEngine without a model: the real scheduler and block manager, a fake runner.
 
-The fake runner "counts": the token after t is t+1 (byte tokens, so the text is the alphabet),
+The fake runner (tests/fake_engine.py) "counts": the token after t is t+1 (byte tokens, so the text is the alphabet),
 which makes every expected output computable by hand. Checks: stop strings finish the request
 through the scheduler (blocks freed at once, reason "stop", text cut before the stop string),
 stop tokens are not in the text, aborts free blocks, one delta per token, a failing step fails only
@@ -12,47 +12,12 @@ import asyncio
 import threading
 
 import pytest
-from goodput.worker.engine.config import EngineConfig
-from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.sampling_params import SamplingParams
-from goodput.worker.engine.scheduler import AdmissionError, Scheduler
+from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.async_engine import AsyncLLMEngine
-from goodput.worker.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES, LLMEngine
-from goodput.worker.metrics import WorkerMetrics
+from goodput.worker.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES
 
-EOS = 0
-
-
-class ByteTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i != EOS).decode("utf-8", errors="replace")
-
-
-class CountingRunner:
-    """gate: optional threading.Semaphore; each step takes one permit (the test sets the pace)."""
-
-    def __init__(self, fail_after: int | None = None, gate: threading.Semaphore | None = None,
-                 fail_on_calls: set[int] = frozenset()):
-        self.calls = 0
-        self.fail_after = fail_after
-        self.fail_on_calls = fail_on_calls
-        self.gate = gate
-
-    def execute(self, sched_out):
-        if self.gate is not None:
-            self.gate.acquire()
-        self.calls += 1
-        if (self.fail_after is not None and self.calls > self.fail_after) or self.calls in self.fail_on_calls:
-            raise RuntimeError("device lost")
-        return RunnerOutput({c.request_id: c.token_ids[-1] + 1 for c in sched_out.chunks if c.sample})
-
-
-def make_engine(num_blocks=16, runner=None, **cfg) -> LLMEngine:
-    config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=4, eos_token_ids=(EOS,),
-                          max_num_batched_tokens=64, **cfg)
-    eng = LLMEngine(config, Scheduler(config), runner or CountingRunner(), ByteTokenizer())
-    eng.metrics = WorkerMetrics("fake", eng.stats)
-    return eng
+from fake_engine import CountingRunner, make_engine
 
 
 def greedy(max_tokens, **kw):

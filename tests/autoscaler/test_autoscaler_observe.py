@@ -42,8 +42,8 @@ def _worker(aliases: bool = False) -> tuple[WorkerMetrics, dict]:
     return wm, holder
 
 
-def _finish(wm: WorkerMetrics, reason: str, ttft: float, tpot: float | None) -> None:
-    wm.observe_first_token(ttft, queue_time_s=0.0)
+def _finish(wm: WorkerMetrics, reason: str, ttft: float, tpot: float | None, queue: float = 0.0) -> None:
+    wm.observe_first_token(ttft, queue_time_s=queue)
     wm.observe_finished(reason, finished_request(ttft, tpot))
 
 
@@ -63,9 +63,9 @@ def _interval_2(wm: WorkerMetrics, holder: dict) -> None:
         running=1, waiting=0, used=10, blocks=100, max_num_seqs=6, max_waiting=4,
         admitted=16, rejected={"queue_full": 5, "never_fits": 1, "invalid": 2},
         finished={"stop": 9, "length": 3, "abort": 1}, generation_tokens=1000, preemptions=4)
-    _finish(wm, "stop", 0.3, 0.01)      # met
-    _finish(wm, "stop", 0.3, 0.04)      # met
-    _finish(wm, "length", 2.5, 0.2)     # missed on both
+    _finish(wm, "stop", 0.3, 0.01, queue=0.1)      # met
+    _finish(wm, "stop", 0.3, 0.04, queue=0.2)      # met
+    _finish(wm, "length", 2.5, 0.2, queue=2.0)     # missed on both (queued 2 s of its 2.5 s TTFT)
 
 
 def _text(wm: WorkerMetrics) -> str:
@@ -119,6 +119,9 @@ def test_deltas_between_two_scrapes_hand_computed():
     by_le = dict(zip(o.tpot.bounds, o.tpot.counts))
     assert (by_le[0.005], by_le[0.01], by_le[0.04], by_le[0.05], by_le[0.2], by_le[math.inf]) == (0, 1, 2, 2, 3, 3)
     assert o.tpot.fraction_le(SLO_TPOT_S) == pytest.approx(2 / 3)
+    # queue-time increase: 0.1, 0.2, 2.0 (interval 1 queued nothing: 4 zeros)
+    assert s1.queue.count == 4 and s1.queue.sum == 0
+    assert o.queue.count == 3 and o.queue.sum == pytest.approx(2.3)
 
 
 def test_worker_restart_counts_from_zero():

@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO as ROOT
+
 CHART = ROOT / "helm" / "goodput"
 CRD_FILE = "serving.goodput.dev_inferenceservices.yaml"
 

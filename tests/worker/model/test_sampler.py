@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from goodput.worker.engine.sampling_params import SamplingParams
-from goodput.worker.model.sampler import Row, Sampler, apply_top_k_top_p, mix_seed, prompt_logprobs
+from goodput.worker.model.sampler import Row, Sampler, apply_top_k_top_p, greedy_tokens, mix_seed, prompt_logprobs
 
 
 class S:
@@ -46,6 +46,33 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax():
     # logprobs are computed only for rows that ask
     _, lps = S(seed=0).sample(logits, [SamplingParams(temperature=0.0)] * 5, [0] * 5)
     assert lps == [None] * 5
+
+
+def test_greedy_fast_path_gives_the_general_paths_tokens_and_applies_only_when_exact():
+    """greedy_tokens == sample() on all-greedy batches, ties included (bf16 logits repeat
+    values: the first maximal index wins on both paths); anything that changes a greedy row's
+    logits or output (logprobs, bias, penalties, a min_tokens ban, a random row) opts out."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(33, 300, generator=g) * 2).bfloat16().float()
+    logits[0, [5, 17, 250]] = logits[0].max() + 1  # an exact three-way tie
+    logits[1] = 0.0                                 # all equal
+    greedy = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=1, seed=4),
+              SamplingParams(temperature=1e-6)] * 11
+    rows = [Row(p, 3, frozenset({2})) for p in greedy]
+    assert Sampler.all_plain_greedy(rows, 300)
+    general = Sampler(seed=0).sample(logits, Sampler(seed=0).prepare(rows, 300)).token_ids
+    assert greedy_tokens(logits) == general == logits.argmax(-1).tolist()
+    assert general[0] == 5 and general[1] == 0
+    for p, n_out in [(SamplingParams(temperature=0.0, logprobs=1), 3),
+                     (SamplingParams(temperature=0.0, logit_bias=((7, 5.0),)), 3),
+                     (SamplingParams(temperature=0.0, presence_penalty=0.5), 3),
+                     (SamplingParams(temperature=0.0, repetition_penalty=1.2), 3),
+                     (SamplingParams(temperature=0.0, min_tokens=4), 3),
+                     (SamplingParams(temperature=0.8), 3)]:
+        assert not Sampler.all_plain_greedy(rows[:2] + [Row(p, n_out, frozenset({2}))], 300), p
+    # min_tokens already reached, or no stop id in the vocabulary: nothing is banned
+    assert Sampler.all_plain_greedy([Row(SamplingParams(temperature=0.0, min_tokens=4), 4, frozenset({2}))], 300)
+    assert Sampler.all_plain_greedy([Row(SamplingParams(temperature=0.0, min_tokens=4), 0, frozenset({900}))], 300)
 
 
 def test_top_k_1_is_greedy_at_any_temperature():

@@ -1,6 +1,5 @@
 """InferenceService pydantic API: aliases, refusal of bad input, byte sizes, semantic problems, examples."""
 
-from pathlib import Path
 
 import pytest
 import yaml
@@ -9,7 +8,9 @@ from pydantic import ValidationError
 from goodput.operator import api
 from goodput.operator.api import InferenceServiceSpec, parse_bytes, semantic_problems
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "crds" / "examples").glob("*.yaml"))
+from conftest import REPO
+
+EXAMPLES = sorted((REPO / "crds" / "examples").glob("*.yaml"))
 
 
 def test_defaults_and_camel_case_round_trip():

@@ -4,7 +4,7 @@ The CPU interpreter cannot catch errors that only the compiler sees (types in lo
 dot shapes), so ``test_triton_attention.py`` runs this in a subprocess WITHOUT
 ``TRITON_INTERPRET``: Triton lowers each kernel to PTX and its bundled ptxas assembles it for
 sm_90 (H100/H200). Prints one line per variant (OK/FAIL) and exits 1 on any failure.
-Usage: python tests/triton_compile_check.py [--quick] [ARCH]   (default 90; --quick compiles
+Usage: python tests/worker/model/attention/triton_compile_check.py [--quick] [ARCH]   (default 90; --quick compiles
 the bf16 kernels and the fp32 decode tile only, for CI)
 """
 from __future__ import annotations

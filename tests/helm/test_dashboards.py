@@ -8,14 +8,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from goodput.autoscaler import metric_names as A
 from goodput.worker import metric_names as W
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO as ROOT
+
 DASHBOARDS = ROOT / "helm" / "goodput" / "dashboards"
 
 spec = importlib.util.spec_from_file_location("helm_dashboards", ROOT / "helm" / "dashboards.py")

@@ -1,0 +1,172 @@
+"""Time our engine's decode steps in-process at a given batch and context, without prefill.
+
+    python -m goodput.bench decode-steps --batches 1,16 --contexts 512,2048,8192 --out x.json
+    python -m goodput.bench decode-steps --quantization int4 --batches 1,32 --contexts 107
+
+A real ``ModelRunner`` (the worker's model, attention backend and sampler) executes decode steps
+of B sequences whose KV cache already holds T - 1 tokens each: the cache is filled with random
+values instead of a prefill (a step's cost depends on the bytes it reads, not their values), and
+every sequence gets its own run of consecutive blocks (as a fresh server allocates a prompt's
+blocks), so a batch reads B·T distinct tokens of KV as a server would with B different prompts
+(shared-prefix blocks could be served from the last-level cache and flatter the result). Each (B, T) shape runs ``--warmup`` untimed steps, then ``--repeats``
+timed ones; the median is reported (the minimum too: on a shared machine it is the least
+disturbed estimate).
+
+Also reports the weight bytes the loaded model actually holds for a decode step (every linear's
+tensors, LM head included, norms; not the embedding table, of which a step gathers B rows),
+summed from the live tensors' ``nbytes``.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 (when the worker has it)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--contexts", default="512,2048,8192", help="tokens each sequence attends to")
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--profile-batches", default="",
+                   help="also profile these batch sizes (torch.profiler, first context): top ops per step")
+    p.add_argument("--out", default=None, help="JSON result path")
+
+
+def _tensor_bytes(obj) -> int:
+    import torch
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+def model_weight_bytes(model) -> dict | None:
+    """{"layers", "lm_head", "norms", "total"}: bytes of the tensors a decode step multiplies,
+    from a live ``LlamaModel`` (its ``layers[i].{qkv,o,gate_up,down}``, norms and ``lm_head``);
+    None when the model does not have that structure."""
+    try:
+        layers = sum(_tensor_bytes(getattr(ly, n)) for ly in model.layers for n in ("qkv", "o", "gate_up", "down"))
+        norms = sum(_tensor_bytes(ly.attn_norm) + _tensor_bytes(ly.ffn_norm) for ly in model.layers)
+        norms += _tensor_bytes(model.norm)
+        head = _tensor_bytes(model.lm_head)
+    except AttributeError:
+        return None
+    return {"layers": layers, "lm_head": head, "norms": norms, "total": layers + head + norms}
+
+
+def make_runner(model: str, dtype: str, quantization: str, num_blocks: int, block_size: int,
+                threads: int | None):
+    """A ModelRunner with `num_blocks` KV blocks; ValueError when the worker has no
+    ``quantization`` argument and one other than "none" is asked for."""
+    from goodput.worker.model.runner import ModelRunner
+    kw = dict(dtype=dtype, device="cpu", num_blocks=num_blocks, block_size=block_size, num_threads=threads)
+    if "quantization" in inspect.signature(ModelRunner.__init__).parameters:
+        kw["quantization"] = quantization
+    elif quantization != "none":
+        raise ValueError(f"this worker has no quantization support (asked for {quantization!r})")
+    return ModelRunner(model, **kw)
+
+
+def decode_batch(batch: int, ctx: int, block_size: int, first_block: int = 0):
+    """A SchedulerOutput of `batch` greedy decode chunks at position ctx - 1, sequence i on blocks
+    [first_block + i·nb, first_block + (i+1)·nb) with nb = ceil(ctx / block_size)."""
+    from goodput.worker.engine.outputs import ScheduledChunk, SchedulerOutput
+    from goodput.worker.engine.sampling_params import SamplingParams
+    nb = -(-ctx // block_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    chunks = [ScheduledChunk(request_id=f"s{i}", token_ids=(100 + i,), start_pos=ctx - 1,
+                             block_table=tuple(range(first_block + i * nb, first_block + (i + 1) * nb)),
+                             sample=True, sampling_params=sp, num_output_tokens=1,
+                             prompt_token_ids=(1,) * (ctx - 1))
+              for i in range(batch)]
+    return SchedulerOutput(chunks=chunks, num_batched_tokens=batch)
+
+
+def time_steps(runner, batch: int, ctx: int, repeats: int, warmup: int) -> list[float]:
+    """Seconds of `repeats` timed ``runner.execute`` decode steps at (batch, ctx)."""
+    sched = decode_batch(batch, ctx, runner.block_size)
+    for _ in range(warmup):
+        runner.execute(sched)
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        runner.execute(sched)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -> dict:
+    """torch.profiler over `steps` decode steps at (batch, ctx) after one warm-up: per step the
+    wall time, the summed self time of all ops, and the `top` ops by self time
+    ({name, self_ms, calls} per step). wall − ops ≈ time outside torch ops (Python, dispatch
+    gaps), inflated somewhat by the profiler's own per-op cost."""
+    from torch.profiler import ProfilerActivity, profile
+    sched = decode_batch(batch, ctx, runner.block_size)
+    runner.execute(sched)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(sched)
+        wall = (time.perf_counter() - t) / steps
+    ka = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    ka.sort(key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ka) / 1e3 / steps
+    ops = [{"name": e.key, "self_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count / steps}
+           for e in ka[:top]]
+    return {"batch": batch, "ctx": ctx, "steps": steps, "wall_ms": wall * 1e3, "ops_self_ms": total, "top": ops}
+
+
+def run(a: argparse.Namespace) -> dict:
+    import torch
+    batches = [int(x) for x in a.batches.split(",") if x]
+    contexts = [int(x) for x in a.contexts.split(",") if x]
+    need = max(batches) * -(-max(contexts) // a.block_size)
+    t0 = time.perf_counter()
+    runner = make_runner(a.model, a.dtype, a.quantization, need, a.block_size, a.threads)
+    if max(contexts) > runner.max_model_len:
+        raise ValueError(f"context {max(contexts)} exceeds the model's {runner.max_model_len}")
+    load_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    for k, v in runner.kv_caches:  # views of one pool; random values (uniform: cheaper than normal on GBs)
+        k.uniform_(-1.0, 1.0, generator=g)
+        v.uniform_(-1.0, 1.0, generator=g)
+    c = runner.model_config
+    dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
+    points = []
+    for b in batches:
+        for t in contexts:
+            s = time_steps(runner, b, t, a.repeats, a.warmup)
+            med = statistics.median(s)
+            points.append({"batch": b, "ctx": t, "step_s_median": med, "step_s_min": min(s), "steps_s": s,
+                           "tok_s": b / med})
+            print(f"decode B={b:3d} T={t:5d}: {med * 1e3:8.2f} ms/step (min {min(s) * 1e3:.2f}), "
+                  f"{b / med:7.1f} tok/s", file=sys.stderr, flush=True)
+    profiles = [profile_steps(runner, int(b), contexts[0]) for b in a.profile_batches.split(",") if b]
+    return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "profiles": profiles,
+            "threads": torch.get_num_threads(), "block_size": a.block_size, "load_s": load_s,
+            "attention_backend": type(runner.attention_backend).__name__,
+            "shape": {"layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                      "dtype_bytes": dtype_bytes},
+            "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "weight_bytes": model_weight_bytes(runner.model), "repeats": a.repeats, "points": points}
+
+
+def main(a: argparse.Namespace) -> None:
+    res = run(a)
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    else:
+        print(json.dumps({k: v for k, v in res.items() if k != "points"}, indent=1))
