@@ -216,3 +216,21 @@ def namespace(kubectl: Kubectl) -> Iterator[str]:
         yield ns
     finally:
         kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def ns(namespace: str, kubectl: Kubectl):
+    """The module's namespace; InferenceServices left in it are deleted first (their finalizers run
+    while the operator still does). test_autoscaler_e2e overrides it to stop its load first."""
+    yield namespace
+    kubectl.run("-n", namespace, "delete", "inferenceservice", "--all", "--wait=false", check=False)
+
+
+@pytest.fixture
+def diag(kubectl: Kubectl, ns: str, operator, kubelet):
+    """A callable returning the namespace's objects and events plus operator and kubelet log tails,
+    for assertion messages."""
+    def dump() -> str:
+        return "\n".join([kubectl.run("-n", ns, "get", "all,pdb,secret,inferenceservice,events", "-o", "wide",
+                                      check=False).stdout, operator.log(40), kubelet.log(30)])
+    return dump

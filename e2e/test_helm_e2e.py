@@ -99,12 +99,6 @@ def processes_of(pod: str) -> list[tuple[int, list[str], dict[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def ns(namespace: str, kubectl: Kubectl):
-    yield namespace
-    kubectl.run("-n", namespace, "delete", "inferenceservice", "--all", "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
 def release(kubectl: Kubectl, crd: dict, kubelet: LogFile, operator, ns: str):
     """The chart installed as README says; the suite's own operator process is paused meanwhile (two
     operators would both reconcile)."""

@@ -92,21 +92,6 @@ def worker_pids(pod_names: set[str]) -> dict[str, int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def ns(namespace: str, kubectl: Kubectl):
-    yield namespace
-    kubectl.run("-n", namespace, "delete", "inferenceservice", "--all", "--wait=false", check=False)
-
-
-@pytest.fixture
-def diag(kubectl: Kubectl, ns: str, operator, kubelet):
-    def dump() -> str:
-        out = [kubectl.run("-n", ns, "get", "all,pdb,inferenceservice", "-o", "wide", check=False).stdout,
-               operator.log(40), kubelet.log(30)]
-        return "\n".join(out)
-    return dump
-
-
 # --------------------------------------------------------------------------------------- schema
 @pytest.mark.timeout(60)
 def test_crd_established(crd):

@@ -21,20 +21,6 @@ RESYNC_S = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "10"))
 LABEL = "serving.goodput.dev/inferenceservice"
 
 
-@pytest.fixture(scope="module")
-def ns(namespace: str, kubectl: Kubectl):
-    yield namespace
-    kubectl.run("-n", namespace, "delete", "inferenceservice", "--all", "--wait=false", check=False)
-
-
-@pytest.fixture
-def diag(kubectl: Kubectl, ns: str, operator, kubelet):
-    def dump() -> str:
-        return "\n".join([kubectl.run("-n", ns, "get", "all,pdb,secret,inferenceservice,events", "-o", "wide",
-                                      check=False).stdout, operator.log(40), kubelet.log(20)])
-    return dump
-
-
 def degraded(kubectl: Kubectl, ns: str, name: str, reason: str, diag, timeout: float = 45) -> dict[str, Any]:
     return wait_for(lambda: (o := isvc(kubectl, ns, name)) and cond(o, "Degraded").get("reason") == reason
                     and cond(o, "Degraded").get("status") == "True" and o, timeout, f"Degraded={reason}",

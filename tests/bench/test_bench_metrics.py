@@ -171,7 +171,7 @@ def test_targets_table_marks_met_and_missed():
     md = targets_section({"side_by_side": {"varying (x)": {"32": {"ours": 100.0, "llama.cpp": 40.0, "HF static": 80.0},
                                                           "1": {"ours": 10.0, "llama.cpp": 30.0}}},
                           "hol": {"ratio_off_over_on": 6.0}})
-    assert "| C=32 ours / llama.cpp (varying lengths) | 2.50x | >= 2x | met |" in md
-    assert "| C=32 ours / HF static (varying lengths) | 1.25x | >= 1.5x | **missed** |" in md
-    assert "| C=1 ours / llama.cpp | 0.33x | >= 0.5x | **missed** |" in md
+    assert "| C=32 ours / llama.cpp (varying lengths) | 2.50× | >= 2x | met |" in md
+    assert "| C=32 ours / HF static (varying lengths) | 1.25× | >= 1.5x | **missed** |" in md
+    assert "| C=1 ours / llama.cpp | 0.33× | >= 0.5x | **missed** |" in md
     assert "| prefix cache: TTFT p50 off / on | not measured |" in md

@@ -13,20 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import TINY_POOL_BLOCKS
+from goodput.bench.prompts import FIXED_PROMPTS
 from server_utils import completion, metric, metrics
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "Water boils at a temperature of",
-    "The three primary colors are",
-    "List of planets: Mercury, Venus,",
-    "Q: What is 12 plus 7?\nA:",
-    "import numpy as np\nx = np.",
-]
+PROMPTS = FIXED_PROMPTS[:8]
 
 # 9..24 tokens each: longer than the 8-token budget, short enough for max_model_len 32.
 CHUNKED_PROMPTS = [

@@ -585,16 +585,7 @@ def _small(s: dict) -> dict:
     return {k: s[k] for k in keep if k in s}
 
 
-def _f(x) -> str:
-    return "–" if x is None else f"{x:.1f}"
-
-
-def _x(x) -> str:
-    return "–" if x is None else f"{x:.2f}x"
-
-
-def _pct(x) -> str:
-    return "–" if x is None else f"{x * 100:.0f}%"
+_f, _x, _pct = report.fmt, report.fmt_ratio, report.fmt_pct
 
 
 def main(a: argparse.Namespace) -> None:

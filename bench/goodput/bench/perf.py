@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 
+from .report import fmt, fmt_mb, fmt_pct, fmt_ratio
 from .step_bytes import gguf_weight_bytes, kv_bytes_per_step, ours_weight_bytes
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[".."] * 3))
@@ -198,20 +199,7 @@ def targets(side: dict, roof: dict, growth_rows: list[dict] | None, row: str) ->
 # ----------------------------------------------------------------------------------------------
 # rendering (pure: a results dict in, markdown out)
 
-def _f(x, nd=1) -> str:
-    return "–" if x is None else f"{x:.{nd}f}"
-
-
-def _x(x) -> str:
-    return "–" if x is None else f"{x:.2f}×"
-
-
-def _pct(x) -> str:
-    return "–" if x is None else f"{x * 100:.0f}%"
-
-
-def _mb(x) -> str:
-    return "–" if x is None else f"{x / 1e6:.1f}"
+_f, _x, _pct, _mb = fmt, fmt_ratio, fmt_pct, fmt_mb
 
 
 def _goal(t: dict) -> str:

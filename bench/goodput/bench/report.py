@@ -23,8 +23,25 @@ def _ms(x) -> str:
     return "–" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
 
 
-def _f(x, nd=1) -> str:
+def fmt(x, nd=1) -> str:
+    """A number with nd decimals; '–' for None/NaN (one formatting for every results table)."""
     return "–" if x is None or x != x else f"{x:.{nd}f}"
+
+
+def fmt_ratio(x) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def fmt_pct(x) -> str:
+    return "–" if x is None else f"{x * 100:.0f}%"
+
+
+def fmt_mb(x) -> str:
+    """Bytes as decimal megabytes."""
+    return "–" if x is None else f"{x / 1e6:.1f}"
+
+
+_f = fmt
 
 
 ROW_HEADER = ("| point | sent | offered req/s | admitted | 429 (rate) | err | ok | req/s | out tok/s | "
