@@ -377,6 +377,10 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
     if e.attention_backend == "triton" and spec.resources.gpu == 0:
         out.append(Problem(reason="InvalidEngineConfig", message=(
             "engine.attentionBackend triton needs a GPU: set resources.gpu >= 1 or use auto/torch")))
+    if e.attention_backend == "cpu" and spec.resources.gpu > 0:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            "engine.attentionBackend cpu runs on the CPU, but resources.gpu > 0 gives the worker a GPU: "
+            "use auto or triton")))
     a = spec.autoscaling
     if a.min_replicas > a.max_replicas:
         out.append(Problem(reason="InvalidAutoscaling", message=(

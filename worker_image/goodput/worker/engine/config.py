@@ -217,8 +217,9 @@ class EngineArgs(SchedulerSettings):
     max_model_len: int | None = setting(
         None, "longest prompt + output in tokens (default: the model's context length)",
         ge=1, le=1048576)
-    attention_backend: str = setting("auto", "auto: triton on CUDA, the torch reference on CPU",
-                                     choices=("auto", "torch", "triton"))
+    attention_backend: str = setting(
+        "auto", "auto: triton on CUDA; on CPU the C++ paged decode kernel (cpu, built on first use) "
+        "when it builds, else the torch reference (torch)", choices=("auto", "torch", "cpu", "triton"))
     num_threads: int | None = setting(
         None, "torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)", ge=1)
     slo_ttft_ms: float | None = setting(None, "TTFT SLO for goodput_requests_slo_met_total (ms)",

@@ -40,7 +40,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
-    """An AttentionBackend from a name ("auto" | "torch" | "triton", see ``attention.selector``)
+    """An AttentionBackend from a name ("auto" | "torch" | "cpu" | "triton", see ``attention.selector``)
     or an instance (returned as is)."""
     if not isinstance(name, str):
         return name
@@ -56,7 +56,7 @@ class ModelRunner:
     dtype: "float32" | "bfloat16" (| "float16"); weights, activations and KV cache.
     device: "cpu" | "cuda" | "auto". kv_cache_memory_bytes: KV budget; the pool gets
     ``floor(budget / (bytes_per_token · block_size))`` blocks (``num_blocks`` overrides it).
-    attention_backend: "auto" | "torch" | "triton" or an AttentionBackend instance.
+    attention_backend: "auto" | "torch" | "cpu" | "triton" or an AttentionBackend instance.
     weight_cache_dir: see ``gguf_loader.load_gguf`` (None = default, False = off).
     seed: seed of the generator used by requests without their own seed.
     logprobs_mode: "processed" (the distribution sampled from) or "raw"; see ``sampler.py``.

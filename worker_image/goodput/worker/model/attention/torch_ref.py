@@ -50,6 +50,10 @@ class _Plan:
     dec_run: tuple[int, int] | None = None
     dec_buf: torch.Tensor | None = None  # [2, Bd * nb, block_size, n_kv, d] K/V gather target, reused by layers
     only_dec: bool = False           # every query row is a decode row, in order (rows 0..Bd-1)
+    # the C++ kernel's inputs (cpu_backend.py): int32 [Bd, nb] block tables, int32 [Bd] lengths, splits
+    dec_tables: torch.Tensor | None = None
+    dec_lens: torch.Tensor | None = None
+    dec_splits: int = 1
 
 
 class TorchReferenceBackend:
@@ -103,17 +107,7 @@ class TorchReferenceBackend:
             rows = [qsl[i] for i in dec]
             if rows != list(range(len(dec))):
                 plan.dec_rows = torch.tensor(rows, dtype=torch.long, device=device)
-            lens = torch.tensor([seq_lens[i] for i in dec], dtype=torch.long, device=device)
-            nb = -(-max(seq_lens[i] for i in dec) // block_size)
-            idx = torch.tensor(dec, dtype=torch.long, device=device)
-            plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
-            if len(dec) == 1:
-                ids = plan.dec_blocks.tolist()
-                if ids == list(range(ids[0], ids[0] + nb)):
-                    plan.dec_run = (ids[0], seq_lens[dec[0]])
-            if plan.dec_run is None:
-                pos = torch.arange(nb * block_size, device=device)
-                plan.dec_mask = _additive((pos[None, :] < lens[:, None])[:, None, None, :], dtype)
+            self._plan_decode(plan, meta, dec, seq_lens, block_size, device, dtype)
         for i in pre:
             s, e, sl = qsl[i], qsl[i + 1], seq_lens[i]
             ctx = sl - (e - s)
@@ -126,6 +120,41 @@ class TorchReferenceBackend:
             plan.prefills.append(_PrefillSeq(s, e, sl, ctx, blocks, mask))
         plan.only_dec = not pre and plan.dec_rows is None and len(dec) == qsl[-1]
         return plan
+
+    def _plan_decode(self, plan: _Plan, meta: AttentionMetadata, dec: list[int], seq_lens: list[int],
+                     block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Decode rows' per-step state: gather indices and padding mask (or an in-place run)."""
+        lens = torch.tensor([seq_lens[i] for i in dec], dtype=torch.long, device=device)
+        nb = -(-max(seq_lens[i] for i in dec) // block_size)
+        idx = torch.tensor(dec, dtype=torch.long, device=device)
+        plan.dec_blocks = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
+        if len(dec) == 1:
+            ids = plan.dec_blocks.tolist()
+            if ids == list(range(ids[0], ids[0] + nb)):
+                plan.dec_run = (ids[0], seq_lens[dec[0]])
+        if plan.dec_run is None:
+            pos = torch.arange(nb * block_size, device=device)
+            plan.dec_mask = _additive((pos[None, :] < lens[:, None])[:, None, None, :], dtype)
+
+    def _decode(self, plan: _Plan, qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """Attention of the decode rows qd [B, n_heads, d] -> [B, n_heads, d]: one SDPA over the
+        gathered (or, for one sequence on consecutive blocks, in-place) K/V."""
+        B, H, D = qd.shape
+        block_size, KV = k_cache.shape[1], k_cache.shape[2]
+        qd = qd.view(B, KV, H // KV, D)
+        if plan.dec_run is not None:  # in place: a view of the consecutive blocks
+            b0, sl = plan.dec_run
+            nb = -(-sl // block_size)
+            kd = k_cache[b0:b0 + nb].view(1, nb * block_size, KV, D)[:, :sl].transpose(1, 2)
+            vd = v_cache[b0:b0 + nb].view(1, nb * block_size, KV, D)[:, :sl].transpose(1, 2)
+        else:
+            S = plan.dec_blocks.shape[0] // B * block_size
+            kg, vg = self._gather_dec(plan, k_cache, v_cache)
+            kd = kg.view(B, S, KV, D).transpose(1, 2)
+            vd = vg.view(B, S, KV, D).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
+        return od.reshape(B, H, D)
 
     @staticmethod
     def _gather_dec(plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -156,19 +185,7 @@ class TorchReferenceBackend:
         if plan.num_dec:
             B = plan.num_dec
             qd = q[:B] if plan.dec_rows is None else q.index_select(0, plan.dec_rows)
-            qd = qd.view(B, KV, g, D)
-            if plan.dec_run is not None:  # in place: a view of the consecutive blocks
-                b0, sl = plan.dec_run
-                nb = -(-sl // block_size)
-                kd = k_cache[b0:b0 + nb].view(1, nb * block_size, KV, D)[:, :sl].transpose(1, 2)
-                vd = v_cache[b0:b0 + nb].view(1, nb * block_size, KV, D)[:, :sl].transpose(1, 2)
-            else:
-                S = plan.dec_blocks.shape[0] // B * block_size
-                kg, vg = self._gather_dec(plan, k_cache, v_cache)
-                kd = kg.view(B, S, KV, D).transpose(1, 2)
-                vd = vg.view(B, S, KV, D).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
-            od = od.reshape(B, H, D)
+            od = self._decode(plan, qd, k_cache, v_cache, scale)
             if plan.only_dec and B == T:
                 return od
         out = q.new_zeros(T, H, D) if plan.num_dec + sum(p.q_end - p.q_start for p in plan.prefills) < T \

@@ -1,0 +1,52 @@
+"""The ``cpu`` attention backend: decode rows through goodput's C++ paged-attention kernel,
+which reads each sequence's keys and values in place through its block table (no per-layer gather
+into a padded buffer, no padding mask), prefill chunks through the torch reference.
+
+Why: torch's CPU SDPA over gathered K/V reads every decode step's KV twice plus padding (the
+gather copies it, SDPA reads the copy) and its flash kernel is slow for one query row per KV-head
+group; at 16 sequences × 2k tokens that made decode attention ~4× what its bytes explain
+(``bench/results/*-cpu.md``, "How cost grows with context"). Kernel: ``cpu_kernels.py``.
+"""
+from __future__ import annotations
+
+import torch
+from goodput.worker.model.attention import cpu_kernels
+from goodput.worker.model.attention.base import AttentionMetadata
+from goodput.worker.model.attention.torch_ref import TorchReferenceBackend, _Plan
+
+
+class CpuPagedBackend(TorchReferenceBackend):
+    """Implements ``attention.base.AttentionBackend``; RuntimeError at construction when the C++
+    kernels cannot be built here (``cpu_kernels.load_error()`` says why)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod = cpu_kernels.load()
+        if self._mod is None:
+            raise RuntimeError(f"the cpu attention backend's C++ kernel is unavailable: {cpu_kernels.load_error()}")
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._pool = (k_cache.shape[0], k_cache.shape[2])  # (num_blocks, n_kv) for the step's plan
+        return super().forward(q, k_cache, v_cache, meta, scale)
+
+    def _plan_decode(self, plan: _Plan, meta: AttentionMetadata, dec: list[int], seq_lens: list[int],
+                     block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        num_blocks, kv_heads = self._pool
+        lens = [seq_lens[i] for i in dec]
+        nb = -(-max(lens) // block_size)
+        idx = torch.tensor(dec, dtype=torch.long, device=device)
+        tables = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int32).contiguous()
+        # once per step, not per layer: the kernel reads the pool at these ids unchecked
+        if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
+            raise ValueError(f"block id outside the pool [0, {num_blocks})")
+        plan.dec_tables = tables
+        plan.dec_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        plan.dec_splits = cpu_kernels.num_splits(len(dec), kv_heads, max(lens))
+
+    def _decode(self, plan: _Plan, qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        return cpu_kernels.checked_call(self._mod, qd, k_cache, v_cache, plan.dec_tables, plan.dec_lens,
+                                        scale, plan.dec_splits)

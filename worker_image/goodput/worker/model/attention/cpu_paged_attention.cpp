@@ -1,0 +1,325 @@
+// Paged decode attention for CPUs: one query token per sequence reads its keys and values in
+// place from the paged cache through its block table (no gather, no padding), with an online
+// softmax in float32 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) and the
+// context split across threads when there are fewer (sequence, KV head) pairs than threads
+// (flash-decoding's split-K). The CPU analogue of vLLM's paged_attention_v1/v2 kernels.
+//
+// Layouts (goodput.worker.model.attention.base): q [B, H, D]; caches [num_blocks, block_size,
+// KV, D]; block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query head h reads KV head
+// h / (H / KV) (grouped-query attention).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kChunk = 64;  // tokens scored before one softmax rescale
+
+inline void to_float(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // exact widening
+}
+
+// e^x for x <= 0 as 2^(x·log2 e) = 2^n · 2^f with a degree-6 polynomial for 2^f on [0, 1)
+// (relative error < 2e-7, float32's own rounding); branch-free so the compiler vectorizes it.
+inline float exp_nonpos(float x) {
+  float t = std::max(x * 1.44269504088896341f, -126.f);
+  const float n = std::floor(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One (sequence, KV head, split): positions [t0, t1) of the sequence for the g query heads of
+// KV head kh. Writes unnormalized acc [g, D], running max m [g] and sum l [g]. DD > 0 fixes the
+// head dim at compile time (full unrolling and vectorization of the per-token loops).
+template <typename T, int DD>
+void decode_unit(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0,
+                 int64_t t1, int64_t bs, int64_t KV, int64_t D_, int64_t g, int64_t kh, float* acc,
+                 float* m, float* l) {
+  const int D = DD > 0 ? DD : static_cast<int>(D_);
+  const int64_t row_stride = KV * D;  // elements between consecutive tokens of one KV head
+  std::vector<float> buf(static_cast<size_t>(g) * kChunk + D);
+  float* s = buf.data();
+  float* row = s + g * kChunk;
+  for (int64_t j = 0; j < g; ++j) {
+    m[j] = -std::numeric_limits<float>::infinity();
+    l[j] = 0.f;
+  }
+  std::fill(acc, acc + g * D, 0.f);
+  // walk the context block by block: token t0 + i lives in block table[(t0 + i) / bs]
+  for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, t1 - c0);
+    for (int pass = 0; pass < 2; ++pass) {
+      // pass 0: scores of the chunk's keys; pass 1: accumulate p·V
+      const T* cache = pass == 0 ? kc : vc;
+      int64_t i = 0;
+      while (i < n) {
+        const int64_t t = c0 + i;
+        const int64_t blk = table[t / bs], off = t % bs;
+        const int64_t run_len = std::min<int64_t>(bs - off, n - i);
+        const T* p = cache + ((blk * bs + off) * KV + kh) * D;
+        for (int64_t r = 0; r < run_len; ++r, ++i, p += row_stride) {
+          to_float(p, row, D);
+          if (pass == 0) {
+            for (int64_t j = 0; j < g; ++j) s[j * kChunk + i] = dot(qf + j * D, row, D);
+          } else {
+            for (int64_t j = 0; j < g; ++j) {
+              const float w = s[j * kChunk + i];
+              float* aj = acc + j * D;
+#pragma omp simd
+              for (int d = 0; d < D; ++d) aj[d] += w * row[d];
+            }
+          }
+        }
+      }
+      if (pass == 1) break;
+      for (int64_t j = 0; j < g; ++j) {
+        float* sj = s + j * kChunk;
+        float cm = m[j];
+#pragma omp simd reduction(max : cm)
+        for (int64_t ii = 0; ii < n; ++ii) cm = std::max(cm, sj[ii]);
+        const float alpha = std::exp(m[j] - cm);  // 0 on the first chunk (m = -inf)
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t ii = 0; ii < n; ++ii) {
+          sj[ii] = exp_nonpos(sj[ii] - cm);
+          sum += sj[ii];
+        }
+        l[j] = l[j] * alpha + sum;
+        m[j] = cm;
+        float* aj = acc + j * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) aj[d] *= alpha;
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact: shift into the high half)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// decode_unit for D = 64 and g <= 8 with the query rows and accumulators in registers: per key one
+// 64-wide dot per query row; per value one broadcast-FMA per query row. Same contract as decode_unit.
+template <typename T>
+void decode_unit_avx512_d64(const float* qf, const T* kc, const T* vc, const int32_t* table,
+                            int64_t t0, int64_t t1, int64_t bs, int64_t KV, int64_t g, int64_t kh,
+                            float* acc, float* m, float* l) {
+  constexpr int D = 64;
+  const int64_t row_stride = KV * D;
+  alignas(64) float s[8 * kChunk];
+  __m512 q[8][4], a[8][4];
+  for (int64_t j = 0; j < g; ++j) {
+    for (int c = 0; c < 4; ++c) {
+      q[j][c] = _mm512_loadu_ps(qf + j * D + 16 * c);
+      a[j][c] = _mm512_setzero_ps();
+    }
+    m[j] = -std::numeric_limits<float>::infinity();
+    l[j] = 0.f;
+  }
+  for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, t1 - c0);
+    for (int64_t i = 0; i < n;) {  // scores
+      const int64_t t = c0 + i;
+      const int64_t blk = table[t / bs], off = t % bs;
+      const int64_t run_len = std::min<int64_t>(bs - off, n - i);
+      const T* p = kc + ((blk * bs + off) * KV + kh) * D;
+      for (int64_t r = 0; r < run_len; ++r, ++i, p += row_stride) {
+        const __m512 k0 = load16(p), k1 = load16(p + 16), k2 = load16(p + 32), k3 = load16(p + 48);
+        for (int64_t j = 0; j < g; ++j) {
+          __m512 x = _mm512_mul_ps(q[j][0], k0);
+          x = _mm512_fmadd_ps(q[j][1], k1, x);
+          x = _mm512_fmadd_ps(q[j][2], k2, x);
+          x = _mm512_fmadd_ps(q[j][3], k3, x);
+          s[j * kChunk + i] = _mm512_reduce_add_ps(x);
+        }
+      }
+    }
+    for (int64_t j = 0; j < g; ++j) {  // online softmax: rescale once per chunk
+      float* sj = s + j * kChunk;
+      float cm = m[j];
+      for (int64_t ii = 0; ii < n; ++ii) cm = std::max(cm, sj[ii]);
+      const float alpha = std::exp(m[j] - cm);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t ii = 0; ii < n; ++ii) {
+        sj[ii] = exp_nonpos(sj[ii] - cm);
+        sum += sj[ii];
+      }
+      l[j] = l[j] * alpha + sum;
+      m[j] = cm;
+      const __m512 al = _mm512_set1_ps(alpha);
+      for (int c = 0; c < 4; ++c) a[j][c] = _mm512_mul_ps(a[j][c], al);
+    }
+    for (int64_t i = 0; i < n;) {  // p·V
+      const int64_t t = c0 + i;
+      const int64_t blk = table[t / bs], off = t % bs;
+      const int64_t run_len = std::min<int64_t>(bs - off, n - i);
+      const T* p = vc + ((blk * bs + off) * KV + kh) * D;
+      for (int64_t r = 0; r < run_len; ++r, ++i, p += row_stride) {
+        const __m512 v0 = load16(p), v1 = load16(p + 16), v2 = load16(p + 32), v3 = load16(p + 48);
+        for (int64_t j = 0; j < g; ++j) {
+          const __m512 w = _mm512_set1_ps(s[j * kChunk + i]);
+          a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);
+          a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);
+          a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);
+          a[j][3] = _mm512_fmadd_ps(w, v3, a[j][3]);
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, a[j][c]);
+}
+#endif
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, float scale,
+         int64_t splits, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KV = k_cache.size(2), g = H / KV;
+  const int64_t nbt = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  // partials per (b, kh, split): acc [g, D], m [g], l [g]
+  std::vector<float> pacc(static_cast<size_t>(B * KV * splits * g * D));
+  std::vector<float> pm(static_cast<size_t>(B * KV * splits * g));
+  std::vector<float> pl(static_cast<size_t>(B * KV * splits * g));
+  at::parallel_for(0, B * KV * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(static_cast<size_t>(g * D));
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / (KV * splits), kh = (u / splits) % KV, sp = u % splits;
+      const int64_t L = sl[b];
+      const int64_t per = (L + splits - 1) / splits;
+      const int64_t t0 = sp * per, t1 = std::min(L, t0 + per);
+      float* m = pm.data() + u * g;
+      float* l = pl.data() + u * g;
+      float* acc = pacc.data() + u * g * D;
+      if (t0 >= t1) {
+        for (int64_t j = 0; j < g; ++j) {
+          m[j] = -std::numeric_limits<float>::infinity();
+          l[j] = 0.f;
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        to_float(qp + (b * H + kh * g + j) * D, qf.data() + j * D, static_cast<int>(D));
+        for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= scale;
+      }
+#if defined(__AVX512F__)
+      if (D == 64 && g <= 8) {
+        decode_unit_avx512_d64<T>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, g, kh, acc, m, l);
+        continue;
+      }
+#endif
+      if (D == 64) {
+        decode_unit<T, 64>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, D, g, kh, acc, m, l);
+      } else if (D == 128) {
+        decode_unit<T, 128>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, D, g, kh, acc, m, l);
+      } else {
+        decode_unit<T, 0>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, D, g, kh, acc, m, l);
+      }
+    }
+  });
+  // combine the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(static_cast<size_t>(D));
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / H, h = r % H, kh = h / g, j = h % g;
+      const int64_t u0 = (b * KV + kh) * splits;
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < splits; ++sp) M = std::max(M, pm[(u0 + sp) * g + j]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float den = 0.f;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float w = pl[(u0 + sp) * g + j] > 0.f ? std::exp(pm[(u0 + sp) * g + j] - M) : 0.f;
+        den += w * pl[(u0 + sp) * g + j];
+        const float* a = pacc.data() + ((u0 + sp) * g + j) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      for (int64_t d = 0; d < D; ++d) op[r * D + d] = static_cast<T>(o[d] * inv);
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D]; caches [num_blocks, block_size, KV, D] (same dtype as q: float32 or bfloat16);
+// block_tables int32 [B, max_blocks]; seq_lens int32 [B] (>= 0; 0 gives a zero row); splits >= 1
+// parts each sequence's context is cut into. Returns [B, H, D] in q's dtype. Block ids and
+// lengths are not range-checked here (once per step by the Python caller, not once per layer).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     double scale, int64_t splits) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [B, H, D] and the caches [num_blocks, block_size, KV, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the caches must have one dtype");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "contiguous tensors only");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && KV > 0 && H % KV == 0, "head_dim mismatch or H not a multiple of KV");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && seq_lens.numel() == B,
+              "block_tables [B, max_blocks] and seq_lens [B] must match q's B");
+  TORCH_CHECK(splits >= 1, "splits must be >= 1");
+  auto out = torch::empty_like(q);
+  if (B == 0) return out;
+  if (q.scalar_type() == torch::kFloat32) {
+    run<float>(q, k_cache, v_cache, block_tables, seq_lens, static_cast<float>(scale), splits, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, static_cast<float>(scale), splits, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged decode attention over [num_blocks, block_size, KV, D] caches (float32/bfloat16)");
+}
