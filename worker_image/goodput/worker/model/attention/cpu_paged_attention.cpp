@@ -134,16 +134,35 @@ inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact: shift 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// 16 lanes of exp_nonpos (same polynomial and range reduction).
+inline __m512 exp_nonpos16(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
 // decode_unit for D = 64 and g <= 8 with the query rows and accumulators in registers: per key one
 // 64-wide dot per query row; per value one broadcast-FMA per query row. Same contract as decode_unit.
-template <typename T>
+// G (query heads per KV head) is a template parameter so the j loops unroll and q, a stay in
+// registers (indexed by a runtime j they would live on the stack).
+template <typename T, int G>
 void decode_unit_avx512_d64(const float* qf, const T* kc, const T* vc, const int32_t* table,
-                            int64_t t0, int64_t t1, int64_t bs, int64_t KV, int64_t g, int64_t kh,
+                            int64_t t0, int64_t t1, int64_t bs, int64_t KV, int64_t kh,
                             float* acc, float* m, float* l) {
   constexpr int D = 64;
+  constexpr int64_t g = G;
   const int64_t row_stride = KV * D;
-  alignas(64) float s[8 * kChunk];
-  __m512 q[8][4], a[8][4];
+  alignas(64) float s[G * kChunk];
+  __m512 q[G][4], a[G][4];
   for (int64_t j = 0; j < g; ++j) {
     for (int c = 0; c < 4; ++c) {
       q[j][c] = _mm512_loadu_ps(qf + j * D + 16 * c);
@@ -172,15 +191,22 @@ void decode_unit_avx512_d64(const float* qf, const T* kc, const T* vc, const int
     }
     for (int64_t j = 0; j < g; ++j) {  // online softmax: rescale once per chunk
       float* sj = s + j * kChunk;
-      float cm = m[j];
-      for (int64_t ii = 0; ii < n; ++ii) cm = std::max(cm, sj[ii]);
-      const float alpha = std::exp(m[j] - cm);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t ii = 0; ii < n; ++ii) {
-        sj[ii] = exp_nonpos(sj[ii] - cm);
-        sum += sj[ii];
+      __m512 mx = _mm512_set1_ps(m[j]);
+      for (int64_t ii = 0; ii < n; ii += 16) {
+        const __mmask16 k = n - ii >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - ii)) - 1);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sj + ii));
       }
+      const float cm = _mm512_reduce_max_ps(mx);
+      const float alpha = std::exp(m[j] - cm);
+      const __m512 cmv = _mm512_set1_ps(cm);
+      __m512 sumv = _mm512_setzero_ps();
+      for (int64_t ii = 0; ii < n; ii += 16) {
+        const __mmask16 k = n - ii >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - ii)) - 1);
+        const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + ii), cmv));
+        _mm512_mask_storeu_ps(sj + ii, k, e);
+        sumv = _mm512_mask_add_ps(sumv, k, sumv, e);
+      }
+      const float sum = _mm512_reduce_add_ps(sumv);
       l[j] = l[j] * alpha + sum;
       m[j] = cm;
       const __m512 al = _mm512_set1_ps(alpha);
@@ -248,7 +274,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       }
 #if defined(__AVX512F__)
       if (D == 64 && g <= 8) {
-        decode_unit_avx512_d64<T>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, g, kh, acc, m, l);
+        const int32_t* tb = bt + b * nbt;
+        switch (g) {
+#define GOODPUT_G(n) \
+  case n: decode_unit_avx512_d64<T, n>(qf.data(), kc, vc, tb, t0, t1, bs, KV, kh, acc, m, l); break;
+          GOODPUT_G(1) GOODPUT_G(2) GOODPUT_G(3) GOODPUT_G(4) GOODPUT_G(5) GOODPUT_G(6) GOODPUT_G(7)
+          GOODPUT_G(8)
+#undef GOODPUT_G
+        }
         continue;
       }
 #endif
