@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from goodput.worker.model.attention import cpu_kernels
+from goodput.worker.model import cpu_kernels
 from goodput.worker.model.attention.base import AttentionMetadata
 
 needs_kernel = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,

@@ -311,7 +311,7 @@ def test_selector():
             os.environ["TRITON_INTERPRET"] = "1"
     _torch_ref_backend()
     assert select_backend("torch", DEVICE).name == "torch"
-    from goodput.worker.model.attention import cpu_kernels
+    from goodput.worker.model import cpu_kernels
     assert select_backend("auto", "cpu").name == ("cpu" if cpu_kernels.available() else "torch")
     if torch.cuda.is_available():
         assert select_backend("auto", "cuda").name == "triton"

@@ -10,7 +10,7 @@ group; at 16 sequences × 2k tokens that made decode attention ~4× what its byt
 from __future__ import annotations
 
 import torch
-from goodput.worker.model.attention import cpu_kernels
+from goodput.worker.model import cpu_kernels
 from goodput.worker.model.attention.base import AttentionMetadata
 from goodput.worker.model.attention.torch_ref import TorchReferenceBackend, _Plan
 

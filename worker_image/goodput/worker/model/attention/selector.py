@@ -33,7 +33,7 @@ def _cpu_backend() -> AttentionBackend:
 
 
 def cpu_kernels_available() -> bool:
-    from goodput.worker.model.attention import cpu_kernels
+    from goodput.worker.model import cpu_kernels
     return cpu_kernels.available()
 
 
@@ -65,7 +65,7 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
         if device.type != "cpu":
             raise ValueError(f"attention backend 'cpu' runs on the CPU; got device {device}")
         if not cpu_kernels_available():
-            from goodput.worker.model.attention import cpu_kernels
+            from goodput.worker.model import cpu_kernels
             raise ValueError("attention backend 'cpu' needs its C++ kernel, which could not be built here "
                              f"({cpu_kernels.load_error() or 'GOODPUT_CPU_KERNELS=0'}); use 'torch'")
         return _cpu_backend()

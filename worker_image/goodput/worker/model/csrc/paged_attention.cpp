@@ -351,8 +351,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "paged decode attention over [num_blocks, block_size, KV, D] caches (float32/bfloat16)");
-}

@@ -1,4 +1,6 @@
-"""Build and call goodput's C++ CPU kernels (``cpu_paged_attention.cpp``).
+"""Build and call goodput's C++ CPU kernels (``csrc/``): paged decode attention
+(``paged_attention.cpp``, used by the ``cpu`` attention backend) and fused decoder-layer ops
+(``layer_ops.cpp``: RMSNorm, residual add + RMSNorm, RoPE, SiLU·up; used by ``llama.py``).
 
 The extension is compiled on first use with torch's own ``torch.utils.cpp_extension.load``
 (g++ with OpenMP, ``-O3 -march=native``) into torch's extension cache
@@ -6,7 +8,8 @@ The extension is compiled on first use with torch's own ``torch.utils.cpp_extens
 the flags and this CPU's instruction-set flags, so a cache shared between different machines never
 loads code built for another CPU. The first build takes ~1 minute on 2 cores; later loads are
 instant. Where it cannot be built (no compiler, no Python headers) :func:`load` returns None with
-the reason in :func:`load_error`, and the ``cpu`` attention backend is not chosen by ``auto``.
+the reason in :func:`load_error`: ``auto`` then picks the torch attention backend and the model
+runs its torch ops. ``GOODPUT_CPU_KERNELS=0`` turns both off (:func:`available`).
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+SOURCES = [Path(__file__).with_name("csrc") / f for f in ("paged_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
+# no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _error: str | None = None
 
 
@@ -43,15 +47,15 @@ def load() -> ModuleType | None:
     global _error
     try:
         from torch.utils import cpp_extension
-        src = SOURCE.read_text()
+        src = "\0".join(p.read_text() for p in SOURCES)
         key = hashlib.sha256("\0".join([src, " ".join(CFLAGS), _cpu_flags(), torch.__version__]).encode())
         name = f"goodput_cpu_kernels_{key.hexdigest()[:12]}"
-        log.info("loading the C++ CPU attention kernel %s (the first build compiles it, ~1 min)", name)
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        log.info("loading the C++ CPU kernels %s (the first build compiles them, ~1 min)", name)
+        return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("C++ CPU kernels unavailable (%s); using torch's SDPA for decode attention", _error)
+        log.warning("C++ CPU kernels unavailable (%s); using the torch reference ops", _error)
         return None
 
 
@@ -62,9 +66,14 @@ def load_error() -> str | None:
 
 def available() -> bool:
     """True when the kernels build (or are cached) here; GOODPUT_CPU_KERNELS=0 says no."""
+    return loaded() is not None
+
+
+def loaded() -> ModuleType | None:
+    """:func:`load`, or None when GOODPUT_CPU_KERNELS=0 (the torch reference ops everywhere)."""
     if os.environ.get("GOODPUT_CPU_KERNELS", "1") == "0":
-        return False
-    return load() is not None
+        return None
+    return load()
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, threads: int | None = None,
