@@ -152,3 +152,25 @@ def test_selector_cpu_backend(monkeypatch):
     if cpu_kernels.available():
         assert select_backend("auto", "cpu").name == "cpu"
         assert select_backend("cpu", "cpu").name == "cpu"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_write_kv_equals_the_torch_scatter(dtype):
+    """K/V as views of a fused QKV row (as llama.py passes them), padding slots (-1) skipped."""
+    from goodput.worker.model.attention.cpu_backend import CpuPagedBackend
+    from goodput.worker.model.attention.torch_ref import TorchReferenceBackend
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, (9 + 3 + 3) * 64, generator=gen).to(dtype)
+    k, v = qkv[:, 576:768].view(6, 3, 64), qkv[:, 768:].view(6, 3, 64)
+    slots = torch.tensor([5, 17, -1, 0, 63, -1], dtype=torch.int64)
+    caches = []
+    for be in (TorchReferenceBackend(), CpuPagedBackend()):
+        kc, vc = torch.zeros(4, 16, 3, 64, dtype=dtype), torch.zeros(4, 16, 3, 64, dtype=dtype)
+        be.write_kv(k, v, kc, vc, slots)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[1][0].view(-1, 3, 64)[17], k[1])
+    kc = torch.zeros(4, 16, 3, 64, dtype=dtype)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        CpuPagedBackend().write_kv(k, v, kc, kc.clone(), torch.tensor([0, 1, 2, 3, 4, 64]))

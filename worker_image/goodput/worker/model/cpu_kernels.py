@@ -112,5 +112,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def checked_call(mod: ModuleType, q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int):
     """The kernel without the value checks of :func:`paged_decode_attention` (a caller that
     validated block tables and lengths once per step calls this once per layer)."""
-    return mod.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens,
-                                      float(scale), int(splits))
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return mod.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float(scale), int(splits))

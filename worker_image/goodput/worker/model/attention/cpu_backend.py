@@ -27,6 +27,14 @@ class CpuPagedBackend(TorchReferenceBackend):
         if self._mod is None:
             raise RuntimeError(f"the cpu attention backend's C++ kernel is unavailable: {cpu_kernels.load_error()}")
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """One C++ pass (``write_kv`` in ``csrc/paged_attention.cpp``) instead of two index_copy_
+        and a padding mask; k, v may be views of the fused QKV output. Slots < 0 are skipped."""
+        if k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2] or k.dtype != k_cache.dtype:
+            return super().write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self._mod.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self._pool = (k_cache.shape[0], k_cache.shape[2])  # (num_blocks, n_kv) for the step's plan

@@ -4,6 +4,8 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t splits);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 void rope_(torch::Tensor x, torch::Tensor cs, int64_t n_heads, int64_t d);
@@ -12,6 +14,7 @@ torch::Tensor silu_mul(torch::Tensor gu);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention over [num_blocks, block_size, KV, D] caches (float32/bfloat16)");
+  m.def("write_kv", &write_kv, "scatter new K/V rows into the paged caches at slot_mapping (< 0 skipped)");
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * w over rows, Hugging Face Llama numerics");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * w");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the first n_heads * d columns");

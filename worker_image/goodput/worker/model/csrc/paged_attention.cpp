@@ -242,6 +242,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t bs = k_cache.size(1), KV = k_cache.size(2), g = H / KV;
   const int64_t nbt = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);  // q may be a view into the fused QKV output
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -269,7 +270,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
         continue;
       }
       for (int64_t j = 0; j < g; ++j) {
-        to_float(qp + (b * H + kh * g + j) * D, qf.data() + j * D, static_cast<int>(D));
+        to_float(qp + b * qs0 + (kh * g + j) * qs1, qf.data() + j * D, static_cast<int>(D));
         for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= scale;
       }
 #if defined(__AVX512F__)
@@ -330,9 +331,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "q and the caches must have one dtype");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "contiguous tensors only");
+              "contiguous caches, tables and lengths, and q with contiguous head vectors only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
@@ -350,4 +351,37 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
   return out;
+}
+
+// k_cache[slot] = k[t], v_cache[slot] = v[t] for every row t with slot_mapping[t] >= 0 (negative
+// slots are padding). k, v [T, KV, D] with contiguous head vectors (views of the fused QKV
+// output); caches [num_blocks, block_size, KV, D] contiguous, k's dtype; slots int64 [T], each
+// < num_blocks * block_size (checked).
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "k, v must be [T, KV, D] with contiguous [KV, D] rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "caches must be contiguous [num_blocks, block_size, KV, D] matching k");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches must have one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "slot_mapping must be contiguous int64 [T]");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), nslots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sl = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] < nslots, "slot ", sl[t], " outside the cache");
+  const int64_t bytes = row * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sl[t] < 0) continue;
+    std::memcpy(kc + sl[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + sl[t] * bytes, vp + t * vs, bytes);
+  }
 }
