@@ -70,6 +70,12 @@ def test_kernel_matches_reference(dtype, tol, lens, d, g, bs):
         got = cpu_kernels.paged_decode_attention(q, k, v, bt, sl, scale, splits)
         assert got.dtype == dtype and got.shape == q.shape
         assert (got.double() - want).abs().max().item() < tol, splits
+    # q as a strided view (rows of a wider tensor, as the fused QKV output) and as a dense permuted view
+    wide = torch.cat([q, torch.zeros_like(q)], dim=1)[:, :q.shape[1]]
+    perm = q.transpose(0, 1).contiguous().transpose(0, 1)
+    for view in (wide, perm):
+        got = cpu_kernels.paged_decode_attention(view, k, v, bt, sl, scale)
+        assert (got.double() - want).abs().max().item() < tol
 
 
 @needs_kernel

@@ -341,7 +341,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && seq_lens.numel() == B,
               "block_tables [B, max_blocks] and seq_lens [B] must match q's B");
   TORCH_CHECK(splits >= 1, "splits must be >= 1");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());  // contiguous, whatever q's strides
   if (B == 0) return out;
   if (q.scalar_type() == torch::kFloat32) {
     run<float>(q, k_cache, v_cache, block_tables, seq_lens, static_cast<float>(scale), splits, out);
