@@ -106,6 +106,35 @@ def time_steps(runner, batch: int, ctx: int, repeats: int, warmup: int) -> list[
     return out
 
 
+class _Traced:
+    """Stands in for goodput's C++ kernel module while profiling: each call runs inside
+    ``record_function("goodput::<name>")``, so torch.profiler lists the kernels (pybind functions
+    are not torch ops and would otherwise count as time outside ops)."""
+
+    def __init__(self, mod):
+        self._mod = mod
+
+    def __getattr__(self, name):
+        import torch
+        fn = getattr(self._mod, name)
+
+        def traced(*args, **kw):
+            with torch.profiler.record_function(f"goodput::{name}"):
+                return fn(*args, **kw)
+        return traced
+
+
+def _trace_kernels(runner) -> list[tuple[object, str, object]]:
+    """Swap the runner's C++ kernel module for a :class:`_Traced` one; returns what to restore."""
+    swapped = []
+    for obj, attr in ((getattr(runner, "model", None), "fused_ops"), (getattr(runner, "attention_backend", None), "_mod")):
+        mod = getattr(obj, attr, None) if obj is not None else None
+        if mod is not None:
+            setattr(obj, attr, _Traced(mod))
+            swapped.append((obj, attr, mod))
+    return swapped
+
+
 def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -> dict:
     """torch.profiler over `steps` decode steps at (batch, ctx) after one warm-up: per step the
     wall time, the summed self time of all ops, and the `top` ops by self time
@@ -114,11 +143,16 @@ def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -
     from torch.profiler import ProfilerActivity, profile
     sched = decode_batch(batch, ctx, runner.block_size)
     runner.execute(sched)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            runner.execute(sched)
-        wall = (time.perf_counter() - t) / steps
+    swapped = _trace_kernels(runner)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                runner.execute(sched)
+            wall = (time.perf_counter() - t) / steps
+    finally:
+        for obj, attr, mod in swapped:
+            setattr(obj, attr, mod)
     ka = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     ka.sort(key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ka) / 1e3 / steps

@@ -329,8 +329,9 @@ def render(res: dict) -> str:
     if res.get("profiles"):
         L.append("## 4. Where our decode step's time goes (torch.profiler, in-process)\n")
         L.append("The runner's decode step at the mean decode context, profiled over a few steps: wall time "
-                 "per step, the summed self time of all torch ops, the rest (Python, dispatch gaps and the "
-                 "profiler's own per-op cost), and the ops with the most self time.\n")
+                 "per step, the summed self time of all torch ops and of goodput's C++ kernels (`goodput::*`), "
+                 "the rest (Python, dispatch gaps and the profiler's own per-op cost), and the ops with the "
+                 "most self time.\n")
         for row, profs in res["profiles"].items():
             for pr in profs:
                 wall = pr["wall_ms"]
