@@ -2,7 +2,7 @@
 real engine on this machine.
 
 ``python -m goodput.bench.fit_step_time [--model smollm2] [--dtype bfloat16] [--repeats 5]
-[--out autoscaler/goodput/autoscaler/step_time_fits.json]``
+[--out bench/goodput/bench/step_time_fits.json]``
 
 Each point runs the REAL ``Scheduler`` + ``ModelRunner`` (the worker's defaults: bf16, block 16,
 torch attention) on one step shape and keeps the MINIMUM of ``--repeats`` timings: the machine is
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="autoscaler/goodput/autoscaler/step_time_fits.json")
+    ap.add_argument("--out", default="bench/goodput/bench/step_time_fits.json")
     args = ap.parse_args(argv)
 
     import numpy as np

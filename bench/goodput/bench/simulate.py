@@ -1,6 +1,6 @@
 """Trace-driven discrete-event simulation of an autoscaled fleet, against the usual policies.
 
-``python -m goodput.autoscaler.simulate [--trace bursty|diurnal|long-prompt|two-class|azure-code|all]
+``python -m goodput.bench.simulate [--trace bursty|diurnal|long-prompt|two-class|azure-code|all]
 [--hardware h200|cpu] [--policies goodput,static-peak,hpa-queue,kpa,saturation] [--seed 0]
 [--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler]``
 
@@ -54,6 +54,8 @@ from goodput.autoscaler.policy import (
     StartingPod,
     decide,
 )
+from goodput.bench.baselines import HpaQueue, Kpa, Saturation, SimPolicy, StaticPeak
+from goodput.bench.workloads import read_azure_trace
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.request import Request
@@ -219,12 +221,9 @@ def azure_trace(path: str | None = None, rate_scale: float = 4.0, slo: tuple[flo
     compressed ``rate_scale`` times (arrival t -> t / rate_scale: 2.57 -> ~10 req/s at 4x, the
     same burst shape in 1/4 the time); token counts as recorded (prompt + output clipped to the
     8k context)."""
-    from goodput.bench.workloads import read_azure_trace
-
     if path is None:
         here = os.path.dirname(os.path.abspath(__file__))
-        path = os.path.join(here, "..", "..", "..", "bench", "data", "azure-llm-inference-2023",
-                            "code.csv")
+        path = os.path.join(here, "..", "..", "data", "azure-llm-inference-2023", "code.csv")
     rows = read_azure_trace(os.path.normpath(path))
     ts = [r.t / rate_scale for r in rows]
     prompt = [max(1, min(r.prompt_tokens, 6000)) for r in rows]
@@ -315,17 +314,7 @@ class Replica:
             age_s=max(0.0, now - self.ready_at))
 
 
-# ---------------------------------------------------------------------------------- the policies
-class SimPolicy:
-    """A policy under simulation: ``tick(now, obs) -> (replicas, limits or None)``."""
-
-    name = "base"
-    period_s = 5.0
-
-    def tick(self, now: float, obs: Observation) -> tuple[int, dict | None]:
-        raise NotImplementedError
-
-
+# ---------------------------------------------------------------------------------- our policy
 class GoodputPolicy(SimPolicy):
     """Ours: ``goodput.autoscaler.policy.decide``, state carried between ticks through its JSON
     form (as the loop stores it in status)."""
@@ -342,131 +331,6 @@ class GoodputPolicy(SimPolicy):
         self.state = d.state.to_dict()
         self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
         return d.replicas, d.limits
-
-
-class StaticPeak(SimPolicy):
-    """Static provisioning for the peak: ``n`` replicas all the time."""
-
-    name = "static-peak"
-    period_s = 60.0
-
-    def __init__(self, n: int) -> None:
-        self.n = self.initial_replicas = n
-
-    def tick(self, now, obs):
-        return self.n, None
-
-
-class HpaQueue(SimPolicy):
-    """Kubernetes HPA on a Pods metric, the vLLM production-stack recipe: average
-    ``num_requests_waiting`` target 5. Every 15 s: ratio = mean waiting / 5 with pods that have
-    no metric yet (starting) counted as 0 on scale-up; inside the 10 % tolerance nothing moves;
-    desired = ceil(current * ratio); scale-up limited to max(+100 %, +4) per period, scale-down
-    to the largest recommendation of the last 300 s (the HPA controller's algorithm)."""
-
-    name = "hpa-queue"
-    period_s = 15.0
-
-    def __init__(self, lo: int, hi: int, target: float = 5.0, tolerance: float = 0.1,
-                 window_s: float = 300.0) -> None:
-        self.lo, self.hi, self.target, self.tol, self.window = lo, hi, target, tolerance, window_s
-        self.recs: list[tuple[float, int]] = []
-
-    def tick(self, now, obs):
-        cur = obs.current_replicas
-        ready = [p for p in obs.ready]
-        if not ready:
-            return cur, None
-        total = sum(p.waiting for p in ready)
-        mean_ready = total / len(ready)
-        if mean_ready > self.target:   # scale-up direction: missing pods count as 0
-            n = cur
-            ratio = total / max(1, n) / self.target
-        else:                          # scale-down direction: missing pods count as at target
-            n = len(ready)
-            ratio = mean_ready / self.target
-        if abs(ratio - 1.0) <= self.tol:
-            desired = cur
-        else:
-            desired = math.ceil(ratio * n)
-        desired = max(self.lo, min(self.hi, desired))
-        self.recs.append((now, desired))
-        self.recs = [(t, r) for t, r in self.recs if now - t <= self.window]
-        if desired < cur:
-            desired = max(r for _, r in self.recs)
-        desired = min(desired, max(2 * cur, cur + 4))
-        return desired, None
-
-
-class Kpa(SimPolicy):
-    """Knative Pod Autoscaler: concurrency (running + waiting per pod) target 100 at 70 %
-    utilization (70 per pod); every 2 s, desired = ceil(window average of total concurrency / 70)
-    over the 60 s stable window, or over the 6 s panic window when that asks for >= 2x the ready
-    pods (panic: never scale down, stay >= 60 s); scale-down at most halves per tick."""
-
-    name = "kpa"
-    period_s = 2.0
-
-    def __init__(self, lo: int, hi: int, target: float = 100.0, util: float = 0.7, stable_s: float = 60.0,
-                 panic_s: float = 6.0, panic_threshold: float = 2.0) -> None:
-        self.lo, self.hi = lo, hi
-        self.per_pod = target * util
-        self.stable_s, self.panic_s, self.threshold = stable_s, panic_s, panic_threshold
-        self.samples: list[tuple[float, float]] = []
-        self.panic_since: float | None = None
-        self.max_panic = 0
-
-    def tick(self, now, obs):
-        cur = obs.current_replicas
-        conc = float(sum(p.running + p.waiting for p in obs.ready))
-        self.samples.append((now, conc))
-        self.samples = [(t, c) for t, c in self.samples if now - t < self.stable_s]
-        stable = [c for _, c in self.samples]
-        panic = [c for t, c in self.samples if now - t < self.panic_s]
-        d_stable = math.ceil(sum(stable) / len(stable) / self.per_pod)
-        d_panic = math.ceil(sum(panic) / len(panic) / self.per_pod)
-        ready = max(1, len(obs.ready))
-        if d_panic / ready >= self.threshold:
-            if self.panic_since is None:
-                self.max_panic = cur
-            self.panic_since = now
-        elif self.panic_since is not None and now - self.panic_since >= self.stable_s:
-            self.panic_since = None
-        if self.panic_since is not None:
-            self.max_panic = max(self.max_panic, d_panic, cur)
-            desired = self.max_panic
-        else:
-            desired = max(d_stable, math.ceil(cur / 2))
-        return max(self.lo, min(self.hi, desired)), None
-
-
-class Saturation(SimPolicy):
-    """Saturation ±1 (llm-d's variant autoscaler in saturation mode): every 15 s, +1 replica when
-    any ready replica has KV usage >= 0.8 or >= 5 waiting; -1 when there is no queue anywhere and
-    the load spread over one replica fewer keeps KV < 0.8 and the running requests within
-    max_num_seqs; nothing while a pod is pending (the pending guard)."""
-
-    name = "saturation"
-    period_s = 15.0
-
-    def __init__(self, lo: int, hi: int, kv: float = 0.8, queue: int = 5) -> None:
-        self.lo, self.hi, self.kv, self.queue = lo, hi, kv, queue
-
-    def tick(self, now, obs):
-        cur = obs.current_replicas
-        ready = obs.ready
-        pending = cur - len(ready)
-        if not ready or pending > 0:
-            return cur, None
-        if any(p.kv_usage >= self.kv or p.waiting >= self.queue for p in ready):
-            return min(self.hi, cur + 1), None
-        n = len(ready)
-        if n > self.lo and n > 1 and all(p.waiting == 0 for p in ready):
-            kv = sum(p.kv_usage for p in ready) / (n - 1)
-            run = sum(p.running for p in ready) / (n - 1)
-            if kv < self.kv and run < min(p.max_num_seqs for p in ready):
-                return max(self.lo, cur - 1), None
-        return cur, None
 
 
 # -------------------------------------------------------------------------------------- the fleet
@@ -822,7 +686,7 @@ def plot(trace: Trace, results: list[Result], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m goodput.autoscaler.simulate",
+    ap = argparse.ArgumentParser(prog="python -m goodput.bench.simulate",
                                  description="Simulate autoscaling policies on a trace (see the module doc).")
     ap.add_argument("--trace", default="bursty", choices=TRACES + ("all",))
     ap.add_argument("--hardware", default="h200", choices=tuple(HARDWARE))

@@ -1,4 +1,4 @@
-"""Small seeded simulations of goodput.autoscaler.simulate with hand-checkable outcomes.
+"""Small seeded simulations of goodput.bench.simulate with hand-checkable outcomes.
 
 A round step-time model (a = 10 ms, b = 1 ms per batched token, c = 0) makes latencies exact:
 a 100-token prompt is one 512-budget prefill step of 0.01 + 0.100 = 0.110 s (TTFT), each decode
@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from goodput.autoscaler import simulate as sim
+from goodput.bench import baselines
+from goodput.bench import simulate as sim
 
 HW = sim.StepTime("test", a=0.01, b=0.001, c=0.0, num_blocks=2048, block_size=16, max_model_len=4096,
                   max_num_batched_tokens=512)
@@ -28,7 +29,7 @@ def one_request_trace(slo):
     ((0.115, 0.0105), 0),   # TPOT 0.011 > 0.0105
 ])
 def test_one_request_latencies_are_exact(slo, met):
-    r = sim.simulate(one_request_trace(slo), sim.StaticPeak(1), HW)
+    r = sim.simulate(one_request_trace(slo), baselines.StaticPeak(1), HW)
     assert (r.offered, r.finished, r.slo_met, r.rejected) == (1, 1, met, 0)
 
 
@@ -36,7 +37,7 @@ def test_static_peak_replica_hours_and_under_capacity_attainment():
     # 1 req/s of 100+10 tokens needs 0.11 + 9 * 0.011 = 0.21 s per request: far under capacity
     trace = sim.Trace("light", [float(t) for t in range(1, 120)], [100] * 119, [10] * 119, [0] * 119,
                       [(0.5, 0.05)], duration=120.0, max_replicas=3, initial_replicas=1)
-    r = sim.simulate(trace, sim.StaticPeak(3), HW)
+    r = sim.simulate(trace, baselines.StaticPeak(3), HW)
     assert r.replica_hours == pytest.approx(3 * 120.0 / 3600.0)
     assert (r.attainment, r.rejection_rate, r.direction_changes) == (1.0, 0.0, 0)
     assert r.goodput_rps == pytest.approx(119 / 120.0)
@@ -51,7 +52,7 @@ def test_overload_rejections_count_against_attainment():
     # (running), the next 4 wait, the other 35 get 429 -> rejection rate 35/40, attainment 5/40
     trace = sim.Trace("burst", [1.0] * 40, [100] * 40, [10] * 40, [0] * 40, [(10.0, 1.0)],
                       duration=30.0, max_replicas=1, initial_replicas=1)
-    r = sim.simulate(trace, sim.StaticPeak(1), HW, max_num_seqs=2, max_waiting=4)
+    r = sim.simulate(trace, baselines.StaticPeak(1), HW, max_num_seqs=2, max_waiting=4)
     assert (r.rejected, r.finished, r.slo_met) == (35, 5, 5)
     assert r.rejection_rate == pytest.approx(35 / 40)
     assert r.attainment == pytest.approx(5 / 40)
@@ -122,5 +123,5 @@ def test_cpu_step_time_from_the_committed_fit():
     assert hw.num_blocks == (1 << 30) // (23040 * 16)
     trace = sim.Trace("cpu", [1.0, 2.0], [32, 32], [4, 4], [0, 0], [(60.0, 5.0)], duration=30.0,
                       max_replicas=1, initial_replicas=1)
-    r = sim.simulate(trace, sim.StaticPeak(1), hw)
+    r = sim.simulate(trace, baselines.StaticPeak(1), hw)
     assert (r.finished, r.slo_met) == (2, 2)
