@@ -1,0 +1,33 @@
+"""Metric names of the router: the Prometheus contract, with no side effects.
+
+Standard library only (an import-linter contract checks it), so the autoscaler, the dashboards
+and the tests use the same names as the router that exports them (``goodput.router.metrics``).
+The table with types, labels and meanings is docs/router-autoscaler-contract.md ("Router
+metrics"). Conventions as the worker's (``goodput.worker.metric_names``): base units (seconds),
+counters spelled without ``_total`` (prometheus_client appends it).
+"""
+from __future__ import annotations
+
+# Gauges, labels (namespace, inferenceservice); the autoscaler reads these.
+HELD_REQUESTS = "goodput_router_held_requests"
+QUEUED_REQUESTS = "goodput_router_queued_requests"
+# Counters (exported as <name>_total).
+REQUESTS = "goodput_router_requests"
+DECISIONS = "goodput_router_decisions"
+# Histograms (seconds).
+QUEUE_WAIT = "goodput_router_queue_wait_seconds"
+OVERHEAD = "goodput_router_overhead_seconds"
+UPSTREAM_TTFT = "goodput_router_upstream_ttft_seconds"
+
+# Labels.
+SERVICE_LABELS = ("namespace", "inferenceservice")
+REQUEST_LABELS = ("namespace", "inferenceservice", "model", "pod", "outcome")
+DECISION_LABELS = ("reason",)
+
+# Label values.
+OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
+DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
+
+# What the autoscaler reads (sample names as scraped).
+REQUESTS_TOTAL = REQUESTS + "_total"
+DECISIONS_TOTAL = DECISIONS + "_total"
