@@ -1,0 +1,382 @@
+"""Which pod serves a request: prefix affinity, rendezvous hashing and bounded loads (pure, stdlib only).
+
+The router calls :func:`pick` once per request with the request's :class:`RouteKey`, the Ready,
+not-draining pods of its InferenceService as :class:`Endpoint` values and its own
+:class:`PrefixIndex`; after sending the request it calls ``index.record(key, pod)``. The
+simulator (``--routing``) calls the same functions. Nothing here does I/O or reads a clock.
+
+How a pod is picked (filter -> score -> pick, the shape of llm-d's endpoint picker, with the
+scores compared in a fixed order instead of summed with weights):
+
+1. **Filter: admission limits** (:func:`at_limits`). A pod whose router-side in-flight count has
+   reached ``max_num_seqs + max_waiting`` (its scraped admission limits; unknown limits never
+   filter) would answer 429; it is never picked. No pod left: ``Pick(None, "full", 0)`` and the
+   router queues or refuses the request (fleet-level admission).
+2. **Score: prefix affinity** (:func:`prefix_scores`). The request's text is cut in fixed-size
+   chunks hashed as a chain (:func:`chunk_hashes`), so chunk ``i``'s hash stands for the whole
+   prefix up to it. The :class:`PrefixIndex` remembers which pods were sent each chunk hash;
+   a pod's score is the number of leading chunks of this request it was sent before (the
+   longest matching chain). That pod most likely still holds the prefix's KV blocks in its
+   prefix cache, so it skips their prefill.
+3. **Score: rendezvous** (:func:`rendezvous_weight`, highest random weight hashing, Thaler and
+   Ravishankar 1998). Every pod gets a pseudo-random weight from the hash of (the request's
+   first ``rendezvous_chunks`` chunks, pod name); higher wins among equal prefix scores. With no
+   match anywhere (a new conversation, or a router replica that never saw it) every router
+   replica computes the same order without sharing state, and adding or removing one pod of n
+   moves only the keys that pod wins or won: ~1/n of the conversations.
+4. **Pick, under a load bound** (:func:`load_bound`; consistent hashing with bounded loads,
+   Mirrokni, Thorup and Zadimoghaddam, SODA 2018). The preferred pod is the first in the order
+   (prefix score, rendezvous weight), taken over every endpoint. It gets the request unless it
+   was filtered in step 1 or its in-flight count plus this request would exceed
+   ``ceil((1 + eps) * (total in-flight + 1) / n)``: then the request goes to the best pod that is
+   within both, ordered by prefix score, then fewest waiting (scraped queue), then lowest KV
+   usage (scraped), then rendezvous weight (reason ``load_bound_fallback``). The bound always
+   leaves one pod below it, so a fallback exists unless every pod is at its limits (then the
+   least-loaded pod that is not). ``eps = None`` disables the bound (and ``respect_limits =
+   False`` the filter: the simulator's ``affinity`` routing).
+
+Reasons (``Pick.reason``, the router's ``goodput_router_decisions_total{reason}``): ``affinity``
+(the preferred pod, with a prefix match), ``rendezvous`` (the preferred pod, no match anywhere),
+``load_bound_fallback``, ``full``.
+
+Router replicas: each keeps its own index; a conversation whose turns reach different router
+replicas still lands on one pod when its first ``rendezvous_chunks`` chunks are the same in every
+turn (a request shorter than that keys on its last chunk, which the next turn extends: such a
+short first turn may be placed by a second replica elsewhere once). A system prompt longer than
+``rendezvous_chunks`` chunks makes every new conversation prefer the same pod; the load bound
+then spreads them, so choose ``rendezvous_chunks * chunk_size`` past the usual system prompt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = [
+    "Endpoint", "RouteKey", "Pick", "PickConfig", "PrefixIndex", "chunk_hashes", "route_key",
+    "render_messages", "at_limits", "load_bound", "prefix_scores", "rendezvous_key",
+    "rendezvous_weight", "pick",
+    "REASON_AFFINITY", "REASON_RENDEZVOUS", "REASON_FALLBACK", "REASON_FULL",
+]
+
+REASON_AFFINITY = "affinity"
+REASON_RENDEZVOUS = "rendezvous"
+REASON_FALLBACK = "load_bound_fallback"
+REASON_FULL = "full"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One Ready, not-terminating, not-draining pod of one InferenceService.
+
+    name: pod name (unique in the service; the rendezvous hash and the index key on it).
+    url: ``http://<podIP>:<port>``.
+    in_flight: requests the router has open to this pod (its own count; >= 0).
+    max_num_seqs, max_waiting: the pod's admission limits from its ``/metrics``
+        (``goodput_admission_max_num_seqs`` / ``goodput_admission_max_waiting``); None = not
+        scraped yet.
+    running, waiting: ``goodput_requests_running`` / ``goodput_requests_waiting`` (scrape).
+    kv_usage: ``goodput_kv_cache_usage_ratio`` in [0, 1] (scrape).
+    """
+
+    name: str
+    url: str
+    in_flight: int
+    max_num_seqs: int | None = None
+    max_waiting: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What the picker knows of a request: its model, revision, tenant salt and chunk chain.
+
+    chunks: 64-bit chained hashes of the fixed-size chunks of the canonical request (from
+    :func:`chunk_hashes`, which seeds the chain with model, revision and cache_salt, so two
+    tenants' chains never meet in the index).
+    """
+
+    model: str
+    revision: str
+    cache_salt: str | None
+    chunks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The decision: ``pod`` (an ``Endpoint.name``; None when every endpoint is at its limits),
+    ``reason`` (one of the module's ``REASON_*``) and ``matched_chunks`` (the picked pod's prefix
+    score: leading chunks of the request it was sent before; 0 when ``pod`` is None)."""
+
+    pod: str | None
+    reason: str
+    matched_chunks: int
+
+
+@dataclass(frozen=True)
+class PickConfig:
+    """Knobs of the picker (one declaration each).
+
+    chunk_size: characters of canonical text, or token ids, per chunk (> 0). 256 characters is
+        ~64 tokens of English: 4 KV blocks of 16.
+    eps: the load bound's slack: a pod may carry up to ``(1 + eps)`` x the mean in-flight count
+        (rounded up, this request included). Smaller spreads load more evenly, larger keeps more
+        conversations on their pod. None: no bound (``affinity`` routing in the simulator).
+    rendezvous_chunks: how many leading chunks the rendezvous hash keys on (>= 1).
+    index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
+    respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
+    """
+
+    chunk_size: int = 256
+    eps: float | None = 0.25
+    rendezvous_chunks: int = 8
+    index_capacity: int = 1 << 18
+    respect_limits: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
+        if self.eps is not None and not self.eps >= 0:
+            raise ValueError(f"eps must be >= 0 or None, got {self.eps}")
+        if self.rendezvous_chunks < 1:
+            raise ValueError(f"rendezvous_chunks must be >= 1, got {self.rendezvous_chunks}")
+        if self.index_capacity < 1:
+            raise ValueError(f"index_capacity must be >= 1, got {self.index_capacity}")
+
+
+# ------------------------------------------------------------------------------------ hashing
+def _h64(data: bytes) -> int:
+    """64-bit BLAKE2b of ``data`` as an unsigned int (big-endian digest)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _field(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack(">I", len(b)) + b
+
+
+def _seed(model: str, revision: str, cache_salt: str | None, kind: str) -> int:
+    """The chain's seed: length-prefixed model, revision, salt (a flag byte tells None from "")
+    and the kind of content ("chat", "text", "ids"), so none of them can spell another."""
+    salt = b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt)
+    return _h64(b"goodput-route-v1" + _field(model) + _field(revision) + salt + _field(kind))
+
+
+def _content_text(content: Any) -> Any:
+    """Message content as the chat template sees it: a list made only of text parts is the
+    concatenation of their text (OpenAI allows both spellings); anything else unchanged."""
+    if isinstance(content, list) and content and all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    return content
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
+    """Canonical text of a chat request: ``tools`` (when given; templates render them before the
+    conversation) then one line per message, each the message as JSON with sorted keys and no
+    spaces (content of only text parts joined into one string). The rendering of a conversation is
+    a prefix of the rendering of its continuation (messages appended), which is what makes the
+    next turn's chunk chain extend this one's."""
+    out = []
+    if tools:
+        out.append(json.dumps({"tools": list(tools)}, sort_keys=True, separators=(",", ":"),
+                              ensure_ascii=False))
+    for m in messages:
+        msg = dict(m)
+        if "content" in msg:
+            msg["content"] = _content_text(msg["content"])
+        out.append(json.dumps(msg, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    return "".join(line + "\n" for line in out)
+
+
+def chunk_hashes(model: str, revision: str, cache_salt: str | None, *,
+                 messages: Sequence[Mapping[str, Any]] | None = None, tools: Sequence[Any] | None = None,
+                 prompt: str | None = None, token_ids: Sequence[int] | None = None,
+                 chunk_size: int = PickConfig.chunk_size) -> tuple[int, ...]:
+    """Chained 64-bit hashes of the request's content in chunks of ``chunk_size``.
+
+    Exactly one of ``messages`` (chat; rendered by :func:`render_messages`, with ``tools``),
+    ``prompt`` (completions text) or ``token_ids`` (completions token ids, each 0 <= id < 2**32)
+    is given. The content is cut into chunks of ``chunk_size`` characters (text) or ids; the last
+    chunk may be shorter (an empty content has no chunk). With ``h_0`` the seed of (model,
+    revision, cache_salt, kind) and ``c_i`` the i-th chunk's bytes (UTF-8 text, or each id as 4
+    big-endian bytes): ``h_i = blake2b64(h_{i-1} as 8 big-endian bytes + c_i)``. Returns
+    ``(h_1, ..., h_k)``. Raises ValueError when not exactly one content is given, or for a bad
+    ``chunk_size``.
+    """
+    if sum(x is not None for x in (messages, prompt, token_ids)) != 1:
+        raise ValueError("give exactly one of messages, prompt or token_ids")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    if token_ids is not None:
+        kind = "ids"
+        ids = list(token_ids)
+        pieces: Iterable[bytes] = (struct.pack(f">{len(ids[i:i + chunk_size])}I", *ids[i:i + chunk_size])
+                                   for i in range(0, len(ids), chunk_size))
+    else:
+        kind = "chat" if messages is not None else "text"
+        text = render_messages(messages, tools) if messages is not None else prompt
+        pieces = (text[i:i + chunk_size].encode("utf-8") for i in range(0, len(text), chunk_size))
+    h = _seed(model, revision, cache_salt, kind)
+    out = []
+    for piece in pieces:
+        h = _h64(h.to_bytes(8, "big") + piece)
+        out.append(h)
+    return tuple(out)
+
+
+def route_key(model: str, revision: str, cache_salt: str | None, cfg: PickConfig | None = None,
+              **content: Any) -> RouteKey:
+    """``RouteKey(model, revision, cache_salt, chunk_hashes(..., **content))`` with ``cfg``'s
+    chunk size (``content``: the keyword arguments of :func:`chunk_hashes`)."""
+    size = (cfg or PickConfig()).chunk_size
+    return RouteKey(model, revision, cache_salt,
+                    chunk_hashes(model, revision, cache_salt, chunk_size=size, **content))
+
+
+# -------------------------------------------------------------------------------- prefix index
+class PrefixIndex:
+    """Approximate map chunk hash -> pods it was sent to, bounded by LRU.
+
+    Approximate: a pod may have evicted the blocks since (the index never hears of it), 64-bit
+    hashes may collide (probability ~n^2 / 2^65), and each router replica sees only its own
+    requests. Memory: one entry per distinct chunk hash, ``capacity`` at most; an entry is an
+    ``OrderedDict`` slot holding an int key and a tuple of pod names (the names are shared with
+    the endpoints): ~200 bytes with one pod, +8 bytes per further pod, so the default 262,144
+    entries take ~50 MiB (measured with tracemalloc: 191 bytes per single-pod entry) and cover
+    64 MiB of prompt text in 256-character chunks (16k conversations of 4k characters).
+
+    ``record`` touches a request's chunks last to first, so a prefix is more recently used than
+    its suffix and outlives it (the engine's prefix cache evicts in the same order).
+    """
+
+    def __init__(self, capacity: int = PickConfig.index_capacity) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._map: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, chunk: int) -> bool:
+        return chunk in self._map
+
+    def pods(self, chunk: int) -> tuple[str, ...]:
+        """Pods ``chunk`` was sent to (most recent last); () when unknown. Does not touch LRU."""
+        return self._map.get(chunk, ())
+
+    def record(self, key: RouteKey, pod: str) -> None:
+        """Remember that ``pod`` was sent ``key``'s chunks; evicts least recently used entries
+        beyond ``capacity``."""
+        m = self._map
+        for h in reversed(key.chunks):
+            pods = m.get(h)
+            if pods is None:
+                m[h] = (pod,)
+            else:
+                if pods[-1] != pod:
+                    m[h] = tuple(p for p in pods if p != pod) + (pod,)
+                m.move_to_end(h)
+        while len(m) > self.capacity:
+            m.popitem(last=False)
+
+    def match(self, key: RouteKey) -> dict[str, int]:
+        """Prefix score per pod: the number of leading chunks of ``key`` the pod was sent (pods
+        with none are absent). Walks the chain until no pod is left; O(longest match)."""
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(key.chunks):
+            pods = self._map.get(h)
+            if not pods:
+                break
+            alive = set(pods) if alive is None else alive.intersection(pods)
+            if not alive:
+                break
+            for p in alive:
+                out[p] = i + 1
+        return out
+
+    def forget(self, pod: str) -> None:
+        """Drop ``pod`` from every entry (it left the fleet); O(entries)."""
+        m = self._map
+        for h in list(m):
+            pods = m[h]
+            if pod in pods:
+                rest = tuple(p for p in pods if p != pod)
+                if rest:
+                    m[h] = rest
+                else:
+                    del m[h]
+
+
+# ------------------------------------------------------------------------------------ scorers
+def at_limits(e: Endpoint) -> bool:
+    """True when ``e.in_flight >= e.max_num_seqs + e.max_waiting`` (both known; else False)."""
+    if e.max_num_seqs is None or e.max_waiting is None:
+        return False
+    return e.in_flight >= e.max_num_seqs + e.max_waiting
+
+
+def load_bound(endpoints: Sequence[Endpoint], eps: float) -> int:
+    """Most in-flight requests a pod may hold after taking this one:
+    ``ceil((1 + eps) * (sum of in_flight + 1) / n)`` (Mirrokni et al. 2018, with the new request
+    counted). ``n`` > 0."""
+    total = sum(e.in_flight for e in endpoints) + 1
+    return math.ceil((1.0 + eps) * total / len(endpoints) - 1e-12)
+
+
+def prefix_scores(key: RouteKey, index: PrefixIndex) -> dict[str, int]:
+    """Prefix affinity score per pod: ``index.match(key)`` (longest matching chain, in chunks)."""
+    return index.match(key)
+
+
+def rendezvous_key(key: RouteKey, n_chunks: int) -> int:
+    """The hash the rendezvous order keys on: chunk ``min(len, n_chunks)`` of the chain (it
+    stands for all chunks before it); with no chunk, the seed of (model, revision, salt)."""
+    if not key.chunks:
+        return _seed(key.model, key.revision, key.cache_salt, "")
+    return key.chunks[min(len(key.chunks), n_chunks) - 1]
+
+
+def rendezvous_weight(rkey: int, pod: str) -> int:
+    """Highest-random-weight score of ``pod`` for ``rkey`` (0 <= rkey < 2**64):
+    ``blake2b64(rkey as 8 big-endian bytes + UTF-8 pod name)``; the highest weight wins."""
+    return _h64(rkey.to_bytes(8, "big") + pod.encode("utf-8"))
+
+
+def pick(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: PickConfig) -> Pick:
+    """Pick the pod for ``key`` among ``endpoints`` (the module doc gives the pipeline).
+
+    Pure: reads ``index`` without changing it (call ``index.record(key, pick.pod)`` once the
+    request is sent). Ties between equal weights cannot occur for distinct pod names except by
+    a 64-bit collision; they then fall to the endpoint order. No endpoints: ``Pick(None,
+    "full", 0)``.
+    """
+    if not endpoints:
+        return Pick(None, REASON_FULL, 0)
+    rk = rendezvous_key(key, cfg.rendezvous_chunks)
+    scores = prefix_scores(key, index)
+    weight = {e.name: rendezvous_weight(rk, e.name) for e in endpoints}
+    preferred = max(endpoints, key=lambda e: (scores.get(e.name, 0), weight[e.name]))
+    fits = [e for e in endpoints if not (cfg.respect_limits and at_limits(e))]
+    if not fits:
+        return Pick(None, REASON_FULL, 0)
+    bound = load_bound(endpoints, cfg.eps) if cfg.eps is not None else math.inf
+    ok = [e for e in fits if e.in_flight + 1 <= bound]
+    if any(e is preferred for e in ok):
+        m = scores.get(preferred.name, 0)
+        return Pick(preferred.name, REASON_AFFINITY if m > 0 else REASON_RENDEZVOUS, m)
+    if ok:
+        best = max(ok, key=lambda e: (scores.get(e.name, 0), -(e.waiting or 0), -(e.kv_usage or 0.0),
+                                      weight[e.name]))
+    else:  # every pod under its limits is over the bound (the bound alone always leaves one)
+        best = max(fits, key=lambda e: (-e.in_flight, scores.get(e.name, 0), weight[e.name]))
+    return Pick(best.name, REASON_FALLBACK, scores.get(best.name, 0))

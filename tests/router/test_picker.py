@@ -1,0 +1,278 @@
+"""Table tests of the pure picker: every expected value is worked out by hand in the comments
+(hashes from the documented formulas with hashlib, loads and bounds by arithmetic)."""
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+from goodput.router.picker import (
+    Endpoint,
+    Pick,
+    PickConfig,
+    PrefixIndex,
+    RouteKey,
+    chunk_hashes,
+    load_bound,
+    pick,
+    render_messages,
+    route_key,
+)
+
+
+def h64(b: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(b, digest_size=8).digest(), "big")
+
+
+def field(s: str) -> bytes:
+    b = s.encode()
+    return len(b).to_bytes(4, "big") + b
+
+
+def weight(rkey: int, pod: str) -> int:
+    """The documented rendezvous weight: blake2b64(rkey 8 bytes big-endian + pod name)."""
+    return h64(rkey.to_bytes(8, "big") + pod.encode())
+
+
+def ep(name: str, in_flight: int = 0, **kw) -> Endpoint:
+    return Endpoint(name, f"http://127.0.0.1:{8000 + ord(name[0])}", in_flight, **kw)
+
+
+def key(*chunks: int, salt: str | None = None) -> RouteKey:
+    return RouteKey("m", "r1", salt, tuple(chunks))
+
+
+CFG = PickConfig(chunk_size=4, eps=0.25, rendezvous_chunks=2, index_capacity=1000)
+
+
+# ------------------------------------------------------------------------------- chunk hashes
+def test_chunk_hashes_token_ids_by_hand():
+    # seed = h64("goodput-route-v1" | len+"m" | len+"r1" | 0x00 (no salt) | len+"ids"),
+    # chunks of 2 ids as 4-byte big-endian: [1, 2], [3]
+    seed = h64(b"goodput-route-v1" + field("m") + field("r1") + b"\x00" + field("ids"))
+    h1 = h64(seed.to_bytes(8, "big") + struct.pack(">2I", 1, 2))
+    h2 = h64(h1.to_bytes(8, "big") + struct.pack(">I", 3))
+    assert chunk_hashes("m", "r1", None, token_ids=[1, 2, 3], chunk_size=2) == (h1, h2)
+
+
+def test_chunk_hashes_text_by_hand_and_salt_in_seed():
+    seed = h64(b"goodput-route-v1" + field("m") + field("r1") + b"\x01" + field("t") + field("text"))
+    h1 = h64(seed.to_bytes(8, "big") + b"abc")
+    h2 = h64(h1.to_bytes(8, "big") + b"d")
+    assert chunk_hashes("m", "r1", "t", prompt="abcd", chunk_size=3) == (h1, h2)
+    assert chunk_hashes("m", "r1", "t", prompt="", chunk_size=3) == ()
+
+
+def test_render_messages_by_hand():
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+    assert render_messages(msgs) == ('{"content":"Be brief.","role":"system"}\n'
+                                     '{"content":"hi there","role":"user"}\n')
+    # text parts and a plain string are the same prompt
+    assert render_messages([msgs[1]]) == render_messages([{"role": "user", "content": "hi there"}])
+
+
+def test_next_turn_extends_the_chain():
+    turn1 = [{"role": "system", "content": "S" * 40}, {"role": "user", "content": "q1" * 10}]
+    turn2 = turn1 + [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    c1 = chunk_hashes("m", "r1", None, messages=turn1, chunk_size=8)
+    c2 = chunk_hashes("m", "r1", None, messages=turn2, chunk_size=8)
+    n_full = len(render_messages(turn1)) // 8          # the full chunks of turn 1 are shared
+    assert c2[:n_full] == c1[:n_full] and len(c2) > len(c1)
+
+
+@pytest.mark.parametrize("other", [
+    dict(model="m", revision="r1", cache_salt="tenant-b"),   # another tenant
+    dict(model="m", revision="r2", cache_salt="tenant-a"),   # another revision
+    dict(model="m2", revision="r1", cache_salt="tenant-a"),  # another model
+    dict(model="m", revision="r1", cache_salt=None),         # no salt is not the empty salt...
+])
+def test_tenants_never_share_a_chunk(other):
+    a = chunk_hashes("m", "r1", "tenant-a", prompt="same prompt text", chunk_size=4)
+    b = chunk_hashes(other["model"], other["revision"], other["cache_salt"], prompt="same prompt text",
+                     chunk_size=4)
+    assert len(a) == len(b) == 4 and not set(a) & set(b)
+
+
+def test_empty_salt_differs_from_none():
+    assert not (set(chunk_hashes("m", "r", "", prompt="abcdefgh", chunk_size=4))
+                & set(chunk_hashes("m", "r", None, prompt="abcdefgh", chunk_size=4)))
+
+
+def test_chunk_hashes_errors():
+    with pytest.raises(ValueError):
+        chunk_hashes("m", "r", None, chunk_size=4)
+    with pytest.raises(ValueError):
+        chunk_hashes("m", "r", None, prompt="a", token_ids=[1], chunk_size=4)
+    with pytest.raises(ValueError):
+        chunk_hashes("m", "r", None, prompt="a", chunk_size=0)
+
+
+# ------------------------------------------------------------------------------------ affinity
+def test_affinity_hit_longest_chain_wins():
+    idx = PrefixIndex()
+    idx.record(key(1, 2), "a")          # a was sent a 2-chunk prefix
+    idx.record(key(1, 2, 3, 4), "b")    # b a 4-chunk one
+    eps = [ep("a"), ep("b"), ep("c")]
+    assert pick(key(1, 2, 3, 4, 5), eps, idx, CFG) == Pick("b", "affinity", 4)
+    # a request that diverges after chunk 2: a and b both matched 2; the chain stops at chunk 9
+    got = pick(key(1, 2, 9), eps, idx, CFG)
+    assert got.reason == "affinity" and got.matched_chunks == 2 and got.pod in ("a", "b")
+    # between a and b the rendezvous weight of chunk 2 (rendezvous_chunks = 2) decides
+    assert got.pod == max(("a", "b"), key=lambda p: weight(2, p))
+
+
+def test_tenant_isolation_through_the_index():
+    idx = PrefixIndex()
+    mine = route_key("m", "r1", "tenant-a", CFG, prompt="a long shared prompt")
+    idx.record(mine, "b")
+    eps = [ep("a"), ep("b"), ep("c")]
+    assert pick(mine, eps, idx, CFG) == Pick("b", "affinity", 5)     # 20 chars / 4 = 5 chunks
+    for other in (route_key("m", "r1", "tenant-b", CFG, prompt="a long shared prompt"),
+                  route_key("m", "r2", "tenant-a", CFG, prompt="a long shared prompt")):
+        got = pick(other, eps, idx, CFG)
+        assert got.reason == "rendezvous" and got.matched_chunks == 0
+
+
+# ---------------------------------------------------------------------------------- rendezvous
+def test_rendezvous_pod_by_hand():
+    # no index entry: the pod with the highest weight for chunk min(3, 2) = 2 (value 20)
+    eps = [ep("a"), ep("b"), ep("c")]
+    expected = max("abc", key=lambda p: weight(20, p))
+    assert pick(key(10, 20, 30), eps, PrefixIndex(), CFG) == Pick(expected, "rendezvous", 0)
+    # one chunk only: it keys on that chunk
+    assert pick(key(10), eps, PrefixIndex(), CFG).pod == max("abc", key=lambda p: weight(10, p))
+
+
+def test_rendezvous_adding_a_pod_moves_only_its_keys():
+    keys = [key(k) for k in range(1, 41)]
+    three = [ep("a"), ep("b"), ep("c")]
+    four = three + [ep("d")]
+    cfg = PickConfig(eps=None)
+    before = {k.chunks[0]: pick(k, three, PrefixIndex(), cfg).pod for k in keys}
+    after = {k.chunks[0]: pick(k, four, PrefixIndex(), cfg).pod for k in keys}
+    # by the HRW rule: key k moves iff d's weight beats a, b and c's; it moves to d
+    expected_moved = {k for k in before if weight(k, "d") > max(weight(k, p) for p in "abc")}
+    moved = {k for k in before if before[k] != after[k]}
+    assert moved == expected_moved
+    assert all(after[k] == "d" for k in moved)
+    assert all(before[k] == max("abc", key=lambda p: weight(k, p)) for k in before)
+    # ~1/4 of 40 keys: binomial(40, 1/4) has mean 10, sd 2.7
+    assert 3 <= len(moved) <= 17
+    # removing d again restores every key
+    assert {k.chunks[0]: pick(k, three, PrefixIndex(), cfg).pod for k in keys} == before
+
+
+# --------------------------------------------------------------------------------- load bound
+@pytest.mark.parametrize("loads,eps,bound", [
+    ((5, 1, 0), 0.25, 3),    # ceil(1.25 * 7 / 3) = ceil(2.917)
+    ((2, 0, 0), 0.25, 2),    # ceil(1.25 * 3 / 3) = ceil(1.25)
+    ((2, 0, 0), 1.0, 2),     # ceil(2 * 3 / 3)
+    ((2, 0, 0), 2.0, 3),     # ceil(3 * 3 / 3)
+    ((0, 0, 0, 0), 0.0, 1),  # ceil(1 / 4)
+])
+def test_load_bound_by_hand(loads, eps, bound):
+    assert load_bound([ep(chr(97 + i), n) for i, n in enumerate(loads)], eps) == bound
+
+
+def test_bounded_load_fallback():
+    idx = PrefixIndex()
+    idx.record(key(1, 2, 3), "b")
+    # b is preferred (3 chunks) but holds 5 of 6 in flight: 5 + 1 > 3 -> fall back.
+    # a (1 + 1 <= 3) and c (0 + 1 <= 3) both fit, neither matches; fewer waiting wins: a
+    eps = [ep("a", 1, waiting=0), ep("b", 5), ep("c", 0, waiting=2)]
+    assert pick(key(1, 2, 3), eps, idx, CFG) == Pick("a", "load_bound_fallback", 0)
+    # equal waiting: lower KV usage wins
+    eps = [ep("a", 1, waiting=0, kv_usage=0.9), ep("b", 5), ep("c", 0, waiting=0, kv_usage=0.3)]
+    assert pick(key(1, 2, 3), eps, idx, CFG) == Pick("c", "load_bound_fallback", 0)
+    # a pod with part of the prefix beats the queue tie-break
+    idx.record(key(1), "a")
+    eps = [ep("a", 1, waiting=3), ep("b", 5), ep("c", 0, waiting=0)]
+    assert pick(key(1, 2, 3), eps, idx, CFG) == Pick("a", "load_bound_fallback", 1)
+    # a looser bound (eps 2: ceil(3 * 7 / 3) = 7 >= 5 + 1) keeps b
+    assert pick(key(1, 2, 3), eps, idx, PickConfig(eps=2.0, rendezvous_chunks=2)) == Pick("b", "affinity", 3)
+    # no bound at all (affinity routing) keeps b too
+    assert pick(key(1, 2, 3), eps, idx, PickConfig(eps=None, respect_limits=False)).pod == "b"
+
+
+def test_at_limits_pod_is_skipped():
+    idx = PrefixIndex()
+    idx.record(key(7, 8), "b")
+    # b: 2 + 1 = 3 in flight = its limits -> skipped even though the bound (eps None) allows it
+    eps = [ep("a", 0), ep("b", 3, max_num_seqs=2, max_waiting=1), ep("c", 0)]
+    cfg = PickConfig(eps=None, rendezvous_chunks=2)
+    got = pick(key(7, 8), eps, idx, cfg)
+    assert got.reason == "load_bound_fallback" and got.pod == max("ac", key=lambda p: weight(8, p))
+    # one below its limits: b is picked
+    eps[1] = ep("b", 2, max_num_seqs=2, max_waiting=1)
+    assert pick(key(7, 8), eps, idx, cfg) == Pick("b", "affinity", 2)
+    # unknown limits never filter
+    eps[1] = ep("b", 100, max_num_seqs=None, max_waiting=1)
+    assert pick(key(7, 8), eps, idx, cfg) == Pick("b", "affinity", 2)
+    # affinity routing ignores limits
+    eps[1] = ep("b", 3, max_num_seqs=2, max_waiting=1)
+    assert pick(key(7, 8), eps, idx, PickConfig(eps=None, respect_limits=False)).pod == "b"
+
+
+def test_all_full_gives_no_pod():
+    eps = [ep("a", 4, max_num_seqs=2, max_waiting=2), ep("b", 9, max_num_seqs=4, max_waiting=5)]
+    assert pick(key(1), eps, PrefixIndex(), CFG) == Pick(None, "full", 0)
+    assert pick(key(1), [], PrefixIndex(), CFG) == Pick(None, "full", 0)
+
+
+def test_below_bound_pod_at_limits_falls_to_least_loaded():
+    # loads 0, 4, 3 (total 7 + 1): bound ceil(1.25 * 8 / 3) = ceil(3.33) = 4; a (0) is under it
+    # but at its limits (0 >= 0 + 0), b is over it (4 + 1 > 4), c fits (3 + 1 <= 4): always c,
+    # as the preferred pod when c has the highest weight, else as the fallback
+    eps = [ep("a", 0, max_num_seqs=0, max_waiting=0), ep("b", 4), ep("c", 3)]
+    top = max("abc", key=lambda p: weight(1, p))
+    assert pick(key(1), eps, PrefixIndex(), CFG) == Pick(
+        "c", "rendezvous" if top == "c" else "load_bound_fallback", 0)
+    # loads 0, 5, 5 (total 11): bound ceil(1.25 * 11 / 3) = 5: b and c (6 > 5) are over, a is
+    # at its limits -> the least-loaded pod that fits its limits: b or c (5 each), by weight
+    eps = [ep("a", 0, max_num_seqs=0, max_waiting=0), ep("b", 5), ep("c", 5)]
+    got = pick(key(1), eps, PrefixIndex(), CFG)
+    assert got.reason == "load_bound_fallback" and got.pod == max("bc", key=lambda p: weight(1, p))
+
+
+# ---------------------------------------------------------------------------------------- index
+def test_lru_eviction_keeps_prefixes():
+    idx = PrefixIndex(capacity=3)
+    idx.record(key(1, 2), "a")        # touched 2 then 1: LRU order [2, 1]
+    idx.record(key(3, 4), "b")        # [2, 1, 4, 3] -> 2 evicted -> [1, 4, 3]
+    assert len(idx) == 3 and 2 not in idx
+    assert idx.match(key(1, 2)) == {"a": 1}          # the prefix outlived its suffix
+    assert idx.match(key(3, 4)) == {"b": 2}
+    idx.record(key(1), "a")           # [4, 3, 1]
+    idx.record(key(5), "c")           # [4, 3, 1, 5] -> 4 evicted -> [3, 1, 5]
+    assert [h for h in (1, 2, 3, 4, 5) if h in idx] == [1, 3, 5]
+    assert idx.match(key(3, 4)) == {"b": 1}
+
+
+def test_index_several_pods_and_forget():
+    idx = PrefixIndex()
+    idx.record(key(1, 2, 3), "a")
+    idx.record(key(1, 2), "b")
+    idx.record(key(1), "c")
+    assert idx.match(key(1, 2, 3)) == {"a": 3, "b": 2, "c": 1}
+    assert idx.pods(1) == ("a", "b", "c")
+    idx.record(key(1), "a")           # a becomes the most recent holder of chunk 1
+    assert idx.pods(1) == ("b", "c", "a")
+    idx.forget("a")
+    assert idx.match(key(1, 2, 3)) == {"b": 2, "c": 1}
+    assert 3 not in idx                # only a held chunk 3
+    with pytest.raises(ValueError):
+        PrefixIndex(0)
+
+
+def test_pick_does_not_change_the_index():
+    idx = PrefixIndex()
+    pick(key(1, 2), [ep("a"), ep("b")], idx, CFG)
+    assert len(idx) == 0
+
+
+def test_config_errors():
+    for bad in (dict(chunk_size=0), dict(eps=-0.1), dict(rendezvous_chunks=0), dict(index_capacity=0)):
+        with pytest.raises(ValueError):
+            PickConfig(**bad)
