@@ -151,6 +151,33 @@ POD_CASES = {
 }
 
 
+def pending(name="w-1", reason="Unschedulable", message=None, deleting=False):
+    """A worker pod the scheduler could not place, as kube-scheduler reports it (no container statuses)."""
+    meta = {"name": name, **({"deletionTimestamp": T0} if deleting else {})}
+    cond = {"type": "PodScheduled", "status": "False", "reason": reason}
+    if message is not None:
+        cond["message"] = message
+    return {"metadata": meta, "status": {"phase": "Pending", "conditions": [cond]}}
+
+
+GPU_MSG = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+SELECTOR_MSG = "0/1 nodes are available: 1 node(s) didn't match node selector."
+POD_CASES.update({
+    "unschedulable-gpus": (pending(message=GPU_MSG), (
+        "Unschedulable", "0/1 nodes are available: 1 Insufficient nvidia.com/gpu. "
+                         "(worker in pod w-1: PodScheduled=False, Unschedulable)")),
+    "unschedulable-node-selector": (pending(message=SELECTOR_MSG), (
+        "Unschedulable", "0/1 nodes are available: 1 node(s) didn't match node selector. "
+                         "(worker in pod w-1: PodScheduled=False, Unschedulable)")),
+    "unschedulable-without-message": (pending(), (
+        "Unschedulable", "no node fits the pod (worker in pod w-1: PodScheduled=False, Unschedulable)")),
+    "scheduler-error-is-transient": (pending(reason="SchedulerError", message="etcd timeout"), None),
+    "unschedulable-being-deleted": (pending(message=GPU_MSG, deleting=True), None),
+    "scheduled-and-loading": ({"metadata": {"name": "w-1"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "True"}]}}, None),
+})
+
+
 @pytest.mark.parametrize("case", POD_CASES)
 def test_pod_failure(case):
     from goodput.operator.status import pod_failure
@@ -178,3 +205,17 @@ def test_worker_problem_is_degraded_and_spec_problems_come_first():
     assert got["Ready"][:2] == ("False", "NoReplicasReady")
     st = compute_status(**kw, worker_problem=crash, problems=[BAD])
     assert [c["reason"] for c in st["conditions"] if c["type"] == "Degraded"] == ["InvalidModel"]
+
+
+def test_unschedulable_worker_is_degraded_while_ready_follows_the_replicas():
+    """One replica serving, one the scheduler cannot place: Ready stays True (the URL serves) and
+    Degraded names the scheduler's reason."""
+    from goodput.operator.status import worker_failure
+
+    problem = worker_failure([pod("w-a", ready=True, restarts=0), pending("w-b", message=GPU_MSG)])
+    st = compute_status(name="a", namespace="b", generation=1, desired_replicas=2, deployment=dep(replicas=2, ready=1, updated=2),
+                        service_exists=True, now=T0, worker_problem=problem)
+    got = {c["type"]: (c["status"], c["reason"], c.get("message")) for c in st["conditions"]}
+    assert got["Degraded"] == ("True", "Unschedulable", f"{GPU_MSG} (worker in pod w-b: PodScheduled=False, "
+                                                        "Unschedulable)")
+    assert got["Ready"][:2] == ("True", "MinimumReplicasReady")

@@ -14,7 +14,8 @@ observedGeneration; lastTransitionTime changes only when status flips):
   Degraded     True for a spec the operator will not roll out (reason from api.semantic_problems, or
                ChildRefused when the API server refused a child), a worker that crashed and has not been
                ready since (WorkerCrashLoop, message: the worker's last error line) or cannot start
-               (WorkerCannotStart), a stuck rollout (ProgressDeadlineExceeded) or failing pod creation
+               (WorkerCannotStart) or cannot be placed on any node (Unschedulable, message: the
+               scheduler's own, e.g. ``0/1 nodes are available: 1 Insufficient nvidia.com/gpu.``), a stuck rollout (ProgressDeadlineExceeded) or failing pod creation
                (ReplicaFailure); False (AsExpected) otherwise.
 """
 
@@ -51,6 +52,10 @@ def pod_failure(pod: dict[str, Any]) -> Problem | None:
     The worker container (``resources.CONTAINER_NAME``) fails when it is not ready and either its
     current or (after a restart) last termination has a non-zero exit code (WorkerCrashLoop), or it
     waits for a reason that needs a change to clear, such as a missing Secret or image (WorkerCannotStart).
+    A pod the scheduler cannot place (condition ``PodScheduled`` False, reason ``Unschedulable``: too few
+    ``nvidia.com/gpu``, a ``scheduling.nodeSelector`` no node matches, a taint not tolerated) is
+    Unschedulable with the scheduler's message (core/v1 PodCondition; kube-scheduler sets it at each
+    failed attempt, so within seconds of the pod's creation).
     A crash is reported until the container is ready again: a restarted worker loading its model is
     still the crash-looping one. The message is the last line of the termination message (the
     worker's own last error line; with ``FallbackToLogsOnError`` the kubelet puts the log tail there),
@@ -59,6 +64,11 @@ def pod_failure(pod: dict[str, Any]) -> Problem | None:
     meta = pod.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return None
+    scheduled = find_condition((pod.get("status") or {}).get("conditions") or [], "PodScheduled") or {}
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return Problem(reason="Unschedulable", message=(
+            f"{scheduled.get('message') or 'no node fits the pod'} "
+            f"(worker in pod {meta.get('name')}: PodScheduled=False, Unschedulable)"))
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         if cs.get("name") != resources.CONTAINER_NAME or cs.get("ready"):
             continue
