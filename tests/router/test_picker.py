@@ -276,3 +276,29 @@ def test_config_errors():
     for bad in (dict(chunk_size=0), dict(eps=-0.1), dict(rendezvous_chunks=0), dict(index_capacity=0)):
         with pytest.raises(ValueError):
             PickConfig(**bad)
+
+
+def test_chat_anchor_is_the_same_in_every_turn_and_spreads_a_shared_system_prompt():
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}   # 580 chars
+    turn1 = [system, {"role": "user", "content": "first question of conversation one"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
+    other = [system, {"role": "user", "content": "a different opening question"}]
+    k1, k2, ko = (route_key("m", "r1", None, CFG, messages=m) for m in (turn1, turn2, other))
+    # anchor = the last chunk hash of the system + first user message: turn 1's whole chain
+    assert k1.anchor == k1.chunks[-1] == k2.anchor
+    assert ko.anchor != k1.anchor
+    # the first 8 chunks (rendezvous_chunks 2 x 4 chars, in the system prompt) are shared by all
+    assert k1.chunks[:8] == ko.chunks[:8]
+    # with the system prompt recorded on every pod, the tie is broken by the anchor's weight
+    idx = PrefixIndex()
+    sys_only = route_key("m", "r1", None, CFG, messages=[system])
+    for p in "abc":
+        idx.record(sys_only, p)
+    eps = [ep("a"), ep("b"), ep("c")]
+    n_sys = len(render_messages([system])) // 4        # full 4-char chunks of the system line
+    for k in (k1, k2, ko):
+        got = pick(k, eps, idx, CFG)
+        assert got.pod == max("abc", key=lambda p: weight(k.anchor, p))
+        assert got.reason == "affinity" and got.matched_chunks == n_sys
+    # completions have no anchor
+    assert route_key("m", "r1", None, CFG, prompt="abc").anchor is None

@@ -20,10 +20,13 @@ scores compared in a fixed order instead of summed with weights):
    prefix cache, so it skips their prefill.
 3. **Score: rendezvous** (:func:`rendezvous_weight`, highest random weight hashing, Thaler and
    Ravishankar 1998). Every pod gets a pseudo-random weight from the hash of (the request's
-   first ``rendezvous_chunks`` chunks, pod name); higher wins among equal prefix scores. With no
-   match anywhere (a new conversation, or a router replica that never saw it) every router
-   replica computes the same order without sharing state, and adding or removing one pod of n
-   moves only the keys that pod wins or won: ~1/n of the conversations.
+   rendezvous key, pod name); higher wins among equal prefix scores. The key
+   (:func:`rendezvous_key`) is the conversation's *anchor* when the request has one (chat: its
+   messages up to the first user message, the same in every turn), else its first
+   ``rendezvous_chunks`` chunks. With no match (a new conversation, or a router replica that
+   never saw it) every router replica computes the same order without sharing state, a shared
+   system prompt matched on every pod leaves new conversations spread by their anchors, and
+   adding or removing one pod of n moves only the keys that pod wins or won: ~1/n of them.
 4. **Pick, under a load bound** (:func:`load_bound`; consistent hashing with bounded loads,
    Mirrokni, Thorup and Zadimoghaddam, SODA 2018). The preferred pod is the first in the order
    (prefix score, rendezvous weight), taken over every endpoint. It gets the request unless it
@@ -39,12 +42,11 @@ Reasons (``Pick.reason``, the router's ``goodput_router_decisions_total{reason}`
 (the preferred pod, with a prefix match), ``rendezvous`` (the preferred pod, no match anywhere),
 ``load_bound_fallback``, ``full``.
 
-Router replicas: each keeps its own index; a conversation whose turns reach different router
-replicas still lands on one pod when its first ``rendezvous_chunks`` chunks are the same in every
-turn (a request shorter than that keys on its last chunk, which the next turn extends: such a
-short first turn may be placed by a second replica elsewhere once). A system prompt longer than
-``rendezvous_chunks`` chunks makes every new conversation prefer the same pod; the load bound
-then spreads them, so choose ``rendezvous_chunks * chunk_size`` past the usual system prompt.
+Router replicas: each keeps its own index; a chat conversation whose turns reach different
+router replicas still lands on one pod (the anchor is the same in every turn) unless the load
+bound moved it. Without an anchor (completions), turns agree when their first
+``rendezvous_chunks`` chunks are the same (a shorter request keys on its last chunk, which the
+next turn extends, so a short first turn may be placed elsewhere once by another replica).
 """
 from __future__ import annotations
 
@@ -100,12 +102,16 @@ class RouteKey:
     chunks: 64-bit chained hashes of the fixed-size chunks of the canonical request (from
     :func:`chunk_hashes`, which seeds the chain with model, revision and cache_salt, so two
     tenants' chains never meet in the index).
+    anchor: optional 64-bit identity of the conversation, the same in each of its turns (chat:
+    the last chunk hash of its messages up to the first user message, set by :func:`route_key`);
+    the rendezvous hash keys on it when set.
     """
 
     model: str
     revision: str
     cache_salt: str | None
     chunks: tuple[int, ...]
+    anchor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -234,11 +240,24 @@ def chunk_hashes(model: str, revision: str, cache_salt: str | None, *,
 
 def route_key(model: str, revision: str, cache_salt: str | None, cfg: PickConfig | None = None,
               **content: Any) -> RouteKey:
-    """``RouteKey(model, revision, cache_salt, chunk_hashes(..., **content))`` with ``cfg``'s
-    chunk size (``content``: the keyword arguments of :func:`chunk_hashes`)."""
+    """``RouteKey(model, revision, cache_salt, chunk_hashes(..., **content), anchor)`` with
+    ``cfg``'s chunk size (``content``: the keyword arguments of :func:`chunk_hashes`). For chat
+    (``messages``) the anchor is the last chunk hash of the messages up to and including the first
+    ``user`` one (all of them when there is none); otherwise None."""
     size = (cfg or PickConfig()).chunk_size
-    return RouteKey(model, revision, cache_salt,
-                    chunk_hashes(model, revision, cache_salt, chunk_size=size, **content))
+    chunks = chunk_hashes(model, revision, cache_salt, chunk_size=size, **content)
+    anchor = None
+    messages = content.get("messages")
+    if messages is not None:
+        head = list(messages)
+        for i, m in enumerate(head):
+            if m.get("role") == "user":
+                head = head[:i + 1]
+                break
+        head_chunks = chunk_hashes(model, revision, cache_salt, chunk_size=size, messages=head,
+                                   tools=content.get("tools"))
+        anchor = head_chunks[-1] if head_chunks else None
+    return RouteKey(model, revision, cache_salt, chunks, anchor)
 
 
 # -------------------------------------------------------------------------------- prefix index
@@ -339,8 +358,11 @@ def prefix_scores(key: RouteKey, index: PrefixIndex) -> dict[str, int]:
 
 
 def rendezvous_key(key: RouteKey, n_chunks: int) -> int:
-    """The hash the rendezvous order keys on: chunk ``min(len, n_chunks)`` of the chain (it
-    stands for all chunks before it); with no chunk, the seed of (model, revision, salt)."""
+    """The hash the rendezvous order keys on: ``key.anchor`` when set, else chunk
+    ``min(len, n_chunks)`` of the chain (it stands for all chunks before it); with neither, the
+    seed of (model, revision, salt)."""
+    if key.anchor is not None:
+        return key.anchor
     if not key.chunks:
         return _seed(key.model, key.revision, key.cache_salt, "")
     return key.chunks[min(len(key.chunks), n_chunks) - 1]
