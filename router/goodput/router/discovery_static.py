@@ -80,9 +80,11 @@ class StaticDiscovery:
         """Fill the fleet, then probe every pod's ``/ready`` each ``period_s``, forever."""
         self.fill(fleet)
         async with httpx.AsyncClient(timeout=self.probe_timeout_s) as client:
+            await self.probe_all(fleet, client)
+            fleet.mark_synced()
             while True:
-                await self.probe_all(fleet, client)
                 await asyncio.sleep(self.period_s)
+                await self.probe_all(fleet, client)
 
     async def probe_all(self, fleet: Fleet, client: httpx.AsyncClient) -> None:
         """One probe of every pod of every service; updates the pods whose state changed."""

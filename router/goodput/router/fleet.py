@@ -144,6 +144,7 @@ class Fleet:
     def __init__(self) -> None:
         self._services: dict[ServiceKey, Service] = {}
         self._listeners: list[Callable[[ServiceKey], None]] = []
+        self.synced = False  # discovery filled the fleet once (the router's /ready)
 
     # ------------------------------------------------------------------ reads (the router)
 
@@ -167,6 +168,11 @@ class Fleet:
         self._listeners.append(fn)
 
     # ------------------------------------------------------------------ updates (discovery)
+
+    def mark_synced(self) -> None:
+        """Discovery has listed everything once (a watch: after its initial list); the router
+        answers ``/ready`` 200 from then on. A source whose ``run`` returns is synced then."""
+        self.synced = True
 
     def set_service(self, info: ServiceInfo) -> None:
         """Add the service or replace its record (its pods stay)."""

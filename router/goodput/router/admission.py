@@ -1,0 +1,219 @@
+"""Fleet-level admission: pick a pod, or hold, or queue, or refuse.
+
+For one request to a service (docs/router-autoscaler-contract.md):
+
+1. **hold** — the service has no routable pod (scale from zero, a rollout): wait until one turns
+   Ready, at most the service's startup timeout (``ServiceInfo.startup_timeout_s``, else
+   ``hold_timeout_s``); then 503 with ``Retry-After``. Counted in ``goodput_router_held_requests``.
+2. **pick** — ``picker.pick`` over the routable pods; a pod at its limits
+   (``in_flight >= max_num_seqs + max_waiting``) is never chosen while another has room.
+3. **queue** — every pod at its limits (pick ``"full"``): wait in the service's fleet queue,
+   ordered by the request's ``priority`` (lower first, as the worker) then arrival, bounded by
+   ``Service.queue_bound()`` (``routerMaxQueued``); beyond it, or after ``queue_timeout_s``: 429
+   with ``Retry-After``. A request leaves the queue when a pod has room again (a response ended,
+   a scrape raised a limit, a pod turned Ready). ``goodput_router_queued_requests``.
+
+A chosen pod's ``in_flight`` is incremented at the choice (so the next pick sees it) and
+decremented by :meth:`Admission.release` when the response ends. All of it runs on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from goodput.router.errors import APIError
+from goodput.router.fleet import Fleet, Pod, Service, ServiceKey
+from goodput.router.metrics import RouterMetrics
+from goodput.router.picker import Pick, PickConfig, PrefixIndex, RouteKey, pick
+from goodput.router.routing import endpoints
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    key: RouteKey = field(compare=False)
+    fut: asyncio.Future = field(compare=False)
+
+
+@dataclass
+class _Gate:
+    queue: list[_Waiter] = field(default_factory=list)   # a heap
+    held: list[asyncio.Future] = field(default_factory=list)
+
+
+class Admission:
+    """``acquire`` a pod for a request (hold / pick / queue / refuse); ``release`` it after.
+
+    ``hold_timeout_s``: the hold bound for services without a startup timeout (seconds).
+    ``queue_timeout_s``: the longest wait in the fleet queue (seconds).
+    ``retry_after_s``: the ``Retry-After`` of a 429 (queue full) and of the hold-timeout 503.
+    """
+
+    def __init__(self, fleet: Fleet, metrics: RouterMetrics, index: PrefixIndex, cfg: PickConfig,
+                 hold_timeout_s: float = 600.0, queue_timeout_s: float = 60.0, retry_after_s: float = 1.0):
+        self.fleet, self.metrics, self.index, self.cfg = fleet, metrics, index, cfg
+        self.hold_timeout_s, self.queue_timeout_s, self.retry_after_s = hold_timeout_s, queue_timeout_s, retry_after_s
+        self._gates: dict[ServiceKey, _Gate] = {}
+        self._seq = itertools.count()
+        self._pods: dict[ServiceKey, set[str]] = {}  # pod names last seen, to forget removed ones
+        fleet.add_listener(self.on_change)
+
+    def _gate(self, key: ServiceKey) -> _Gate:
+        gate = self._gates.get(key)
+        if gate is None:
+            gate = self._gates[key] = _Gate()
+        return gate
+
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    # ---------------------------------------------------------------------------- picking
+
+    def try_pick(self, svc: Service, key: RouteKey, exclude: frozenset[str] = frozenset()
+                 ) -> tuple[Pod, Pick] | None:
+        """Pick a routable pod not in ``exclude`` and reserve it (``in_flight += 1``); None when
+        there is none or every one is at its limits."""
+        pods = [p for p in svc.routable_pods() if p.name not in exclude]
+        if not pods:
+            return None
+        choice = pick(key, endpoints(pods), self.index, self.cfg)
+        pod = svc.pods.get(choice.pod) if choice.pod is not None else None
+        if pod is None or pod.at_limits:
+            return None
+        pod.in_flight += 1
+        self.metrics.decisions.labels(choice.reason).inc()
+        return pod, choice
+
+    def release(self, svc: Service, pod: Pod) -> None:
+        """The response from ``pod`` ended: ``in_flight -= 1`` and let a queued request in."""
+        pod.in_flight -= 1
+        current = self.fleet.service(svc.key)
+        if current is not None:
+            self.dispatch(current)
+
+    # ---------------------------------------------------------------------------- acquire
+
+    async def acquire(self, svc: Service, key: RouteKey, priority: int = 0) -> tuple[Pod, Pick, float]:
+        """A reserved pod, the picker's decision and the seconds spent held or queued.
+
+        Raises :class:`APIError` 503 (hold timed out; ``Retry-After``), 429 (queue full or queue
+        wait timed out; ``Retry-After``), 404 (the service went away while waiting)."""
+        t0 = time.monotonic()
+        labels = svc.key
+        gate = self._gate(svc.key)
+        if not svc.routable_pods():
+            await self._hold(svc, gate)
+            svc = self.fleet.service(labels) or svc
+        if not gate.queue:
+            got = self.try_pick(svc, key)
+            if got is not None:
+                return (*got, self._waited(labels, t0))
+        bound = svc.queue_bound()
+        if len(gate.queue) >= bound:
+            self.metrics.decisions.labels("refused").inc()
+            raise APIError(429, f"every pod of {svc.info.model!r} is at its admission limits and the router's "
+                                f"queue holds {len(gate.queue)} of {bound} requests; retry later",
+                           code="queue_full", headers=self._retry_after())
+        self.metrics.decisions.labels("queued").inc()
+        waiter = _Waiter(priority, next(self._seq), key, asyncio.get_running_loop().create_future())
+        heapq.heappush(gate.queue, waiter)
+        self._set_queued(svc.key, gate)
+        self.dispatch(svc)
+        try:
+            pod, choice = await asyncio.wait_for(waiter.fut, self.queue_timeout_s)
+        except BaseException as e:
+            self._drop(svc.key, gate, waiter)
+            if isinstance(e, TimeoutError):
+                raise APIError(429, f"every pod of {svc.info.model!r} stayed at its admission limits for "
+                                    f"{self.queue_timeout_s:g} s; retry later", code="queue_timeout",
+                               headers=self._retry_after()) from None
+            raise
+        return pod, choice, self._waited(labels, t0)
+
+    def _waited(self, labels: ServiceKey, t0: float) -> float:
+        waited = time.monotonic() - t0
+        self.metrics.queue_wait.labels(*labels).observe(waited)
+        return waited
+
+    async def _hold(self, svc: Service, gate: _Gate) -> None:
+        timeout = svc.info.startup_timeout_s or self.hold_timeout_s
+        self.metrics.decisions.labels("held").inc()
+        fut = asyncio.get_running_loop().create_future()
+        gate.held.append(fut)
+        self.metrics.held.labels(*svc.key).inc()
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise APIError(503, f"no Ready pod serves {svc.info.model!r} after waiting {timeout:g} s "
+                                "(scaling from zero or starting); retry later", code="no_ready_pod",
+                           headers=self._retry_after()) from None
+        finally:
+            if fut in gate.held:
+                gate.held.remove(fut)
+            self.metrics.held.labels(*svc.key).dec()
+
+    def _drop(self, key: ServiceKey, gate: _Gate, waiter: _Waiter) -> None:
+        """A waiter gave up (timeout, client gone): leave the queue; a pod it was given goes back."""
+        fut = waiter.fut
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            pod, _ = fut.result()
+            svc = self.fleet.service(key)
+            if svc is not None:
+                self.release(svc, pod)
+            else:
+                pod.in_flight -= 1
+        if waiter in gate.queue:
+            gate.queue.remove(waiter)
+            heapq.heapify(gate.queue)
+        self._set_queued(key, gate)
+
+    def _set_queued(self, key: ServiceKey, gate: _Gate) -> None:
+        self.metrics.queued.labels(*key).set(sum(1 for w in gate.queue if not w.fut.done()))
+
+    # ---------------------------------------------------------------------------- wake-ups
+
+    def dispatch(self, svc: Service) -> None:
+        """Give pods with room to queued requests, best priority first."""
+        gate = self._gates.get(svc.key)
+        if gate is None or not gate.queue:
+            return
+        while gate.queue:
+            head = gate.queue[0]
+            if head.fut.done():
+                heapq.heappop(gate.queue)
+                continue
+            got = self.try_pick(svc, head.key)
+            if got is None:
+                break
+            heapq.heappop(gate.queue)
+            head.fut.set_result(got)
+        self._set_queued(svc.key, gate)
+
+    def on_change(self, key: ServiceKey) -> None:
+        """Fleet listener: wake held requests when a pod is routable; refill from the queue; fail
+        the waiters of a removed service with 404; drop removed pods from the prefix index."""
+        svc = self.fleet.service(key)
+        names = set(svc.pods) if svc is not None else set()
+        for gone in self._pods.get(key, set()) - names:
+            self.index.forget(gone)
+        self._pods[key] = names
+        gate = self._gates.get(key)
+        if gate is None:
+            return
+        if svc is None:
+            err = APIError(404, f"the service {key[0]}/{key[1]} was removed while the request waited",
+                           code="model_not_found")
+            for fut in gate.held + [w.fut for w in gate.queue]:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        if gate.held and svc.routable_pods():
+            for fut in gate.held:
+                if not fut.done():
+                    fut.set_result(None)
+        self.dispatch(svc)

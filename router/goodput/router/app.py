@@ -1,0 +1,467 @@
+"""The router's FastAPI application: one OpenAI endpoint in front of every InferenceService.
+
+Routes: ``POST /v1/completions``, ``/v1/chat/completions`` (picked pod, fleet admission, SSE
+passed through event by event), ``GET /v1/models`` (every served model), ``/v1/models/{id}``,
+``POST /tokenize``, ``/detokenize`` (any routable pod of the model's service), ``GET /health``
+(the process), ``/ready`` (discovery has synced once), ``/metrics`` (``goodput_router_*``).
+
+One request (generate routes): the body is read (413 beyond ``max_body_bytes``) and parsed (400:
+not JSON, not an object, no string ``model``); ``model`` names the service (404 naming it when
+unknown); :class:`~goodput.router.admission.Admission` holds, picks, queues or refuses; the body
+is sent as is to the pod over one pooled ``httpx.AsyncClient`` (keep-alive). Before the pod's
+first byte, a connection error or a 503 with code ``draining`` is retried once on another pod
+(a draining answer also marks the pod draining); never after. An SSE answer is passed through
+as the pod sends it (whole events; nothing buffered beyond an incomplete event); a pod that
+dies mid-stream ends the client's stream with one ``data: {"error": ...}`` event and no
+``[DONE]``. A client that goes away (while held, queued, waiting for the answer or mid-stream)
+closes the upstream connection, which aborts the request in the worker.
+Every answer carries ``x-goodput-pod`` (the pod that served it, when one did).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from goodput.router.admission import Admission
+from goodput.router.errors import APIError, error_body, install_error_handlers
+from goodput.router.fleet import Discovery, Fleet, Pod, Service
+from goodput.router.metrics import RouterMetrics
+from goodput.router.picker import PickConfig, PrefixIndex
+from goodput.router.routing import request_key
+from goodput.router.scrape import scrape_forever
+
+log = logging.getLogger("goodput.router")
+
+POD_HEADER = "x-goodput-pod"
+# Request headers passed to the pod; response headers passed back (the rest are hop-by-hop or
+# recomputed: content-length, transfer-encoding, connection, date, server).
+_FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept")
+_FORWARD_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
+# The router's own refusals by error code -> goodput_router_requests_total outcome.
+_OUTCOMES = {"queue_full": "refused", "queue_timeout": "timeout", "no_ready_pod": "timeout"}
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+              httpx.WriteError)
+
+
+def _knob(default: Any, flag: str, help: str) -> Any:
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
+@dataclass
+class RouterSettings:
+    """The router's knobs, each declared once here: ``python -m goodput.router`` builds one flag
+    per field from the metadata (``--scrape-period`` for ``scrape_period_s``). Units: seconds
+    (``_s``), bytes (``_bytes``)."""
+
+    scrape_period_s: float = _knob(2.0, "--scrape-period", "seconds between scrapes of each pod's /metrics "
+                                   "(and, static mode, its /ready)")
+    hold_timeout_s: float = _knob(600.0, "--hold-timeout", "longest hold of a request while its service has no "
+                                  "Ready pod, for services without a startup timeout (static mode: all)")
+    queue_timeout_s: float = _knob(60.0, "--queue-timeout", "longest wait in the fleet queue (every pod at its "
+                                   "limits) before 429")
+    retry_after_s: float = _knob(1.0, "--retry-after", "Retry-After (seconds) of the router's 429 and 503")
+    max_body_bytes: int = _knob(8 << 20, "--max-body-bytes", "largest request body in bytes (413 beyond)")
+    connect_timeout_s: float = _knob(5.0, "--connect-timeout", "upstream connect timeout (retried on another "
+                                     "pod)")
+    max_connections: int = _knob(2000, "--max-connections", "upstream connection pool size (keep-alive)")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_big = APIError(413, f"the request body is larger than the router's limit of {limit} bytes "
+                            "(--max-body-bytes)")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise APIError(400, "the request body must be a JSON object (Content-Type: application/json); "
+                            "got an empty body")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        kind = {list: "array", str: "string"}.get(type(body), type(body).__name__)
+        raise APIError(400, f"the request body must be a JSON object; got a JSON {kind}")
+    return body
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "'model' is a required parameter", param="model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' must be a non-empty string", param="model")
+    return model
+
+
+def _unknown_model(model: str, fleet: Fleet) -> APIError:
+    known = ", ".join(repr(s.info.model) for s in fleet.services()) or "none"
+    return APIError(404, f"The model '{model}' does not exist (served here: {known})", param="model",
+                    code="model_not_found")
+
+
+def _priority(body: dict[str, Any]) -> int:
+    p = body.get("priority", 0)
+    return p if isinstance(p, int) and not isinstance(p, bool) else 0
+
+
+def _req_headers(request: Request) -> dict[str, str]:
+    h = {k: v for k in _FORWARD_REQ if (v := request.headers.get(k)) is not None}
+    h.setdefault("content-type", "application/json")
+    return h
+
+
+def _resp_headers(resp: httpx.Response, pod: Pod | None) -> dict[str, str]:
+    h = {k: v for k in _FORWARD_RESP if (v := resp.headers.get(k)) is not None}
+    if pod is not None:
+        h[POD_HEADER] = pod.name
+    return h
+
+
+def _sse_error(message: str) -> bytes:
+    return b"data: " + json.dumps(error_body(message, "internal_error", code="upstream_error")).encode() + b"\n\n"
+
+
+class _Passthrough(StreamingResponse):
+    """A StreamingResponse whose ``on_close`` always runs, shielded, however the stream ends
+    (finished, upstream error, client gone: Starlette cancels the sending task)."""
+
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+class Router:
+    """The router's state: the fleet, admission, the upstream client, metrics."""
+
+    def __init__(self, discovery: Discovery, settings: RouterSettings, fleet: Fleet | None = None,
+                 pick_cfg: PickConfig | None = None):
+        self.discovery, self.settings = discovery, settings
+        self.fleet = fleet or Fleet()
+        self.metrics = RouterMetrics()
+        self.pick_cfg = pick_cfg or PickConfig()
+        self.index = PrefixIndex(self.pick_cfg.index_capacity)
+        self.admission = Admission(self.fleet, self.metrics, self.index, self.pick_cfg,
+                                   hold_timeout_s=settings.hold_timeout_s,
+                                   queue_timeout_s=settings.queue_timeout_s,
+                                   retry_after_s=settings.retry_after_s)
+        self.client: httpx.AsyncClient | None = None
+        self.cards: dict[str, dict[str, Any]] = {}  # pod URL -> its /v1/models card
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        s = self.settings
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
+            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections,
+                                keepalive_expiry=60.0))
+        self._tasks = [asyncio.create_task(self._run_discovery(), name="discovery"),
+                       asyncio.create_task(scrape_forever(self.fleet, self.client, s.scrape_period_s,
+                                                          self.admission.dispatch), name="scrape")]
+
+    async def _run_discovery(self) -> None:
+        try:
+            await self.discovery.run(self.fleet)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("discovery failed")
+            raise
+        self.fleet.mark_synced()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _count(self, svc: Service, pod: Pod | None, outcome: str) -> None:
+        self.metrics.requests.labels(svc.key[0], svc.key[1], svc.info.model, pod.name if pod else "",
+                                     outcome).inc()
+
+    def _mark_draining(self, svc: Service, pod: Pod) -> None:
+        current = self.fleet.service(svc.key)
+        if current is not None and current.pods.get(pod.name) is pod and not pod.info.draining:
+            self.fleet.set_pod(svc.key[0], svc.key[1], replace(pod.info, draining=True))
+
+    async def _until_disconnect(self, request: Request) -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    async def _race_disconnect(self, request: Request, coro: Awaitable[Any]) -> Any:
+        """Run ``coro``; if the client goes away first, cancel it and raise ``_Disconnected``."""
+        work = asyncio.ensure_future(coro)
+        watch = asyncio.ensure_future(self._until_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with suppress(asyncio.CancelledError, Exception):
+            await work
+        raise _Disconnected()
+
+    # ------------------------------------------------------------------------- generate
+
+    async def generate(self, request: Request, path: str) -> Response:
+        t0 = time.perf_counter()
+        raw = await _read_body(request, self.settings.max_body_bytes)
+        body = _parse(raw)
+        model = _model(body)
+        svc = self.fleet.for_model(model)
+        if svc is None:
+            raise _unknown_model(model, self.fleet)
+        key = request_key(svc, path, body, self.pick_cfg)
+        state: dict[str, Any] = {}
+        try:
+            return await self._race_disconnect(
+                request, self._forward(request, svc, key, _priority(body), path, raw, t0, state))
+        except _Disconnected:
+            self._count(svc, state.get("pod"), "client_abort")
+            return Response(status_code=499)
+        except APIError as e:
+            self._count(svc, None, _OUTCOMES.get(e.code or "", "error"))
+            raise
+
+    async def _send(self, request: Request, pod: Pod, path: str, raw: bytes) -> httpx.Response:
+        assert self.client is not None
+        req = self.client.build_request("POST", pod.url + path, content=raw, headers=_req_headers(request))
+        return await self.client.send(req, stream=True)
+
+    async def _forward(self, request: Request, svc: Service, key, priority: int, path: str, raw: bytes,
+                       t0: float, state: dict[str, Any]) -> Response:
+        adm = self.admission
+        pod, _, waited = await adm.acquire(svc, key, priority)
+        state["pod"] = pod
+        labels = svc.key
+        tried = {pod.name}
+        resp: httpx.Response | None = None
+        try:
+            while True:
+                sent = time.perf_counter()
+                self.metrics.overhead.observe(max(0.0, sent - t0 - waited))
+                try:
+                    resp = await self._send(request, pod, path, raw)
+                    failure: str | None = None
+                    if resp.status_code == 503:
+                        await resp.aread()
+                        with suppress(ValueError, AttributeError):
+                            if resp.json()["error"]["code"] == "draining":
+                                failure = "draining"
+                                self._mark_draining(svc, pod)
+                except _RETRYABLE as e:
+                    failure = f"{type(e).__name__}: {e}"
+                if failure is None:
+                    break
+                # before the first byte: one other pod
+                other = adm.try_pick(svc, key, exclude=frozenset(tried)) if len(tried) == 1 else None
+                if other is None:
+                    if resp is not None:  # the pod's own 503 draining answer
+                        break
+                    raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed before answering "
+                                        f"({failure}) and no other pod could take the request")
+                log.info("retrying on %s: %s failed before its first byte (%s)", other[0].name, pod.name, failure)
+                if resp is not None:
+                    await resp.aclose()
+                    resp = None
+                adm.release(svc, pod)
+                pod = other[0]
+                state["pod"] = pod
+                tried.add(pod.name)
+            if resp.status_code < 400:
+                self.index.record(key, pod.name)
+            if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                content = await resp.aread()
+                self.metrics.upstream_ttft.labels(*labels).observe(time.perf_counter() - sent)
+                await resp.aclose()
+                self._count(svc, pod, "success" if resp.status_code < 400 else "error")
+                adm.release(svc, pod)
+                return Response(content, status_code=resp.status_code, headers=_resp_headers(resp, pod))
+        except BaseException:
+            if resp is not None:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+            adm.release(svc, pod)
+            raise
+        return self._stream(svc, pod, resp, sent)
+
+    def _stream(self, svc: Service, pod: Pod, resp: httpx.Response, sent: float) -> Response:
+        ended: dict[str, str] = {}
+
+        async def events():
+            tail = b""
+            first = True
+            try:
+                async for chunk in resp.aiter_raw():
+                    if first:
+                        self.metrics.upstream_ttft.labels(*svc.key).observe(time.perf_counter() - sent)
+                        first = False
+                    data = tail + chunk
+                    cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
+                    tail = data[cut:]
+                    if cut:
+                        yield data[:cut]
+            except httpx.HTTPError as e:
+                ended["outcome"] = "error"
+                log.warning("pod %s died mid-stream: %r", pod.name, e)
+                yield _sse_error(f"the pod {pod.name} serving this stream failed mid-stream "
+                                 f"({type(e).__name__}); the response is incomplete")
+                return
+            if tail.strip():
+                yield tail + b"\n\n"
+            ended["outcome"] = "success" if resp.status_code < 400 else "error"
+
+        async def close() -> None:
+            await resp.aclose()
+            self.admission.release(svc, pod)
+            self._count(svc, pod, ended.get("outcome", "client_abort"))
+
+        return _Passthrough(events(), on_close=close, status_code=resp.status_code,
+                            headers=_resp_headers(resp, pod), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------------- others
+
+    async def by_model(self, request: Request, path: str) -> Response:
+        """``/tokenize``, ``/detokenize``: any routable pod of the model's service (the least
+        loaded; one other on a connection error); 503 when none is Ready."""
+        raw = await _read_body(request, self.settings.max_body_bytes)
+        model = _model(_parse(raw))
+        svc = self.fleet.for_model(model)
+        if svc is None:
+            raise _unknown_model(model, self.fleet)
+        pods = sorted(svc.routable_pods(), key=lambda p: p.in_flight)
+        if not pods:
+            raise APIError(503, f"no Ready pod serves {model!r}; retry later", code="no_ready_pod",
+                           headers={"Retry-After": str(max(1, round(self.settings.retry_after_s)))})
+        for pod in pods[:2]:
+            try:
+                assert self.client is not None
+                r = await self.client.post(pod.url + path, content=raw, headers=_req_headers(request))
+            except _RETRYABLE:
+                continue
+            return Response(r.content, status_code=r.status_code, headers=_resp_headers(r, pod))
+        raise APIError(502, f"no pod of {model!r} answered")
+
+    async def card(self, svc: Service) -> dict[str, Any]:
+        """The model card: a routable pod's own (cached per pod), else one built from the fleet."""
+        fallback = {"id": svc.info.model, "object": "model", "created": 0, "owned_by": "goodput"}
+        for pod in svc.routable_pods():
+            if pod.url in self.cards:
+                return self.cards[pod.url]
+            try:
+                assert self.client is not None
+                r = await self.client.get(pod.url + "/v1/models", timeout=2.0)
+                for card in r.json().get("data", []):
+                    if card.get("id") == svc.info.model:
+                        self.cards[pod.url] = card
+                        return card
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+        return fallback
+
+
+def create_app(discovery: Discovery, settings: RouterSettings | None = None, fleet: Fleet | None = None,
+               pick_cfg: PickConfig | None = None) -> FastAPI:
+    """The router app; ``discovery`` fills ``fleet`` (new if None) once the app starts;
+    ``pick_cfg``: the picker's knobs (default ``PickConfig()``)."""
+    router = Router(discovery, settings or RouterSettings(), fleet, pick_cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="goodput router", lifespan=lifespan)
+    app.state.router = router
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.generate(request, "/v1/chat/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await router.by_model(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await router.by_model(request, "/detokenize")
+
+    @app.get("/v1/models")
+    async def models():
+        cards = await asyncio.gather(*(router.card(s) for s in router.fleet.services()))
+        return {"object": "list", "data": sorted(cards, key=lambda c: c["id"])}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        svc = router.fleet.for_model(model)
+        if svc is None:
+            raise _unknown_model(model, router.fleet)
+        return await router.card(svc)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not router.fleet.synced:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return {"status": "ready", "models": [s.info.model for s in router.fleet.services()]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

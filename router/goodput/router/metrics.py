@@ -1,0 +1,34 @@
+"""The router's Prometheus registry: the series of ``goodput.router.metric_names`` (the table in
+docs/router-autoscaler-contract.md, "Router metrics"), on a registry of its own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from goodput.router import metric_names as mn
+
+# Buckets (seconds): overhead is sub-millisecond to a few ms; waits and TTFT span ms to minutes.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    """One registry per router app (tests run several in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.held = Gauge(mn.HELD_REQUESTS, "Requests held: the service has no Ready pod (scale from zero).",
+                          mn.SERVICE_LABELS, registry=r)
+        self.queued = Gauge(mn.QUEUED_REQUESTS, "Requests in the router's fleet queue (every pod at its limits).",
+                            mn.SERVICE_LABELS, registry=r)
+        self.requests = Counter(mn.REQUESTS, "Requests by outcome (pod empty when none was chosen).",
+                                mn.REQUEST_LABELS, registry=r)
+        self.decisions = Counter(mn.DECISIONS, "Routing decisions by reason.", mn.DECISION_LABELS, registry=r)
+        self.queue_wait = Histogram(mn.QUEUE_WAIT, "Time in the fleet queue or hold.", mn.SERVICE_LABELS,
+                                    buckets=WAIT_BUCKETS, registry=r)
+        self.overhead = Histogram(mn.OVERHEAD, "Router-added latency before the upstream request is sent "
+                                  "(excluding queue and hold).", buckets=OVERHEAD_BUCKETS, registry=r)
+        self.upstream_ttft = Histogram(mn.UPSTREAM_TTFT, "First upstream byte after send.", mn.SERVICE_LABELS,
+                                       buckets=WAIT_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,63 @@
+"""Periodic scrape of each pod's ``/metrics`` (Prometheus text, parsed by prometheus_client):
+the worker's running / waiting requests, KV-cache usage and admission limits, written onto the
+fleet's :class:`~goodput.router.fleet.Pod` records (names: ``goodput.worker.metric_names``,
+standard library only)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+from goodput.worker import metric_names as wmn
+from prometheus_client.parser import text_string_to_metric_families
+
+from goodput.router.fleet import Fleet, Pod, Service
+
+log = logging.getLogger("goodput.router.scrape")
+
+_FIELDS = {wmn.REQUESTS_RUNNING: "running", wmn.REQUESTS_WAITING: "waiting",
+           wmn.KV_CACHE_USAGE_RATIO: "kv_usage", wmn.ADMISSION_MAX_NUM_SEQS: "max_num_seqs",
+           wmn.ADMISSION_MAX_WAITING: "max_waiting"}
+_INTS = {"running", "waiting", "max_num_seqs", "max_waiting"}
+
+
+def parse_pod_metrics(text: str) -> dict[str, float | int]:
+    """Prometheus text → {field: value} for the fields of ``Pod`` the scrape fills (``running``,
+    ``waiting``, ``kv_usage``, ``max_num_seqs``, ``max_waiting``); a series summed over its
+    samples; absent series are absent from the result. Raises ValueError on unparsable text."""
+    out: dict[str, float | int] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = _FIELDS.get(s.name)
+            if name is not None:
+                out[name] = out.get(name, 0) + s.value
+    return {k: (int(v) if k in _INTS else float(v)) for k, v in out.items()}
+
+
+async def scrape_pod(client: httpx.AsyncClient, pod: Pod) -> bool:
+    """Scrape one pod; True when its limits changed (a queued request may now fit)."""
+    try:
+        r = await client.get(pod.url + "/metrics")
+        if r.status_code != 200:
+            return False
+        values = parse_pod_metrics(r.text)
+    except (httpx.HTTPError, ValueError) as e:
+        log.debug("scrape %s: %r", pod.url, e)
+        return False
+    before = (pod.max_num_seqs, pod.max_waiting)
+    for k, v in values.items():
+        setattr(pod, k, v)
+    return (pod.max_num_seqs, pod.max_waiting) != before
+
+
+async def scrape_forever(fleet: Fleet, client: httpx.AsyncClient, period_s: float,
+                         on_limits: Callable[[Service], None]) -> None:
+    """Every ``period_s``: scrape every pod of every service at once; ``on_limits(service)`` for
+    each service with a pod whose limits changed."""
+    while True:
+        pods = [(svc, pod) for svc in fleet.services() for pod in svc.pods.values()]
+        changed = await asyncio.gather(*(scrape_pod(client, pod) for _, pod in pods))
+        for svc in {svc.key: svc for (svc, _), c in zip(pods, changed) if c}.values():
+            on_limits(svc)
+        await asyncio.sleep(period_s)

@@ -1,0 +1,164 @@
+"""Helpers for the router tests: an upstream worker stub whose behaviour the test steers, and a
+thread that serves any ASGI app with uvicorn on a free 127.0.0.1 port (real HTTP).
+
+The stub answers like the worker (OpenAI bodies, ``/ready``, ``/metrics`` with the admission
+limits, 503 ``draining``) and records what reached it. Its generate routes stream
+``chunks`` SSE events; the test steers them through ``StubState`` (thread-safe):
+
+- ``gate``: a ``threading.Semaphore`` each event after the first waits on (None: no wait), so a
+  test can read event 1 through the router before event 2 exists;
+- ``die_after``: raise after that many events (the connection drops mid-stream);
+- ``hold``: a ``threading.Event`` every request waits on before answering (keeps it in flight);
+- ``draining``: /ready 503 ``{"status": "draining"}`` and generate 503 code ``draining``;
+- ``max_num_seqs`` / ``max_waiting``: exported on /metrics when set.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class StubState:
+    model: str
+    name: str
+    chunks: int = 3
+    gate: threading.Semaphore | None = None
+    die_after: int | None = None
+    hold: threading.Event | None = None
+    draining: bool = False
+    max_num_seqs: int | None = None
+    max_waiting: int | None = None
+    bodies: list = field(default_factory=list)
+    paths: list = field(default_factory=list)
+    started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    aborted: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def received(self) -> int:
+        with self.lock:
+            return len(self.bodies)
+
+
+async def _wait(ev_or_sem) -> None:
+    """Wait on a threading primitive without blocking the loop (polls; no timing asserted)."""
+    acquire = ev_or_sem.acquire if isinstance(ev_or_sem, threading.Semaphore) else ev_or_sem.wait
+    while not acquire(timeout=0):
+        await asyncio.sleep(0.005)
+
+
+def make_stub(st: StubState) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/ready")
+    async def ready():
+        if st.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ready", "model": st.model}
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = [f'goodput_requests_running{{model_name="{st.model}"}} 0']
+        if st.max_num_seqs is not None:
+            lines.append(f'goodput_admission_max_num_seqs{{model_name="{st.model}"}} {st.max_num_seqs}')
+        if st.max_waiting is not None:
+            lines.append(f'goodput_admission_max_waiting{{model_name="{st.model}"}} {st.max_waiting}')
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": st.model, "object": "model", "created": 1,
+                                            "owned_by": "goodput", "max_model_len": 512}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: Request):
+        body = await req.json()
+        text = body.get("prompt", "")
+        return {"tokens": [ord(c) for c in text], "count": len(text), "max_model_len": 512, "pod": st.name}
+
+    async def generate(req: Request, chat: bool):
+        body = await req.json()
+        with st.lock:
+            st.bodies.append(body)
+            st.paths.append(req.url.path)
+        st.started.release()
+        if st.draining:
+            return JSONResponse({"error": {"message": "draining", "type": "service_unavailable",
+                                           "param": None, "code": "draining"}},
+                                status_code=503, headers={"Retry-After": "1"})
+        if st.hold is not None:
+            await _wait(st.hold)
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            text = "".join(f"{st.name}-{i} " for i in range(st.chunks))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                      if chat else {"index": 0, "text": text, "finish_reason": "stop"})
+            return {"id": "x", "object": obj, "created": 1, "model": st.model, "choices": [choice],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": st.chunks, "total_tokens": 1 + st.chunks}}
+
+        async def events():
+            try:
+                for i in range(st.chunks):
+                    if i and st.gate is not None:
+                        await _wait(st.gate)
+                    if st.die_after is not None and i == st.die_after:
+                        raise RuntimeError("stub dies mid-stream")
+                    piece = f"{st.name}-{i} "
+                    choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
+                              else {"index": 0, "text": piece, "finish_reason": None})
+                    yield "data: " + json.dumps({"id": "x", "object": obj + ("" if not chat else ".chunk"),
+                                                 "created": 1, "model": st.model, "choices": [choice]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                st.aborted.set()
+                raise
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        return await generate(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request):
+        return await generate(req, chat=True)
+
+    return app
+
+
+class ServerThread:
+    """Serve ``app`` with uvicorn on 127.0.0.1:``port`` (free if None) in a daemon thread."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
