@@ -110,12 +110,6 @@ def test_autoscaler_status_records_only_changes_and_caps_history():
                                "maxWaiting": 4, "message": "ScaleUpGoodput with numbers"}]
     same = loop.autoscaler_status(s, _decision(2, "ScaleUpGoodput"), current_replicas=2, now=NOW + 5)
     assert same["decisions"] == s["decisions"] and same["lastScaleTime"] == T(NOW)  # nothing new
-    assert not loop.changed(s, _decision(2, "ScaleUpGoodput"), 2)
-    assert not loop.changed(s, _decision(2, "Steady"), 2)  # a new reason alone: status only, no Event
-    assert loop.changed(s, _decision(3, "ScaleUpGoodput"), 2)  # replicas
-    assert loop.changed(s, _decision(2, "ScaleUpGoodput", {"p1": policy.Limits(6, 4)}), 2)  # limits
-    assert loop.changed(s, _decision(2, "HoldMissingMetrics", ok=False), 2)  # MetricsAvailable flips
-    assert loop.changed(None, _decision(2, "Steady"), 2)  # the first decision
     cur = s
     for i in range(30):
         cur = loop.autoscaler_status(cur, _decision(2 + i % 2, f"R{i}"), current_replicas=2, now=NOW + i)
@@ -137,7 +131,7 @@ def test_summarize_limits():
 class FakeKube:
     def __init__(self, obj, pods):
         self.obj, self.pods = obj, pods
-        self.scales, self.patches, self.events = [], [], []
+        self.scales, self.patches, self.events, self.annotations = [], [], [], []
 
     def list_isvcs(self, namespace):
         return [self.obj]
@@ -159,8 +153,11 @@ class FakeKube:
         for k, v in patch.items():
             status[k] = _apply_merge_patch(status.get(k), v)
 
-    def event(self, obj, etype, reason, message):
+    def event(self, obj, etype, reason, message, series_key=None):
         self.events.append((etype, reason, message))
+
+    def annotate_pod(self, namespace, name, annotations):
+        self.annotations.append((name, annotations))
 
 
 class TextSource:
@@ -230,7 +227,7 @@ def test_steady_writes_nothing_new_and_limits_change_is_put_with_the_token(rig):
     assert rig.calls[1][1].ready[0].interval_s == 5.0  # second scrape: a real interval
     asyncio.run(rig.scaler.tick())
     assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":5,"max_waiting":2}')]
-    assert rig.kube.events[-1][1] == "Steady" and "maxNumSeqs=5 maxWaiting=2" in rig.kube.events[-1][2]
+    assert rig.kube.events[-1][1] == "AdmissionLimits" and "maxNumSeqs=5 maxWaiting=2" in rig.kube.events[-1][2]
 
 
 def test_policy_state_resumes_from_status(rig):
@@ -285,3 +282,114 @@ def test_dry_run_decides_and_writes_nothing(rig):
     decisions = asyncio.run(rig.scaler.tick())
     assert decisions[("ns", "svc")].replicas == 3
     assert (rig.kube.scales, rig.kube.patches, rig.kube.events, rig.puts) == ([], [], [], [])
+
+
+# ------------------------------------------------------------------ engine bounds, Events, scale-in
+def test_spec_engine_limits_bound_the_pushed_limits(rig):
+    # crds/examples/local.yaml sets maxWaiting 8: the autoscaler tunes below it, never above
+    rig.kube.obj["spec"]["engine"] = {"maxNumSeqs": 4, "maxWaiting": 8}
+    rig.script.append(_decision(1, "Steady", {"p1": policy.Limits(64, 1024)}))
+    asyncio.run(rig.scaler.tick())
+    assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":4,"max_waiting":8}')]
+    adm = rig.kube.obj["status"]["admission"]
+    assert (adm["maxNumSeqs"], adm["maxWaiting"]) == (4, 8)
+
+
+class FakeEvents:
+    """The core/v1 Event resource as the API server behaves for these calls: create (409 on a
+    taken name), get, merge patch."""
+
+    def __init__(self):
+        self.items, self.n = {}, 0
+
+    def create(self, namespace, body):
+        from kubernetes.client.exceptions import ApiException
+        body = dict(body, metadata=dict(body["metadata"]))
+        if "name" not in body["metadata"]:
+            self.n += 1
+            body["metadata"]["name"] = body["metadata"].pop("generateName") + str(self.n)
+        if body["metadata"]["name"] in self.items:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.items[body["metadata"]["name"]] = body
+
+    def get(self, name, namespace):
+        item = self.items[name]
+        return type("R", (), {"to_dict": lambda self: item})()
+
+    def patch(self, name, namespace, body, content_type):
+        self.items[name].update(body)
+
+
+def test_limit_changes_are_one_event_series_and_the_first_scrape_warns_nothing(rig):
+    from goodput.operator import kube as kube_mod
+    events = FakeEvents()
+    recorder = kube_mod.EventRecorder(events, loop.COMPONENT, clock=lambda: NOW)
+    rig.kube.event = lambda obj, etype, reason, message, series_key=None: recorder.record(
+        {"apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService", "metadata": obj["metadata"]},
+        etype, reason, message, series_key)
+    # a new service: the first pass has no rates yet (MetricsAvailable False, nothing unreachable)
+    first = _decision(1, "HoldMissingMetrics", ok=False)
+    # then max_waiting follows the load: 11 changes (the reported churn: 11 Events in 75 s)
+    rig.script += [first] + [_decision(1, "Steady", {"p1": policy.Limits(8, 4 + i)}) for i in range(1, 12)]
+    for _ in range(12):
+        asyncio.run(rig.scaler.tick())
+    assert [e["type"] for e in events.items.values()].count("Warning") == 0
+    limits = [e for e in events.items.values() if e["reason"] == "AdmissionLimits"]
+    assert len(limits) == 1 and limits[0]["count"] == 11
+    assert limits[0]["message"] == "limits maxNumSeqs=8 maxWaiting=15"
+    # MetricsAvailable False -> True after the first scrape is not news either (no Event at all)
+    assert len(events.items) == 1
+
+
+def test_a_restarted_recorder_continues_the_series():
+    from goodput.operator import kube as kube_mod
+    events = FakeEvents()
+    obj = {"apiVersion": "v1", "kind": "X", "metadata": {"name": "svc", "namespace": "ns", "uid": "u"}}
+    kube_mod.EventRecorder(events, "c", clock=lambda: NOW).record(obj, "Normal", "R", "one", "k")
+    kube_mod.EventRecorder(events, "c", clock=lambda: NOW + 60).record(obj, "Normal", "R", "two", "k")
+    [e] = events.items.values()
+    assert (e["count"], e["message"], e["firstTimestamp"], e["lastTimestamp"]) == (
+        2, "two", T(NOW), T(NOW + 60))
+
+
+def test_scale_in_annotates_and_drains_the_pod_before_lowering_replicas(rig):
+    order = []
+    rig.kube.pods = [_pod("p1", ip="10.244.0.7"), _pod("p2", ip="10.244.0.8")]
+    rig.kube.obj["spec"]["replicas"] = 2
+    rig.kube.annotate_pod = lambda ns, name, ann: order.append(("annotate", name, ann))
+    scale = rig.kube.scale
+    rig.kube.scale = lambda ns, name, n: (order.append(("scale", n)), scale(ns, name, n))
+
+    def handler(request: httpx.Request):
+        order.append((request.method, request.url.host, request.url.path, request.headers["authorization"]))
+        return httpx.Response(200, json={})
+    rig.scaler.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    # p1 and p2 serve the same text (one registry): the tie goes by name
+    rig.script.append(_decision(1, "ScaleDown", {"p1": policy.Limits(8, 4), "p2": policy.Limits(8, 4)}))
+    asyncio.run(rig.scaler.tick())
+    assert order == [
+        ("annotate", "p1", {"serving.goodput.dev/draining": "true",
+                            "controller.kubernetes.io/pod-deletion-cost": "-1000"}),
+        ("POST", "10.244.0.7", "/admin/drain", "Bearer tok"),
+        ("scale", 1)]
+
+
+def test_refused_scale_in_undoes_the_drain(rig):
+    order = []
+    rig.kube.pods = [_pod("p1", ip="10.244.0.7"), _pod("p2", ip="10.244.0.8")]
+    rig.kube.obj["spec"]["replicas"] = 2
+    rig.kube.annotate_pod = lambda ns, name, ann: order.append(("annotate", name, tuple(ann.values())))
+
+    def refuse(*a):
+        raise RuntimeError("403 forbidden")
+    rig.kube.scale = refuse
+
+    def handler(request: httpx.Request):
+        order.append((request.method, request.url.path))
+        return httpx.Response(200, json={})
+    rig.scaler.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    rig.script.append(_decision(1, "ScaleDown", {"p1": policy.Limits(8, 4), "p2": policy.Limits(8, 4)}))
+    asyncio.run(rig.scaler.tick())
+    assert order == [("annotate", "p1", ("true", "-1000")), ("POST", "/admin/drain"),
+                     ("annotate", "p1", (None, None)), ("DELETE", "/admin/drain")]
+    assert rig.kube.events[-1][:2] == ("Warning", "FailedUpdateScale")

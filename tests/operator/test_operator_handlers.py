@@ -93,7 +93,7 @@ def test_pod_events_reconcile_the_owner_only_when_its_reported_failure_changes(m
 
     calls = []
     monkeypatch.setattr(handlers, "reconcile", lambda ns, name, logger=None, **kw: calls.append((ns, name)))
-    monkeypatch.setattr(handlers, "_pod_failures", {})
+    monkeypatch.setattr(handlers, "state", handlers.OperatorState())
     log = logging.getLogger("t")
 
     def event(pod, etype="MODIFIED"):

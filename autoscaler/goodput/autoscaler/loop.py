@@ -1,35 +1,35 @@
 """The autoscaler's control loop: all of its I/O (Kubernetes API, worker HTTP, Prometheus).
 
-Every ``period`` seconds, for each InferenceService with ``spec.autoscaling.enabled``:
+Every ``period`` seconds, while this instance holds the leader Lease (``lease``), for each
+InferenceService with ``spec.autoscaling.enabled``, :meth:`Autoscaler.reconcile` runs four steps:
 
-1. list its worker pods (label selector of ``goodput.operator.resources``): *ready* ones (Ready
-   condition True, a pod IP, not terminating) and *starting* ones (created, not ready, not
-   terminating) with their age; terminating pods (draining) count as neither;
-2. scrape every ready pod's ``/metrics`` concurrently, each bounded by ``scrape_timeout`` (or ask
-   Prometheus, ``--prometheus-url``); a pod whose scrape fails is *unreachable*;
-3. turn the scrapes into ``policy.PodObservation`` deltas (``observe``) and call ``policy.decide``
-   with the ``PolicyState`` stored in ``status.autoscaler.policyState`` (a restarted autoscaler
-   resumes its windows instead of starting over, so it does not flap);
-4. write replicas through the InferenceService's **scale subresource** (the operator copies them
-   to the Deployment), ``PUT /admin/limits`` on each ready pod whose limits differ from the
-   decision (idempotent; bearer token from the ``<name>-admin`` Secret);
-5. write ``status.autoscaler`` (decisions with reasons, conditions MetricsAvailable /
-   ScalingActive / AbleToScale, desired replicas, policy state) and ``status.admission`` by a
-   JSON merge patch of only what changed — the operator writes other status keys and never
-   these — and post an Event when the replicas or limits change or a condition flips;
-6. export its own metrics (``metric_names``) for dashboards and for KEDA/HPA users.
+1. **observe** (I/O): list its worker pods (label selector of ``goodput.operator.resources``):
+   *ready* ones (Ready condition True, a pod IP, not terminating, not draining) and *starting* ones
+   (created, not ready, not terminating) with their age; scrape every ready pod's ``/metrics``
+   concurrently, each bounded by ``scrape_timeout`` (or ask Prometheus, ``--prometheus-url``); a pod
+   whose scrape fails is *unreachable*; turn the scrapes into ``policy.PodObservation`` deltas
+   (``observe``); read the ``PolicyState`` stored in ``status.autoscaler.policyState`` (a restarted
+   autoscaler, or a standby that took the Lease over, resumes its windows instead of starting over);
+2. **decide** (pure): ``policy.decide``;
+3. **plan** (pure, :func:`make_plan`): the scale target, the pods to drain first on a scale-in
+   (:func:`pick_drain`), the ``PUT /admin/limits`` pushes (the decided limits bounded by the spec's
+   ``engine.maxNumSeqs`` / ``engine.maxWaiting``: :func:`engine_bounds`), the JSON merge patch of
+   ``status.autoscaler`` and ``status.admission`` (only what changed; the operator never writes these
+   keys), and the Events (:func:`plan_events`);
+4. **apply** (I/O, skipped by ``--dry-run``): drain (annotate the pod, ``POST /admin/drain``), write
+   replicas through the InferenceService's **scale subresource** (the operator copies them to the
+   Deployment), push limits (bearer token from the ``<name>-admin`` Secret), patch status, post
+   Events. A refused scale write is planned again with the error (AbleToScale False,
+   FailedUpdateScale) and the drains are undone.
 
-Pure helpers (pod classification, condition bookkeeping, the merge-patch diff) are module
-functions with unit tests; the I/O sits in :class:`Kube`, :class:`DirectScraper`,
-:class:`PrometheusSource` and :class:`Autoscaler`.
+Its own metrics (``metric_names``) are exported for dashboards and for KEDA/HPA users.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import datetime
+import dataclasses
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,25 +40,23 @@ import pydantic
 
 from goodput.autoscaler import observe, policy
 from goodput.autoscaler.metrics import AutoscalerMetrics
-from goodput.operator import api, resources
+from goodput.operator import api, kube, resources
+from goodput.worker import admin_api
 
 log = logging.getLogger("goodput.autoscaler")
 
 COMPONENT = "goodput-autoscaler"
 CONDITION_TYPES = ("MetricsAvailable", "ScalingActive", "AbleToScale")
+DRAINING_ANNOTATION = f"{api.GROUP}/draining"
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+DRAIN_DELETION_COST = "-1000"
+# status.autoscaler MetricsAvailable reason while no pod has a rate yet but none failed its scrape
+AWAITING_RATES = "AwaitingRates"
+rfc3339 = kube.rfc3339
+parse_time = kube.parse_time
 
 
 # --------------------------------------------------------------------------------------- pure helpers
-def rfc3339(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(s: str | None) -> float | None:
-    if not s:
-        return None
-    return datetime.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
-
-
 @dataclass(frozen=True)
 class ReadyPod:
     name: str
@@ -79,20 +77,25 @@ def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
     return port, path if path.startswith("/") else "/" + path
 
 
+def draining(pod: Mapping[str, Any]) -> bool:
+    """Whether a pod carries ``serving.goodput.dev/draining: "true"`` (set before a scale-in)."""
+    return ((pod.get("metadata") or {}).get("annotations") or {}).get(DRAINING_ANNOTATION) == "true"
+
+
 def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[ReadyPod], list[policy.StartingPod]]:
     """Split worker pods (camelCase dicts as the API returns them) into ready and starting.
 
     Ready: Ready condition True and a pod IP; its metrics endpoint from the ``prometheus.io/port``
     and ``prometheus.io/path`` annotations the operator sets (default 8000, /metrics). Starting: everything else that is alive (Pending, or
     Running but not ready — the model is loading); age from creationTimestamp. Terminating pods
-    (deletionTimestamp set: draining) and finished ones (Succeeded/Failed) are neither: they are
-    capacity that is going away. Ages in seconds, never negative. Sorted by name.
+    (deletionTimestamp set), draining ones (annotation ``serving.goodput.dev/draining: "true"``) and
+    finished ones (Succeeded/Failed) are neither: they are capacity that is going away. Ages in seconds, never negative. Sorted by name.
     """
     ready: list[ReadyPod] = []
     starting: list[policy.StartingPod] = []
     for p in pods:
         meta, st = p.get("metadata") or {}, p.get("status") or {}
-        if meta.get("deletionTimestamp") or st.get("phase") in ("Succeeded", "Failed"):
+        if meta.get("deletionTimestamp") or st.get("phase") in ("Succeeded", "Failed") or draining(p):
             continue
         cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
         if cond and cond.get("status") == "True" and st.get("podIP"):
@@ -200,21 +203,220 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
     return out
 
 
-def changed(previous: Mapping[str, Any] | None, decision: policy.Decision, current_replicas: int) -> bool:
-    """Whether this decision is news worth an Event: the replicas change, the (summarized) limits
-    differ from the last recorded decision, or a condition flips status. A new reason alone (e.g.
-    Steady <-> HoldStabilizing) is recorded in status.autoscaler.decisions only: no Event spam."""
-    if decision.replicas != current_replicas:
-        return True
-    prev = previous or {}
-    last = (prev.get("decisions") or [{}])[-1]
-    if (last.get("maxNumSeqs"), last.get("maxWaiting")) != summarize_limits(decision.limits):
-        return True
-    before = {c.get("type"): c.get("status") for c in prev.get("conditions") or []}
-    return any(before.get(t) != ("True" if ok else "False") for t, (ok, _, _) in decision.conditions.items())
+def engine_bounds(spec: api.InferenceServiceSpec) -> policy.Limits | None:
+    """The upper bounds of the limits the autoscaler may set: ``spec.engine.maxNumSeqs`` and
+    ``spec.engine.maxWaiting`` (what the user wrote is the most a replica admits; the autoscaler
+    tunes below it). None when neither is set; an unset one is unbounded (a very large int)."""
+    seqs, waiting = spec.engine.max_num_seqs, spec.engine.max_waiting
+    if seqs is None and waiting is None:
+        return None
+    unbounded = 2**31 - 1
+    return policy.Limits(max_num_seqs=seqs if seqs is not None else unbounded,
+                         max_waiting=waiting if waiting is not None else unbounded)
+
+
+def bound_limits(limits: Mapping[str, policy.Limits], bound: policy.Limits | None) -> dict[str, policy.Limits]:
+    """Each pod's limits capped by ``bound`` (field by field; None = unchanged)."""
+    if bound is None:
+        return dict(limits)
+    return {pod: policy.Limits(min(v.max_num_seqs, bound.max_num_seqs), min(v.max_waiting, bound.max_waiting))
+            for pod, v in limits.items()}
+
+
+@dataclass(frozen=True)
+class DrainCandidate:
+    """A ready pod as the scale-in sees it: ``in_flight`` = running + waiting now (None when its
+    scrape failed: assumed busy), ``prefix_hits`` = prefix-cache hit tokens over the last interval."""
+
+    name: str
+    in_flight: int | None
+    prefix_hits: float = 0.0
+
+
+def pick_drain(candidates: Sequence[DrainCandidate], k: int) -> list[str]:
+    """The ``k`` pods to remove on a scale-in (docs/router-autoscaler-contract.md, "Scale-in"): the
+    least in-flight work first, ties broken by the least prefix-cache hits (the pod whose cache is
+    worth least), then by name; unscraped pods last. Returns names, at most ``len(candidates)``."""
+    order = sorted(candidates, key=lambda c: (c.in_flight is None, c.in_flight or 0, c.prefix_hits, c.name))
+    return [c.name for c in order[:max(0, k)]]
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One Event to post: ``series_key`` None = a new Event; else occurrences with the same
+    (type, reason, series_key) are one Event whose count grows (``kube.EventRecorder``)."""
+
+    type: str
+    reason: str
+    message: str
+    series_key: str | None = None
+
+
+def plan_events(prev_as: Mapping[str, Any], decision: policy.Decision, current_replicas: int,
+                limits: Mapping[str, policy.Limits], unreachable: Sequence[str],
+                scale_error: str | None = None) -> list[EventSpec]:
+    """The Events of one decision: few, and only news.
+
+    - replicas change: one Normal Event (reason = the decision's), or a Warning
+      ``FailedUpdateScale`` when the scale write was refused;
+    - a condition flips status (against the stored conditions): one Event per condition,
+      aggregated by (condition, status) into a series. Warning only for ``MetricsAvailable`` False
+      because ready pods could not be scraped (also on the first decision, where nothing else
+      posts); never for a first scrape (no rates yet: a new pod, a restart, a new leader), which
+      posts nothing;
+    - the (summarized) limits change: a Normal ``AdmissionLimits`` Event in one series per object,
+      so ``maxWaiting`` moving with the load is one Event with a count, not one per change.
+    """
+    out: list[EventSpec] = []
+    msg = decision.message
+    if scale_error is not None:
+        out.append(EventSpec("Warning", "FailedUpdateScale",
+                             f"replicas {current_replicas} -> {decision.replicas}: {scale_error}", "FailedUpdateScale"))
+    elif decision.replicas != current_replicas:
+        out.append(EventSpec("Normal", decision.reason, f"replicas {current_replicas} -> {decision.replicas}: {msg}"))
+    before = {c.get("type"): c for c in prev_as.get("conditions") or []}
+    for ctype, (ok, reason, cmsg) in decision.conditions.items():
+        status = "True" if ok else "False"
+        warn = ctype == "MetricsAvailable" and not ok and bool(unreachable)
+        was = before.get(ctype) or {}
+        if was.get("status", "True" if warn else status) == status:
+            continue  # unchanged; or the first decision, where only a pod that cannot be scraped is news
+        if ctype == "AbleToScale" and scale_error is not None:
+            continue  # the FailedUpdateScale Warning above says it
+        if ctype == "MetricsAvailable" and AWAITING_RATES in (reason, was.get("reason")):
+            continue  # no rates yet (first scrape: a new pod, a restart, a new leader), or their arrival
+        etype = "Warning" if warn else "Normal"
+        out.append(EventSpec(etype, reason, f"{ctype} {status}: {cmsg}", f"{ctype}={status}"))
+    last = (prev_as.get("decisions") or [{}])[-1]
+    seqs, waiting = summarize_limits(limits)
+    if seqs is not None and last and (last.get("maxNumSeqs"), last.get("maxWaiting")) != (seqs, waiting):
+        out.append(EventSpec("Normal", "AdmissionLimits", f"limits maxNumSeqs={seqs} maxWaiting={waiting}",
+                             "AdmissionLimits"))
+    return out
+
+
+@dataclass(frozen=True)
+class LimitPush:
+    """``PUT /admin/limits`` on one pod."""
+
+    pod: ReadyPod
+    limits: policy.Limits
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What :meth:`Autoscaler.observe` found for one InferenceService (input of :func:`make_plan`).
+
+    ready, starting: the pods (``classify_pods``); draining: (name, pod IP or None) of the pods that
+    carry the draining annotation and are not terminating;
+    samples: ready pod name -> its sample now (or the exception of its scrape); observation: what
+    ``policy.decide`` reads; prefix_hits: ready pod name -> prefix-cache hit tokens over the last
+    interval (for :func:`pick_drain`).
+    """
+
+    ready: tuple[ReadyPod, ...]
+    starting: tuple[policy.StartingPod, ...]
+    draining: tuple[tuple[str, str | None], ...]
+    samples: Mapping[str, Any]
+    observation: policy.Observation
+    prefix_hits: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything :meth:`Autoscaler.apply` writes for one decision, in that order.
+
+    drain: ready pods to annotate and drain before the replicas go down; undrain: draining pods
+    that no scale-in will remove (replicas went back up): annotation removed, ``DELETE
+    /admin/drain``; scale_to: the new ``spec.replicas`` (None = unchanged); pushes: limits to PUT;
+    status_patch: the JSON merge patch of ``status`` ({} = no write); events; limits: the limits in
+    force after apply (the decision's, bounded by the spec), by pod.
+    """
+
+    scale_to: int | None
+    drain: tuple[ReadyPod, ...]
+    undrain: tuple[tuple[str, str | None], ...]
+    pushes: tuple[LimitPush, ...]
+    status_patch: dict[str, Any]
+    events: tuple[EventSpec, ...]
+    limits: dict[str, policy.Limits]
+
+
+def make_plan(status: Mapping[str, Any], spec: api.InferenceServiceSpec, seen: Observed,
+              decision: policy.Decision, now: float, scale_error: str | None = None) -> Plan:
+    """The writes that carry out ``decision`` (pure). ``status``: the object's status now;
+    ``scale_error``: the scale write was refused (re-plan after apply's failed attempt): replicas
+    stay, AbleToScale False (FailedUpdateScale), no drain."""
+    current = spec.replicas
+    limits = bound_limits(decision.limits, engine_bounds(spec))
+    pushes = []
+    for p in seen.ready:
+        want, s = limits.get(p.name), seen.samples.get(p.name)
+        if want is None:
+            continue
+        if isinstance(s, observe.PodSample) and (int(s.max_num_seqs), int(s.max_waiting)) == (
+                want.max_num_seqs, want.max_waiting):
+            continue
+        pushes.append(LimitPush(p, want))
+    conditions = dict(decision.conditions)
+    ok, _, msg = conditions.get("MetricsAvailable", (True, "", ""))
+    if not ok and not seen.observation.unreachable:  # nothing failed: rates need a second scrape
+        conditions["MetricsAvailable"] = (False, AWAITING_RATES, msg)
+    if scale_error is not None:
+        conditions["AbleToScale"] = (False, "FailedUpdateScale",
+                                     f"the scale subresource refused replicas={decision.replicas}: {scale_error}")
+    shown = dataclasses.replace(decision, conditions=conditions, limits=limits)
+    scale_to = decision.replicas if decision.replicas != current and scale_error is None else None
+    drain: tuple[ReadyPod, ...] = ()
+    undrain: tuple[tuple[str, str | None], ...] = ()
+    if scale_to is not None and scale_to < current:
+        by_name = {p.name: p for p in seen.ready}
+        cands = [DrainCandidate(p.name, (int(s.running + s.waiting) if isinstance(s := seen.samples.get(p.name),
+                                                                                   observe.PodSample) else None),
+                                seen.prefix_hits.get(p.name, 0.0)) for p in seen.ready]
+        drain = tuple(by_name[n] for n in pick_drain(cands, len(seen.ready) - scale_to))
+    elif seen.draining and len(seen.ready) + len(seen.starting) + len(seen.draining) <= (scale_to or current):
+        undrain = tuple(seen.draining)   # the replicas went back up: these pods stay, serve again
+
+    prev_as = status.get("autoscaler") or {}
+    # a refused scale is no scale: lastScaleTime stays (current_replicas = the decided ones)
+    new_as = autoscaler_status(prev_as, shown, current if scale_error is None else decision.replicas, now)
+    patch: dict[str, Any] = {}
+    as_patch = merge_diff(prev_as, new_as)
+    if as_patch and set(as_patch) - {"lastDecisionTime"}:  # the time alone is not worth a write
+        patch["autoscaler"] = as_patch
+    old_adm = status.get("admission") or {}
+    seqs, waiting = summarize_limits(limits)
+    adm: dict[str, Any] = {}
+    if seqs is not None and (old_adm.get("maxNumSeqs"), old_adm.get("maxWaiting")) != (seqs, waiting):
+        adm.update(maxNumSeqs=seqs, maxWaiting=waiting)
+    router_max = getattr(decision, "router_max_queued", None)
+    if router_max is not None and old_adm.get("routerMaxQueued") != router_max:
+        adm["routerMaxQueued"] = router_max
+    if adm:
+        patch["admission"] = {**adm, "updatedAt": rfc3339(now)}
+    events = plan_events(prev_as, shown, current, limits, seen.observation.unreachable, scale_error)
+    return Plan(scale_to=scale_to, drain=drain, undrain=undrain, pushes=tuple(pushes), status_patch=patch,
+                events=tuple(events), limits=limits)
 
 
 # ----------------------------------------------------------------------------------------- metrics I/O
+RETRIED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+async def get_once_more(client: httpx.AsyncClient, url: str, **kw: Any) -> httpx.Response:
+    """``GET url``, sent again once when the connection broke before any response: the server
+    closed a pooled keep-alive connection just as it was reused (``RemoteProtocolError: Server
+    disconnected without sending a response``, or a reset). A GET is idempotent, and the retry
+    opens a fresh connection, which no keep-alive timeout can close under it. Other errors
+    (connect refused, timeouts, HTTP statuses) are not retried: they say something about the pod."""
+    try:
+        return await client.get(url, **kw)
+    except RETRIED as e:
+        log.debug("GET %s: %r on a pooled connection; once more on a new one", url, e)
+        return await client.get(url, **kw)
+
+
 class MetricsSource(Protocol):
     async def samples(self, namespace: str, pods: Sequence[ReadyPod]) -> dict[str, observe.PodSample | Exception]:
         """pod name -> its cumulative sample now, or the exception that made it unavailable."""
@@ -222,13 +424,14 @@ class MetricsSource(Protocol):
 
 class DirectScraper:
     """GET http://<podIP>:<prometheus.io/port><prometheus.io/path> on every ready pod at once, each
-    bounded by ``timeout_s``."""
+    bounded by ``timeout_s`` (:func:`get_once_more`)."""
 
     def __init__(self, client: httpx.AsyncClient, timeout_s: float, clock=time.monotonic):
         self.client, self.timeout_s, self.clock = client, timeout_s, clock
 
     async def _one(self, pod: ReadyPod) -> observe.PodSample:
-        r = await self.client.get(f"http://{pod.ip}:{pod.metrics_port}{pod.metrics_path}", timeout=self.timeout_s)
+        r = await get_once_more(self.client, f"http://{pod.ip}:{pod.metrics_port}{pod.metrics_path}",
+                                timeout=self.timeout_s)
         if r.status_code != 200:
             raise observe.MetricsParseError(f"GET /metrics answered {r.status_code}")
         return observe.parse_sample(r.text, self.clock())
@@ -236,7 +439,7 @@ class DirectScraper:
     async def samples(self, namespace: str, pods: Sequence[ReadyPod]) -> dict[str, observe.PodSample | Exception]:
         async def guarded(p: ReadyPod):
             try:
-                return await asyncio.wait_for(self._one(p), self.timeout_s + 0.5)
+                return await asyncio.wait_for(self._one(p), 2 * self.timeout_s + 0.5)
             except (httpx.HTTPError, observe.MetricsParseError, asyncio.TimeoutError, OSError) as e:
                 return e
         results = await asyncio.gather(*(guarded(p) for p in pods))
@@ -248,22 +451,19 @@ class Kube:
     """The few Kubernetes calls the autoscaler makes (synchronous; run in threads by the loop).
 
     RBAC it needs (e2e/autoscaler-rbac.yaml): inferenceservices get/list/watch, inferenceservices/
-    status patch, inferenceservices/scale get/patch, pods list, secrets get, events create.
+    status patch, inferenceservices/scale get/patch, pods list/patch, secrets get, events
+    create/get/patch, leases get/create/update.
     """
 
-    def __init__(self) -> None:
-        import kubernetes
+    def __init__(self, api_client: Any | None = None) -> None:
         from kubernetes.dynamic import DynamicClient
 
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        self.dyn = DynamicClient(kubernetes.client.ApiClient())
+        self.api_client = api_client or kube.load_config()
+        self.dyn = DynamicClient(self.api_client)
         self.isvc = self.dyn.resources.get(api_version=api.API_VERSION, kind=api.KIND)
         self.pods = self.dyn.resources.get(api_version="v1", kind="Pod")
         self.secrets = self.dyn.resources.get(api_version="v1", kind="Secret")
-        self.events = self.dyn.resources.get(api_version="v1", kind="Event")
+        self.recorder = kube.EventRecorder(self.dyn.resources.get(api_version="v1", kind="Event"), COMPONENT)
 
     def list_isvcs(self, namespace: str | None) -> list[dict[str, Any]]:
         return self.isvc.get(namespace=namespace).to_dict().get("items") or []
@@ -279,7 +479,7 @@ class Kube:
             if e.status == 404:
                 return None
             raise
-        raw = (s.get("data") or {}).get(resources.ADMIN_TOKEN_KEY)
+        raw = (s.get("data") or {}).get(admin_api.ADMIN_TOKEN_KEY)
         return base64.b64decode(raw).decode() if raw else None
 
     def scale(self, namespace: str, name: str, replicas: int) -> None:
@@ -290,23 +490,20 @@ class Kube:
         self.isvc.status.patch(body={"status": patch}, name=name, namespace=namespace,
                                content_type="application/merge-patch+json")
 
-    def event(self, obj: Mapping[str, Any], etype: str, reason: str, message: str) -> None:
-        meta = obj["metadata"]
-        ts = rfc3339(time.time())
-        self.events.create(namespace=meta["namespace"], body={
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
-                               "namespace": meta["namespace"], "uid": meta["uid"]},
-            "type": etype, "reason": reason, "message": message[:1024],
-            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
-            "reportingInstance": os.uname().nodename,
-            "firstTimestamp": ts, "lastTimestamp": ts, "count": 1})
+    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        """Merge ``annotations`` into the pod's (None removes one)."""
+        self.pods.patch(body={"metadata": {"annotations": annotations}}, name=name, namespace=namespace,
+                        content_type="application/merge-patch+json")
+
+    def event(self, obj: Mapping[str, Any], etype: str, reason: str, message: str,
+              series_key: str | None = None) -> None:
+        self.recorder.record({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": obj["metadata"]},
+                             etype, reason, message, series_key)
 
 
 # ------------------------------------------------------------------------------------------- the loop
 class Autoscaler:
-    """One reconcile pass per ``tick()``; ``run()`` ticks every ``period_s`` until stopped.
+    """One reconcile pass per ``tick()``; ``run()`` ticks every ``period_s`` while it leads.
 
     ``kube``: a :class:`Kube` (or anything with its methods); ``source``: where samples come from.
     Per pod (by uid) it keeps the previous sample, so deltas span the time between two good scrapes.
@@ -316,22 +513,31 @@ class Autoscaler:
                  namespace: str | None = None, period_s: float = 5.0, metrics: AutoscalerMetrics | None = None,
                  wall_clock=time.time, dry_run: bool = False):
         self.kube, self.source, self.http = kube, source, http
-        self.dry_run = dry_run  # decide and report (log, own metrics), write nothing anywhere
+        self.dry_run = dry_run  # observe, decide and plan; apply nothing
         self.namespace, self.period_s = namespace, period_s
         self.metrics = metrics
         self.wall_clock = wall_clock
         self._prev: dict[tuple[str, str], dict[str, observe.PodSample]] = {}  # (ns, name) -> uid -> sample
         self._tokens: dict[tuple[str, str], str] = {}
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, leading: Any = None) -> None:
+        """Tick every ``period_s`` until ``stop`` is set; with ``leading`` (a callable -> bool, e.g.
+        ``lease.LeaderElector.is_leader``) only while it returns True. A pass that starts leading
+        forgets the previous samples (they may be a whole leadership old)."""
+        was_leading = False
         while not stop.is_set():
             t0 = time.monotonic()
-            try:
-                await self.tick()
-            except Exception:  # noqa: BLE001 - an API outage must not end the loop
-                log.exception("reconcile pass failed")
-            if self.metrics:
-                self.metrics.loop_duration.observe(time.monotonic() - t0)
+            lead = leading is None or leading()
+            if lead and not was_leading:
+                self._prev.clear()
+            was_leading = lead
+            if lead:
+                try:
+                    await self.tick()
+                except Exception:  # noqa: BLE001 - an API outage must not end the loop
+                    log.exception("reconcile pass failed")
+                if self.metrics:
+                    self.metrics.loop_duration.observe(time.monotonic() - t0)
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, self.period_s - (time.monotonic() - t0)))
             except asyncio.TimeoutError:
@@ -353,25 +559,65 @@ class Autoscaler:
         return out
 
     async def reconcile(self, obj: Mapping[str, Any]) -> policy.Decision | None:
-        meta = obj["metadata"]
-        ns, name = meta["namespace"], meta["name"]
+        """observe -> decide -> plan -> apply (apply skipped by ``dry_run``); the decision, or None
+        when the spec is not one to autoscale (invalid, or settings the policy refuses)."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        inputs = self._inputs(obj)
+        if inputs is None:
+            return None
+        spec, pspec, state = inputs
+        now = self.wall_clock()
+        seen = await self.observe(ns, name, spec, now)
+        decision = policy.decide(now, seen.observation, pspec, state)
+        plan = make_plan(obj.get("status") or {}, spec, seen, decision, now)
+        if self.dry_run:
+            log.info("%s/%s (dry run): %s", ns, name, plan)
+        else:
+            plan = await self.apply(obj, spec, seen, decision, plan, now)
+        if self.metrics:
+            applied = plan.scale_to if plan.scale_to is not None else spec.replicas
+            self.metrics.record(ns, name, dataclasses.replace(decision, limits=plan.limits),
+                                decision.replicas if self.dry_run else applied, len(seen.ready), len(seen.starting))
+        return dataclasses.replace(decision, limits=plan.limits)
+
+    def _inputs(self, obj: Mapping[str, Any]) -> tuple[api.InferenceServiceSpec, policy.PolicySpec,
+                                                       policy.PolicyState | None] | None:
+        """The validated spec, the PolicySpec and the stored PolicyState; None (logged) when the
+        object is not one to autoscale."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         try:
             spec = api.InferenceServiceSpec.model_validate(obj.get("spec") or {})
+            pspec = policy.PolicySpec.from_crd(spec.model_dump(by_alias=True))
         except pydantic.ValidationError as e:
             log.warning("%s/%s: spec does not validate, not autoscaling it: %s", ns, name, e.errors()[:1])
             return None
-        now = self.wall_clock()
+        except ValueError as e:  # e.g. minReplicas > maxReplicas: the operator reports it as Degraded
+            log.warning("%s/%s: autoscaling settings refused, not autoscaling it: %s", ns, name, e)
+            return None
+        stored = ((obj.get("status") or {}).get("autoscaler") or {}).get("policyState")
+        state = None
+        if stored:
+            try:
+                state = policy.PolicyState.from_dict(stored)
+            except (TypeError, ValueError, KeyError) as e:
+                log.warning("%s/%s: stored policy state unreadable (%r); starting fresh", ns, name, e)
+        return spec, pspec, state
+
+    async def observe(self, ns: str, name: str, spec: api.InferenceServiceSpec, now: float) -> Observed:
+        """List the pods, scrape the ready ones, turn the scrapes into deltas (I/O)."""
         pods = await asyncio.to_thread(self.kube.list_pods, ns, resources.selector_string(name))
         ready, starting = classify_pods(pods, now)
+        gone = tuple(sorted((p["metadata"]["name"], (p.get("status") or {}).get("podIP")) for p in pods
+                            if draining(p) and not p["metadata"].get("deletionTimestamp")))
         samples = await self.source.samples(ns, ready) if ready else {}
-
-        observations, unreachable = [], []
+        observations, unreachable, hits = [], [], {}
         prev = self._prev.get((ns, name), {})
         kept: dict[str, observe.PodSample] = {}  # pods no longer ready are forgotten: fresh start
         for p in ready:
             s = samples.get(p.name)
             if isinstance(s, observe.PodSample):
                 observations.append(observe.observation(p.name, prev.get(p.uid), s, p.age_s))
+                hits[p.name] = observe.delta(prev.get(p.uid), s).counters.get("prefix_cache_hits", 0.0)
                 kept[p.uid] = s
             else:
                 unreachable.append(p.name)
@@ -381,80 +627,35 @@ class Autoscaler:
                 if self.metrics:
                     self.metrics.scrape_errors.labels(ns, name).inc()
         self._prev[(ns, name)] = kept
-
-        status = obj.get("status") or {}
-        prev_as = status.get("autoscaler") or {}
-        state = None
-        if prev_as.get("policyState"):
-            try:
-                state = policy.PolicyState.from_dict(prev_as["policyState"])
-            except (TypeError, ValueError, KeyError) as e:
-                log.warning("%s/%s: stored policy state unreadable (%r); starting fresh", ns, name, e)
-        try:
-            pspec = policy.PolicySpec.from_crd(spec.model_dump(by_alias=True))
-        except ValueError as e:  # e.g. minReplicas > maxReplicas: the operator reports it as Degraded
-            log.warning("%s/%s: autoscaling settings refused, not autoscaling it: %s", ns, name, e)
-            return None
         observation = policy.Observation(ready=tuple(observations), starting=tuple(starting),
                                          unreachable=tuple(unreachable), current_replicas=spec.replicas)
-        decision = policy.decide(now, observation, pspec, state)
+        return Observed(tuple(ready), tuple(starting), gone, samples, observation, hits)
 
-        if self.dry_run:
-            log.info("%s/%s (dry run): would set replicas %d -> %d, limits %s (%s: %s)", ns, name, spec.replicas,
-                     decision.replicas, {p: (v.max_num_seqs, v.max_waiting) for p, v in decision.limits.items()},
-                     decision.reason, decision.message)
-            if self.metrics:
-                self.metrics.record(ns, name, decision, decision.replicas, len(ready), len(starting))
-            return decision
-        scale_error = None
-        if decision.replicas != spec.replicas:
+    async def apply(self, obj: Mapping[str, Any], spec: api.InferenceServiceSpec, seen: Observed,
+                    decision: policy.Decision, plan: Plan, now: float) -> Plan:
+        """Carry out ``plan`` (I/O): drain, scale, push limits, patch status, post Events. Returns
+        the plan that was applied (re-planned with the error when the scale write was refused)."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        await asyncio.gather(*(self._drain(ns, name, p.name, p.ip, True) for p in plan.drain))
+        await asyncio.gather(*(self._drain(ns, name, pod, ip, False) for pod, ip in plan.undrain))
+        if plan.scale_to is not None:
             try:
-                await asyncio.to_thread(self.kube.scale, ns, name, decision.replicas)
-                log.info("%s/%s: replicas %d -> %d (%s: %s)", ns, name, spec.replicas, decision.replicas,
+                await asyncio.to_thread(self.kube.scale, ns, name, plan.scale_to)
+                log.info("%s/%s: replicas %d -> %d (%s: %s)", ns, name, spec.replicas, plan.scale_to,
                          decision.reason, decision.message)
             except Exception as e:  # noqa: BLE001 - reported as AbleToScale=False
-                scale_error = e
-                log.warning("%s/%s: scaling to %d failed: %r", ns, name, decision.replicas, e)
-        await self._push_limits(ns, name, ready, samples, decision)
-
-        conditions = dict(decision.conditions)
-        if scale_error is not None:
-            conditions["AbleToScale"] = (False, "FailedUpdateScale",
-                                         f"the scale subresource refused replicas={decision.replicas}: {scale_error}")
-            decision = _with_conditions(decision, conditions)
-        applied = spec.replicas if scale_error is not None else decision.replicas
-        new_as = autoscaler_status(prev_as, decision, spec.replicas, now)
-        if scale_error is not None:
-            new_as["desiredReplicas"] = decision.replicas
-        seqs, waiting = summarize_limits(decision.limits)
-        patch = {}
-        as_patch = merge_diff(prev_as, new_as)
-        if as_patch:
-            patch["autoscaler"] = as_patch
-        if seqs is not None:
-            adm = {"maxNumSeqs": seqs, "maxWaiting": waiting}
-            old_adm = status.get("admission") or {}
-            if (old_adm.get("maxNumSeqs"), old_adm.get("maxWaiting")) != (seqs, waiting):
-                patch["admission"] = {**adm, "updatedAt": rfc3339(now)}
-        # lastDecisionTime alone changing is not worth a write every period
-        if patch and set(patch) == {"autoscaler"} and set(as_patch) <= {"lastDecisionTime"}:
-            patch = {}
-        if patch:
-            await asyncio.to_thread(self.kube.patch_status, ns, name, patch)
-        if changed(prev_as, decision, spec.replicas) or scale_error is not None:
-            failing = [t for t, (ok, _, _) in conditions.items() if not ok]
-            etype = "Warning" if scale_error is not None or "MetricsAvailable" in failing else "Normal"
-            reason = "FailedUpdateScale" if scale_error is not None else decision.reason
-            msg = f"replicas {spec.replicas} -> {decision.replicas}"
-            if seqs is not None:
-                msg += f", limits maxNumSeqs={seqs} maxWaiting={waiting}"
+                log.warning("%s/%s: scaling to %d failed: %r", ns, name, plan.scale_to, e)
+                await asyncio.gather(*(self._drain(ns, name, p.name, p.ip, False) for p in plan.drain))
+                plan = make_plan(obj.get("status") or {}, spec, seen, decision, now, scale_error=repr(e)[:300])
+        await self._push_limits(ns, name, plan.pushes)
+        if plan.status_patch:
+            await asyncio.to_thread(self.kube.patch_status, ns, name, plan.status_patch)
+        for ev in plan.events:
             try:
-                await asyncio.to_thread(self.kube.event, obj, etype, reason, f"{msg}: {decision.message}")
+                await asyncio.to_thread(self.kube.event, obj, ev.type, ev.reason, ev.message, ev.series_key)
             except Exception as e:  # noqa: BLE001 - an Event is best effort; status already says it
                 log.warning("%s/%s: could not post an Event: %r", ns, name, e)
-        if self.metrics:
-            self.metrics.record(ns, name, decision, applied, len(ready), len(starting))
-        return decision
+        return plan
 
     async def _token(self, ns: str, name: str, refresh: bool = False) -> str | None:
         key = (ns, name)
@@ -465,44 +666,42 @@ class Autoscaler:
             self._tokens[key] = tok
         return self._tokens[key]
 
-    async def _push_limits(self, ns: str, name: str, ready: Sequence[ReadyPod],
-                           samples: Mapping[str, Any], decision: policy.Decision) -> None:
-        """PUT /admin/limits on each ready pod whose scraped limits differ from the decision."""
-        todo = []
-        for p in ready:
-            want = decision.limits.get(p.name)
-            s = samples.get(p.name)
-            if want is None:
-                continue
-            if isinstance(s, observe.PodSample) and (int(s.max_num_seqs), int(s.max_waiting)) == (
-                    want.max_num_seqs, want.max_waiting):
-                continue
-            todo.append((p, want))
-        if not todo:
-            return
+    async def _admin(self, ns: str, name: str, method: str, url: str, body: Any = None) -> httpx.Response | None:
+        """An admin call with the service's bearer token (read again once on a 401: the Secret was
+        recreated); None when there is no token or the pod did not answer (logged)."""
         token = await self._token(ns, name)
         if token is None:
-            log.warning("%s/%s: no admin Secret %s: cannot set admission limits", ns, name,
-                        resources.admin_secret_name(name))
-            return
+            log.warning("%s/%s: no admin Secret %s: cannot %s %s", ns, name, resources.admin_secret_name(name),
+                        method, url)
+            return None
+        try:
+            r = await self.http.request(method, url, json=body, headers=admin_api.bearer(token))
+            if r.status_code == 401:
+                fresh = await self._token(ns, name, refresh=True)
+                r = await self.http.request(method, url, json=body, headers=admin_api.bearer(fresh or ""))
+            if r.status_code != 200:
+                log.warning("%s/%s: %s %s answered %d: %s", ns, name, method, url, r.status_code, r.text[:200])
+            return r
+        except httpx.HTTPError as e:
+            log.warning("%s/%s: %s %s failed: %r", ns, name, method, url, e)
+            return None
 
-        async def put(p: ReadyPod, lim: policy.Limits) -> None:
-            body = {"max_num_seqs": lim.max_num_seqs, "max_waiting": lim.max_waiting}
-            url = f"http://{p.ip}:{api.WORKER_PORT}/admin/limits"
-            try:
-                r = await self.http.put(url, json=body, headers={"Authorization": f"Bearer {token}"})
-                if r.status_code == 401:  # the Secret was recreated: read it again once
-                    fresh = await self._token(ns, name, refresh=True)
-                    r = await self.http.put(url, json=body, headers={"Authorization": f"Bearer {fresh}"})
-                if r.status_code != 200:
-                    log.warning("%s/%s: PUT /admin/limits on %s answered %d: %s", ns, name, p.name,
-                                r.status_code, r.text[:200])
-            except httpx.HTTPError as e:
-                log.warning("%s/%s: PUT /admin/limits on %s failed: %r", ns, name, p.name, e)
+    async def _push_limits(self, ns: str, name: str, pushes: Sequence[LimitPush]) -> None:
+        """PUT /admin/limits on each planned pod."""
+        await asyncio.gather(*(self._admin(
+            ns, name, "PUT", f"http://{u.pod.ip}:{api.WORKER_PORT}{admin_api.LIMITS_PATH}",
+            admin_api.limits_body(u.limits.max_num_seqs, u.limits.max_waiting)) for u in pushes))
 
-        await asyncio.gather(*(put(p, lim) for p, lim in todo))
-
-
-def _with_conditions(decision: policy.Decision, conditions: dict) -> policy.Decision:
-    import dataclasses
-    return dataclasses.replace(decision, conditions=conditions)
+    async def _drain(self, ns: str, name: str, pod: str, ip: str | None, on: bool) -> None:
+        """Start (``on``) or undo a pod's drain: the annotations the router and the ReplicaSet read,
+        then ``POST`` / ``DELETE /admin/drain`` on the worker (``ip`` None: only the annotations). Best
+        effort: failures are logged."""
+        ann = {DRAINING_ANNOTATION: "true", DELETION_COST_ANNOTATION: DRAIN_DELETION_COST} if on else \
+            {DRAINING_ANNOTATION: None, DELETION_COST_ANNOTATION: None}
+        try:
+            await asyncio.to_thread(self.kube.annotate_pod, ns, pod, ann)
+        except Exception as e:  # noqa: BLE001 - the drain call below still keeps new work off it
+            log.warning("%s/%s: annotating pod %s failed: %r", ns, name, pod, e)
+        if ip is not None:
+            await self._admin(ns, name, "POST" if on else "DELETE",
+                              f"http://{ip}:{api.WORKER_PORT}{admin_api.DRAIN_PATH}")

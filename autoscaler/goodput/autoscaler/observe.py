@@ -9,26 +9,20 @@ Deltas follow Prometheus' ``increase()`` semantics on two raw samples: counter i
 process restart resets all of them together) counts from zero, so the increase is the current
 value. Histograms subtract bucket by bucket (still cumulative by ``le``), ``_count`` and ``_sum``.
 
-What feeds the policy (``policy.PodObservation``):
-  admitted       increase of goodput_requests_admitted_total
-  finished       increase of goodput_requests_finished_total{finished_reason=stop|length}
-                 (aborted requests — client disconnects — are neither met nor missed; the worker's
-                 goodput_requests_slo_met_total counts only stop/length too)
-  slo_met        increase of goodput_requests_slo_met_total
-  rejected_429   increase of goodput_requests_rejected_total{reason=queue_full}
-  rejected_400   increase of ...{reason=never_fits} + ...{reason=invalid}
-  preempted      increase of goodput_preemptions_total
-  generation_tokens  increase of goodput_generation_tokens_total
-  ttft, tpot     histogram increases of goodput_time_to_first_token_seconds and
-                 goodput_time_per_output_token_seconds
-  queue          histogram increase of goodput_request_queue_time_seconds
-  running, waiting, kv_usage, max_num_seqs, max_waiting: the current sample's gauges.
-Several ``model_name`` label values (one worker serves one model, so normally one) are summed.
+What feeds the policy is declared once, in the tables :data:`COUNTERS`, :data:`HISTOGRAMS` and
+:data:`GAUGES` (``policy.PodObservation`` field -> metric and label values): e.g. ``finished``
+counts ``finished_reason`` stop and length only (aborted requests, client disconnects, are neither
+met nor missed; the worker's ``goodput_requests_slo_met_total`` counts only stop/length too),
+``rejected_429`` is ``reason=queue_full``, ``rejected_400`` never_fits + invalid. Counters become
+increases, histograms bucket-wise increases, gauges are the current sample's. Several
+``model_name`` label values (one worker serves one model, so normally one) are summed.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,34 +45,59 @@ class Histogram:
     sum: float
 
 
+# The counters and histograms the policy reads, declared once: PodObservation field -> (metric
+# name without _total, {label: values summed}). A new counter is one row here (and its field in
+# policy.PodObservation); the parser, the PromQL query, the delta and the simulator follow.
+COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "admitted": (m.REQUESTS_ADMITTED, {}),
+    "finished": (m.REQUESTS_FINISHED, {"finished_reason": ("stop", "length")}),
+    "slo_met": (m.REQUESTS_SLO_MET, {}),
+    "rejected_429": (m.REQUESTS_REJECTED, {"reason": ("queue_full",)}),
+    "rejected_400": (m.REQUESTS_REJECTED, {"reason": ("never_fits", "invalid")}),
+    "preempted": (m.PREEMPTIONS, {}),
+    "generation_tokens": (m.GENERATION_TOKENS, {}),
+    "prompt_tokens": (m.PROMPT_TOKENS, {}),
+    "prefix_cache_hits": (m.PREFIX_CACHE_HITS, {}),
+}
+# PodObservation field -> histogram metric name (seconds)
+HISTOGRAMS: dict[str, str] = {
+    "ttft": m.TIME_TO_FIRST_TOKEN,
+    "tpot": m.TIME_PER_OUTPUT_TOKEN,
+    "queue": m.REQUEST_QUEUE_TIME,
+}
+# PodObservation field -> gauge metric name (the current sample's value, never a delta)
+GAUGES: dict[str, str] = {
+    "running": m.REQUESTS_RUNNING,
+    "waiting": m.REQUESTS_WAITING,
+    "kv_usage": m.KV_CACHE_USAGE_RATIO,
+    "max_num_seqs": m.ADMISSION_MAX_NUM_SEQS,
+    "max_waiting": m.ADMISSION_MAX_WAITING,
+}
+_INT_GAUGES = ("running", "waiting", "max_num_seqs", "max_waiting")
+
+
 @dataclass(frozen=True)
 class PodSample:
     """One scrape of one worker: gauges and cumulative counters since the process started.
 
     ``time``: seconds (any fixed origin) at which the values were read; differences of two
-    samples' times are the interval of their deltas.
+    samples' times are the interval of their deltas. ``gauges``, ``counters``, ``histograms``:
+    keyed by the fields of :data:`GAUGES`, :data:`COUNTERS`, :data:`HISTOGRAMS` (counts and
+    seconds). The simulator builds these from its replicas' scheduler counters, the loop from a
+    scrape: both take their deltas with :func:`delta`.
     """
 
     time: float
-    running: float
-    waiting: float
-    kv_usage: float
-    max_num_seqs: float
-    max_waiting: float
-    admitted: float
-    finished: float
-    slo_met: float
-    rejected_429: float
-    rejected_400: float
-    preempted: float
-    generation_tokens: float
-    ttft: Histogram
-    tpot: Histogram
-    queue: Histogram
+    gauges: dict[str, float]
+    counters: dict[str, float]
+    histograms: dict[str, Histogram]
 
-    def counters(self) -> tuple[float, ...]:
-        return (self.admitted, self.finished, self.slo_met, self.rejected_429, self.rejected_400,
-                self.preempted, self.generation_tokens)
+    def __getattr__(self, name: str) -> Any:  # s.admitted, s.ttft, s.max_waiting, ...
+        for part in ("gauges", "counters", "histograms"):
+            d = self.__dict__.get(part)
+            if d is not None and name in d:
+                return d[name]
+        raise AttributeError(name)
 
 
 def _index(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -116,18 +135,12 @@ def _histogram(idx, name: str, missing: list[str]) -> Histogram:
                      _sum(idx, name + "_sum", missing))
 
 
-GAUGES = (m.REQUESTS_RUNNING, m.REQUESTS_WAITING, m.KV_CACHE_USAGE_RATIO, m.ADMISSION_MAX_NUM_SEQS,
-          m.ADMISSION_MAX_WAITING)
-COUNTERS = (m.REQUESTS_ADMITTED, m.REQUESTS_FINISHED, m.REQUESTS_SLO_MET, m.REQUESTS_REJECTED,
-            m.PREEMPTIONS, m.GENERATION_TOKENS)
-HISTOGRAMS = (m.TIME_TO_FIRST_TOKEN, m.TIME_PER_OUTPUT_TOKEN, m.REQUEST_QUEUE_TIME)
-
-
 def needed_series() -> tuple[str, ...]:
     """Every sample name a :class:`PodSample` is built from (counters with ``_total``, histograms
     as ``_bucket``/``_count``/``_sum``) — e.g. for a PromQL ``__name__`` matcher."""
-    return (GAUGES + tuple(c + "_total" for c in COUNTERS)
-            + tuple(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")))
+    names = list(GAUGES.values()) + [metric + "_total" for metric, _ in COUNTERS.values()]
+    names += [h + suffix for h in HISTOGRAMS.values() for suffix in ("_bucket", "_count", "_sum")]
+    return tuple(dict.fromkeys(names))
 
 
 def parse_sample(text: str, time: float) -> PodSample:
@@ -144,21 +157,16 @@ def sample_from_series(idx: dict[str, list[tuple[dict[str, str], float]]], time:
     shape both the text parser and a PromQL vector give). Raises :class:`MetricsParseError` naming
     the missing metrics."""
     miss: list[str] = []
-    c = lambda name, **lab: _sum(idx, name + "_total", miss, **lab)  # noqa: E731
-    g = lambda name: _sum(idx, name, miss)  # noqa: E731
+    counters = {}
+    for fld, (metric, labels) in COUNTERS.items():
+        if not labels:
+            counters[fld] = _sum(idx, metric + "_total", miss)
+            continue
+        [(label, values)] = labels.items()
+        counters[fld] = sum(_sum(idx, metric + "_total", miss, **{label: v}) for v in values)
     sample = PodSample(
-        time=time,
-        running=g(m.REQUESTS_RUNNING), waiting=g(m.REQUESTS_WAITING), kv_usage=g(m.KV_CACHE_USAGE_RATIO),
-        max_num_seqs=g(m.ADMISSION_MAX_NUM_SEQS), max_waiting=g(m.ADMISSION_MAX_WAITING),
-        admitted=c(m.REQUESTS_ADMITTED),
-        finished=c(m.REQUESTS_FINISHED, finished_reason="stop") + c(m.REQUESTS_FINISHED, finished_reason="length"),
-        slo_met=c(m.REQUESTS_SLO_MET),
-        rejected_429=c(m.REQUESTS_REJECTED, reason="queue_full"),
-        rejected_400=c(m.REQUESTS_REJECTED, reason="never_fits") + c(m.REQUESTS_REJECTED, reason="invalid"),
-        preempted=c(m.PREEMPTIONS), generation_tokens=c(m.GENERATION_TOKENS),
-        ttft=_histogram(idx, m.TIME_TO_FIRST_TOKEN, miss),
-        tpot=_histogram(idx, m.TIME_PER_OUTPUT_TOKEN, miss),
-        queue=_histogram(idx, m.REQUEST_QUEUE_TIME, miss))
+        time=time, gauges={fld: _sum(idx, metric, miss) for fld, metric in GAUGES.items()}, counters=counters,
+        histograms={fld: _histogram(idx, metric, miss) for fld, metric in HISTOGRAMS.items()})
     if miss:
         raise MetricsParseError("missing metrics: " + ", ".join(sorted(set(miss))))
     return sample
@@ -166,9 +174,12 @@ def sample_from_series(idx: dict[str, list[tuple[dict[str, str], float]]], time:
 
 def restarted(prev: PodSample, cur: PodSample) -> bool:
     """True when some cumulative series went down between the samples (the worker restarted)."""
-    if any(c < p for c, p in zip(cur.counters(), prev.counters())):
+    if any(cur.counters[k] < prev.counters.get(k, 0.0) for k in cur.counters):
         return True
-    for hp, hc in ((prev.ttft, cur.ttft), (prev.tpot, cur.tpot), (prev.queue, cur.queue)):
+    for k, hc in cur.histograms.items():
+        hp = prev.histograms.get(k)
+        if hp is None:
+            continue
         if hc.bounds != hp.bounds or hc.count < hp.count or any(c < p for c, p in zip(hc.counts, hp.counts)):
             return True
     return False
@@ -181,27 +192,42 @@ def _hist_delta(prev: Histogram | None, cur: Histogram) -> HistogramDelta:
                           count=cur.count - prev.count, sum=cur.sum - prev.sum)
 
 
-def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float = 0.0) -> PodObservation:
-    """The policy's view of one ready pod: ``cur``'s gauges and the increases since ``prev``.
+@dataclass(frozen=True)
+class Delta:
+    """The increases between two samples: ``interval_s`` (seconds; 0 = no previous sample),
+    ``counters`` (field -> increase) and ``histograms`` (field -> HistogramDelta, or None without a
+    previous sample)."""
 
-    ``prev`` None (first scrape of this pod): ``interval_s`` 0, every increase 0, no histograms —
-    one sample says nothing about rates. A worker that restarted since ``prev`` counts from zero.
-    ``age_s``: seconds since the pod became ready.
+    interval_s: float
+    counters: dict[str, float]
+    histograms: dict[str, HistogramDelta | None]
+
+
+def delta(prev: PodSample | None, cur: PodSample) -> Delta:
+    """Prometheus ``increase()`` on two raw samples, for every counter and histogram of the table.
+
+    ``prev`` None (first scrape): interval 0, every increase 0, no histograms (one sample says
+    nothing about rates). A worker that restarted since ``prev`` (:func:`restarted`) counts from
+    zero: the increase is ``cur``'s value.
     """
     if prev is None:
-        return PodObservation(
-            name=name, running=int(cur.running), waiting=int(cur.waiting), kv_usage=cur.kv_usage,
-            max_num_seqs=int(cur.max_num_seqs), max_waiting=int(cur.max_waiting), interval_s=0.0,
-            admitted=0.0, finished=0.0, slo_met=0.0, rejected_429=0.0, rejected_400=0.0, preempted=0.0,
-            generation_tokens=0.0, ttft=None, tpot=None, age_s=age_s)
+        return Delta(0.0, {k: 0.0 for k in cur.counters}, {k: None for k in cur.histograms})
     base = None if restarted(prev, cur) else prev
-    d = (lambda f: getattr(cur, f)) if base is None else (lambda f: getattr(cur, f) - getattr(base, f))
-    return PodObservation(
-        name=name, running=int(cur.running), waiting=int(cur.waiting), kv_usage=cur.kv_usage,
-        max_num_seqs=int(cur.max_num_seqs), max_waiting=int(cur.max_waiting),
-        interval_s=max(0.0, cur.time - prev.time),
-        admitted=d("admitted"), finished=d("finished"), slo_met=d("slo_met"),
-        rejected_429=d("rejected_429"), rejected_400=d("rejected_400"), preempted=d("preempted"),
-        generation_tokens=d("generation_tokens"),
-        ttft=_hist_delta(base and base.ttft, cur.ttft), tpot=_hist_delta(base and base.tpot, cur.tpot),
-        age_s=age_s, queue=_hist_delta(base and base.queue, cur.queue))
+    counters = {k: v - (base.counters.get(k, 0.0) if base else 0.0) for k, v in cur.counters.items()}
+    hists = {k: _hist_delta(base.histograms.get(k) if base else None, h) for k, h in cur.histograms.items()}
+    return Delta(max(0.0, cur.time - prev.time), counters, hists)
+
+
+_OBS_FIELDS = frozenset(f.name for f in dataclasses.fields(PodObservation))
+
+
+def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float = 0.0) -> PodObservation:
+    """The policy's view of one ready pod: ``cur``'s gauges and the increases since ``prev``
+    (:func:`delta`). ``age_s``: seconds since the pod became ready. Table fields that
+    ``PodObservation`` does not have are left out."""
+    d = delta(prev, cur)
+    values: dict[str, Any] = {k: int(v) if k in _INT_GAUGES else v for k, v in cur.gauges.items()}
+    values.update(d.counters)
+    values.update(d.histograms)
+    values = {k: v for k, v in values.items() if k in _OBS_FIELDS}
+    return PodObservation(name=name, interval_s=d.interval_s, age_s=age_s, **values)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+from goodput.worker.admin_api import ADMIN_TOKEN_ENV
 from goodput.worker.engine.config import EngineArgs, SettingField, check, settings
 from goodput.worker.engine.units import parse_bytes
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, create_model
@@ -386,9 +387,9 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
         out.append(Problem(reason="InvalidAutoscaling", message=(
             f"autoscaling.minReplicas ({a.min_replicas}) > autoscaling.maxReplicas ({a.max_replicas})")))
     env_names = [v.name for v in spec.pod_template.env]
-    if "GOODPUT_ADMIN_TOKEN" in env_names:
+    if ADMIN_TOKEN_ENV in env_names:
         out.append(Problem(reason="InvalidPodTemplate", message=(
-            "podTemplate.env must not set GOODPUT_ADMIN_TOKEN (the operator manages it)")))
+            f"podTemplate.env must not set {ADMIN_TOKEN_ENV} (the operator manages it)")))
     for v in spec.pod_template.env:
         if v.value is not None and v.value_from is not None:
             out.append(Problem(reason="InvalidPodTemplate",

@@ -18,7 +18,6 @@ for the synchronous handlers, default 16: reconciles mostly wait on the API serv
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
-from goodput.operator import api, resources, status as status_mod
+from goodput.operator import api, kube, resources, status as status_mod
 
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
@@ -55,15 +54,9 @@ class _Cluster:
     def dyn(self) -> DynamicClient:
         with self._lock:
             if self._dyn is None:
-                try:
-                    kubernetes.config.load_incluster_config()
-                except kubernetes.config.ConfigException:
-                    kubernetes.config.load_kube_config()
-                cfg = kubernetes.client.Configuration.get_default_copy()
                 # one pooled connection per handler thread (the default, 5 x CPUs, is 10 on 2 cores):
                 # a discarded connection costs a new TLS handshake on the next request
-                cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize, _workers() + 4)
-                client = kubernetes.client.ApiClient(cfg)
+                client = kube.load_config(pool_maxsize=_workers() + 4)
                 _count_requests(client)
                 self._dyn = DynamicClient(client)
                 try:
@@ -80,19 +73,66 @@ class _Cluster:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
 
-# API requests the reconciles sent, by HTTP method (kopf's own watches not included): logged per resync
-_requests: collections.Counter[str] = collections.Counter()
-_requests_lock = threading.Lock()
+class OperatorState:
+    """What the handlers remember between calls (all of the operator's mutable state; thread-safe
+    through its locks). One instance, :data:`state`; a test makes its own.
+
+    known: (namespace, name) of every InferenceService seen (the resync loop's list).
+    complete: (namespace, name, uid) whose last full reconcile found or made every child.
+    pod_failures: (namespace, InferenceService) -> {pod name: Problem} from the worker pod watch.
+    requests: API requests the reconciles sent, by HTTP method (kopf's own watches not included).
+    resync_stop: set to end the resync thread.
+    """
+
+    def __init__(self) -> None:
+        self.known: set[tuple[str, str]] = set()
+        self.known_lock = threading.Lock()
+        self.complete: set[tuple[str, str, str]] = set()
+        self.pod_failures: dict[tuple[str, str], dict[str, api.Problem]] = {}
+        self.pods_lock = threading.Lock()
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.requests_lock = threading.Lock()
+        self.resync_stop = threading.Event()
+
+    def count_request(self, method: str) -> None:
+        with self.requests_lock:
+            self.requests[method] += 1
+
+    def requests_sent(self) -> collections.Counter[str]:
+        """A copy of the per-method count of API requests the reconciles sent so far."""
+        with self.requests_lock:
+            return collections.Counter(self.requests)
+
+    def worker_problem(self, namespace: str, name: str) -> api.Problem | None:
+        """The failure to report for this InferenceService's worker pods (first failing pod by name)."""
+        with self.pods_lock:
+            failing = self.pod_failures.get((namespace, name)) or {}
+            return failing[min(failing)] if failing else None
+
+    def set_pod_problem(self, key: tuple[str, str], pod: str, problem: api.Problem | None) -> None:
+        with self.pods_lock:
+            failing = self.pod_failures.setdefault(key, {})
+            if problem is None:
+                failing.pop(pod, None)
+                if not failing:
+                    del self.pod_failures[key]
+            else:
+                failing[pod] = problem
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self.known_lock:
+            self.known.discard((namespace, name))
+            for key in [k for k in list(self.complete) if k[:2] == (namespace, name)]:
+                self.complete.discard(key)
 
 
 def _count_requests(client: kubernetes.client.ApiClient) -> None:
-    """Count every request ``client`` sends, by method, in ``_requests``."""
+    """Count every request ``client`` sends, by method, in ``state.requests``."""
     rest = client.rest_client
     send = rest.request
 
     def counted(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
-        with _requests_lock:
-            _requests[method] += 1
+        state.count_request(method)
         return send(method, url, *args, **kwargs)
 
     rest.request = counted
@@ -100,8 +140,7 @@ def _count_requests(client: kubernetes.client.ApiClient) -> None:
 
 def requests_sent() -> collections.Counter[str]:
     """A copy of the per-method count of API requests the reconciles sent so far."""
-    with _requests_lock:
-        return collections.Counter(_requests)
+    return state.requests_sent()
 
 
 def _workers() -> int:
@@ -109,25 +148,15 @@ def _workers() -> int:
 
 
 cluster = _Cluster()
-_known: set[tuple[str, str]] = set()
-_known_lock = threading.Lock()
-# (namespace, name, uid) whose last full reconcile found or made every child
-_complete: set[tuple[str, str, str]] = set()
-_resync_stop = threading.Event()
-# worker pods' failures from the pod watch: (namespace, InferenceService name) -> {pod name: Problem}
-_pod_failures: dict[tuple[str, str], dict[str, api.Problem]] = {}
-_pods_lock = threading.Lock()
+state = OperatorState()
 
 
 def _worker_problem(namespace: str, name: str) -> api.Problem | None:
-    """The failure to report for this InferenceService's worker pods (first failing pod by name)."""
-    with _pods_lock:
-        failing = _pod_failures.get((namespace, name)) or {}
-        return failing[min(failing)] if failing else None
+    return state.worker_problem(namespace, name)
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return kube.rfc3339(time.time())
 
 
 def _get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -259,7 +288,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
         if problems:
             deployment = _get("apps/v1", "Deployment", namespace, name)
             service_exists = _get("v1", "Service", namespace, name) is not None
-        elif observed_deployment is not None and (namespace, name, uid) in _complete and not \
+        elif observed_deployment is not None and (namespace, name, uid) in state.complete and not \
                 resources.needs_update(resources.deployment(name, namespace, spec, resources.owner_reference(
                     name, uid)), observed_deployment, parse_quantity):
             deployment, service_exists = observed_deployment, True
@@ -267,7 +296,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             assert spec is not None
             owner = resources.owner_reference(name, uid)
             fresh = not current  # no status yet: never reconciled, its children most likely do not exist
-            _complete.discard((namespace, name, uid))
+            state.complete.discard((namespace, name, uid))
             try:
                 _ensure_secret(name, namespace, owner, logger, fresh)
             except ChildRefused as e:
@@ -287,7 +316,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
                 if desired["kind"] == "Service" and action != "conflict":
                     service_exists = obj is not None
             if not problems:
-                _complete.add((namespace, name, uid))
+                state.complete.add((namespace, name, uid))
 
         prev_conditions = current.get("conditions") or []
         new = status_mod.compute_status(
@@ -317,18 +346,8 @@ def _post_events(body: dict[str, Any], before: list[dict[str, Any]], after: list
 def post_event(body: dict[str, Any], etype: str, reason: str, message: str) -> None:
     """Create a core/v1 Event about an InferenceService (works from any thread, unlike kopf.event)."""
     meta = body["metadata"]
-    ts = _now()
-    event = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta["uid"],
-                           "resourceVersion": meta.get("resourceVersion")},
-        "type": etype, "reason": reason, "message": message[:1024],
-        "source": {"component": resources.MANAGED_BY},
-        "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
-        "reportingComponent": resources.MANAGED_BY, "reportingInstance": os.uname().nodename,
-    }
+    obj = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": meta}
+    event = kube.event_body(obj, etype, reason, message, component=resources.MANAGED_BY, now=time.time())
     try:
         cluster.resource("v1", "Event").create(body=event, namespace=meta["namespace"])
     except ApiException as e:  # an event is best effort; the condition already says it
@@ -363,8 +382,8 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = _workers()
     settings.watching.server_timeout = 300
     cluster.dyn()
-    _resync_stop.clear()
-    threading.Thread(target=_resync_loop, args=(_resync_stop,), name="resync", daemon=True).start()
+    state.resync_stop.clear()
+    threading.Thread(target=_resync_loop, args=(state.resync_stop,), name="resync", daemon=True).start()
 
 
 @kopf.on.resume(*RESOURCE)
@@ -383,13 +402,11 @@ def on_spec(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None
 @kopf.on.event(*RESOURCE)
 def track(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
     """Remember which InferenceServices exist, for the resync loop (no finalizer, unlike kopf.timer)."""
-    with _known_lock:
-        if type == "DELETED":
-            _known.discard((namespace, name))
-            for key in [k for k in list(_complete) if k[:2] == (namespace, name)]:
-                _complete.discard(key)
-        else:
-            _known.add((namespace, name))
+    if type == "DELETED":
+        state.forget(namespace, name)
+    else:
+        with state.known_lock:
+            state.known.add((namespace, name))
 
 
 def _resync_loop(stop: threading.Event) -> None:
@@ -401,8 +418,8 @@ def _resync_loop(stop: threading.Event) -> None:
     that delays the handling of new objects (measured with e2e/measure_latency.py).
     """
     while not stop.wait(RESYNC_SECONDS):
-        with _known_lock:
-            todo = sorted(_known)
+        with state.known_lock:
+            todo = sorted(state.known)
         before, t0 = requests_sent(), time.monotonic()
         step = RESYNC_SECONDS / 2 / max(1, len(todo))
         for i, (namespace, name) in enumerate(todo):
@@ -420,7 +437,7 @@ def _resync_loop(stop: threading.Event) -> None:
 
 @kopf.on.cleanup()
 def _stop_resync(**_: Any) -> None:
-    _resync_stop.set()
+    state.resync_stop.set()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
@@ -451,16 +468,9 @@ def on_worker_pod_event(type: str | None, body: kopf.Body, namespace: str, logge
         return
     problem = None if type == "DELETED" else status_mod.pod_failure(pod)
     key, pname = (namespace, owner), pod["metadata"]["name"]
-    before = _worker_problem(*key)
-    with _pods_lock:
-        failing = _pod_failures.setdefault(key, {})
-        if problem is None:
-            failing.pop(pname, None)
-            if not failing:
-                del _pod_failures[key]
-        else:
-            failing[pname] = problem
-    if _worker_problem(*key) != before:
+    before = state.worker_problem(*key)
+    state.set_pod_problem(key, pname, problem)
+    if state.worker_problem(*key) != before:
         try:
             reconcile(namespace, owner, logger)
         except ApiException as e:

@@ -23,14 +23,13 @@ from typing import Any
 
 from goodput.operator import api
 from goodput.operator.api import InferenceServiceSpec
+from goodput.worker.admin_api import ADMIN_TOKEN_ENV, ADMIN_TOKEN_KEY  # noqa: F401 - re-exported
 from goodput.worker.engine.config import EngineArgs, settings, to_cli_args
 
 MANAGED_BY = "goodput-operator"
 LABEL_ISVC = f"{api.GROUP}/inferenceservice"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
-ADMIN_TOKEN_ENV = "GOODPUT_ADMIN_TOKEN"
-ADMIN_TOKEN_KEY = "token"
 CONTAINER_NAME = "worker"
 MODEL_VOLUME_NAME = "model"
 

@@ -90,6 +90,20 @@ def write_termination_message(message: str) -> None:
         pass
 
 
+# Seconds uvicorn keeps an idle HTTP/1.1 connection open (its default is 5). Scrapers reuse one
+# pooled connection per pod every period (the autoscaler: 5 s by default, the router: 2 s); a
+# keep-alive equal to the period closes it just as the next scrape reuses it ("Server disconnected
+# without sending a response"). Longer than any scrape period, like nginx's 75 s.
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_settings(args: EngineArgs, log_level: int) -> dict[str, Any]:
+    """The ``uvicorn.Config`` keyword arguments of a worker (besides the app)."""
+    return {"host": args.host, "port": args.port, "log_level": args.log_level,
+            "access_log": log_level <= logging.DEBUG, "timeout_graceful_shutdown": 5,
+            "timeout_keep_alive": KEEP_ALIVE_S}
+
+
 def _draining_server_class():
     """``uvicorn.Server`` whose first SIGTERM drains instead of stopping (see server/app.py).
 
@@ -147,9 +161,7 @@ def _main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(args, on_load_failure=stop_on_load_failure)
-    server = _draining_server_class()(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=level <= logging.DEBUG,
-        timeout_graceful_shutdown=5), app.state.server)
+    server = _draining_server_class()(uvicorn.Config(app, **uvicorn_settings(args, level)), app.state.server)
     server.run()
     error = app.state.server.load_error
     if error is not None:

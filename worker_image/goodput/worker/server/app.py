@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from goodput.worker.admin_api import ADMIN_TOKEN_ENV
 from goodput.worker.async_engine import AsyncLLMEngine
 from goodput.worker.engine_args import EngineArgs, build_engine
 from goodput.worker.llm_engine import LLMEngine
@@ -46,7 +47,6 @@ from pydantic import BaseModel
 
 log = logging.getLogger("goodput.worker.server")
 
-ADMIN_TOKEN_ENV = "GOODPUT_ADMIN_TOKEN"
 
 
 class HealthStatus(BaseModel):
