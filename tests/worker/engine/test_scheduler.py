@@ -546,3 +546,100 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
         assert r.output_token_ids == want, rid
         assert r.finish_reason == reason
         assert len(r.token_times) == r.num_output_tokens
+
+
+# ---- counters: admitted = finished + running + waiting -----------------------------------------
+
+def _in_flight_balance(s: Scheduler) -> tuple[int, int]:
+    """(admitted, finished + running + waiting) from the exported snapshot."""
+    st_ = s.stats()
+    return st_.admitted_total, sum(st_.finished_total.values()) + st_.num_running + st_.num_waiting
+
+
+def test_dropping_an_n_request_before_its_prompt_runs_keeps_the_counters_balanced():
+    """A client that drops an ``n = 3`` request while it waits: 3 choices admitted, 3 finished
+    (abort), none in flight — not 1 admitted and 3 finished."""
+    s = Scheduler(EngineConfig(num_blocks=16, max_model_len=64, block_size=4))
+    parent = req("p", [1, 2, 3], max_tokens=4)
+    s.add_request(parent, [req("p-1", [1, 2, 3], max_tokens=4), req("p-2", [1, 2, 3], max_tokens=4)])
+    st_ = s.stats()
+    assert (st_.admitted_total, st_.num_waiting, st_.num_running) == (3, 3, 0)
+    s.abort_request("p")
+    st_ = s.stats()
+    assert (st_.admitted_total, st_.finished_total["abort"], st_.num_waiting) == (3, 3, 0)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pool_blocks=st.integers(3, 10),
+    max_num_seqs=st.integers(1, 4),
+    budget=st.integers(2, 16),
+    specs=st.lists(st.tuples(st.integers(1, 6),        # prompt length
+                             st.integers(1, 6),        # max_tokens
+                             st.integers(1, 4),        # n (choices: the request and n - 1 forks)
+                             st.integers(0, 8)),       # arrival step
+                   min_size=1, max_size=8),
+    aborts=st.lists(st.tuples(st.integers(0, 12),      # step
+                              st.integers(0, 7),       # request
+                              st.integers(0, 3)),      # choice (0 = the parent)
+                    max_size=6),
+)
+def test_admitted_equals_finished_plus_running_plus_waiting(pool_blocks, max_num_seqs, budget, specs, aborts):
+    """Property: after every admission, abort and step — with random ``n``, aborts of a parent
+    or of one fork at any point (before its prompt ran included), and preemption by recompute
+    (a pool of 3–10 blocks of 2 tokens) — the exported counters satisfy
+    admitted = finished + running + waiting, and everything admitted finishes."""
+    cfg = EngineConfig(num_blocks=pool_blocks, max_model_len=16, block_size=2, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget, max_waiting=4)
+    s = Scheduler(cfg, clock=FakeClock())
+    n_admitted = 0
+    step = 0
+    pending = sorted(enumerate(specs), key=lambda x: x[1][3])
+    while pending or s.has_unfinished() or s.num_pending_forks:
+        while pending and pending[0][1][3] <= step:
+            i, (plen, mt, n, _) = pending.pop(0)
+            prompt = [1 + (i + k) % 5 for k in range(plen)]
+            try:
+                s.add_request(req(f"r{i}", prompt, max_tokens=mt),
+                              [req(f"r{i}-{c}", prompt, max_tokens=mt) for c in range(1, n)])
+                n_admitted += n
+            except AdmissionError:
+                pass
+            admitted, balance = _in_flight_balance(s)
+            assert admitted == balance == n_admitted
+        for at, i, c in aborts:
+            if at == step:
+                s.abort_request(f"r{i}" if c == 0 else f"r{i}-{c}")
+                admitted, balance = _in_flight_balance(s)
+                assert admitted == balance
+        run_step(s)
+        admitted, balance = _in_flight_balance(s)
+        assert admitted == balance
+        step += 1
+        assert step < 500
+    st_ = s.stats()
+    assert st_.admitted_total == n_admitted == sum(st_.finished_total.values())
+    assert st_.num_running == st_.num_waiting == 0
+
+
+def test_check_room_never_fits_versus_not_now():
+    """A batch enters the waiting queue whole: more prompts than max_waiting can never be
+    admitted (never_fits, 400); a batch that fits the limit but not the queue's room now is
+    queue_full (429); max_waiting = 0 (a drain) is always "not now"."""
+    cfg = EngineConfig(num_blocks=16, max_model_len=64, block_size=4, max_waiting=3, max_num_seqs=2)
+    s = Scheduler(cfg)
+    with pytest.raises(AdmissionError) as ei:
+        s.check_room(4)
+    assert ei.value.reason == "never_fits" and "max_waiting=3" in ei.value.message
+    assert ei.value.param == "prompt"
+    s.check_room(3)  # an empty queue holds 3
+    s.add_request(req("a", [1, 2], max_tokens=2))
+    with pytest.raises(AdmissionError) as ei:
+        s.check_room(3)  # 1 waiting + 3 > 3: room for 2 now
+    assert ei.value.reason == "queue_full" and ei.value.retry_after is not None
+    s.check_room(2)
+    s.set_limits(max_waiting=0)
+    with pytest.raises(AdmissionError) as ei:
+        s.check_room(5)
+    assert ei.value.reason == "queue_full"
+    assert s.stats().rejected_total == {"queue_full": 2, "never_fits": 1, "invalid": 0}

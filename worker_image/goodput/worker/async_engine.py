@@ -151,6 +151,14 @@ class AsyncLLMEngine:
         return self.add_request_group(request_id, prompt_token_ids, params, arrival_time=arrival_time,
                                       priority=priority, cache_salt=cache_salt)[0]
 
+    def check_room(self, num_requests: int) -> None:
+        """Raise :class:`AdmissionError` unless ``num_requests`` requests added now all fit the
+        waiting queue (never_fits: they never can under the limits in force; queue_full: not now).
+        Only the event loop's thread adds requests, so room seen here is still there for them."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine is dead: {self.error!r}")
+        self.engine.check_room(num_requests)
+
     def add_request_group(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                           *, arrival_time: float | None = None, priority: int = 0,
                           cache_salt: str | None = None,

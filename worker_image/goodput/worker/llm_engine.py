@@ -141,6 +141,12 @@ class LLMEngine:
                     prompt_logprobs=[None] * r.num_prompt_tokens if sp.prompt_logprobs is not None else None)
         return req
 
+    def check_room(self, num_requests: int) -> None:
+        """Raise :class:`AdmissionError` unless a batch of ``num_requests`` fits the waiting
+        queue now (``Scheduler.check_room``: never_fits when it never can, else queue_full)."""
+        with self._lock:
+            self.scheduler.check_room(num_requests)
+
     def count_invalid(self) -> None:
         """Count a request refused by the server's own validation (reason ``invalid``)."""
         self.count_rejected(RejectReason.INVALID)

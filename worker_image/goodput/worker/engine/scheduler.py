@@ -58,7 +58,8 @@ class AdmissionError(Exception):
 class SchedulerStats:
     """A consistent snapshot of the engine core: what ``/metrics`` and ``/admin/state`` export.
 
-    Gauges: engine_state, num_running, num_waiting (preempted ones included), KV blocks
+    Gauges: engine_state, num_running, num_waiting (preempted ones included, and the ``n > 1``
+    forks whose parent's prompt has not run yet), KV blocks
     (``num_used_blocks`` have a reference; cached-but-free blocks count as free), the admission
     limits in force. Counters are totals since start: ``rejected_total`` by
     :class:`RejectReason` value (the server's own refusals included), ``finished_total`` by
@@ -67,6 +68,10 @@ class SchedulerStats:
     ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs).
 
     kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
+
+    Invariant: ``admitted_total == sum(finished_total.values()) + num_running + num_waiting``
+    (every choice of an ``n > 1`` request counts once, from its admission), so "in flight" =
+    admitted - finished is never negative.
 
     Every field ending in ``_total`` is a counter the :class:`Scheduler` keeps under the same
     name; ``goodput.worker.metric_names.SCHEDULER_COUNTERS`` names its metric (a test checks
@@ -226,7 +231,7 @@ class Scheduler:
                 f"of {cfg.block_size} tokens but the whole pool has {cfg.num_blocks} "
                 f"blocks ({cfg.kv_capacity_tokens} tokens)", param=culprit)
         if len(self.waiting) >= self.max_waiting:
-            raise self._reject(
+            raise self._reject(  # not now: a batch that can never fit is refused by check_room
                 RejectReason.QUEUE_FULL, f"the waiting queue is full ({len(self.waiting)} requests, "
                                          f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
         for r in (req, *forks):
@@ -242,7 +247,29 @@ class Scheduler:
         self._admit_seq[rid] = self._next_seq
         self._next_seq += 1
         self.waiting.append(req)
-        self.admitted_total += 1
+        self.admitted_total += 1 + len(forks)  # forks count from admission (finished/waiting too)
+
+    def check_room(self, num_requests: int) -> None:
+        """Raise ``AdmissionError`` unless ``num_requests`` requests added now (a batch, admitted
+        whole into the waiting queue) all fit it; counts the refusal.
+
+        never_fits: ``0 < max_waiting < num_requests``: under the limits in force the queue can
+            never hold the batch at once (400; ``max_waiting == 0`` is a drain: "not now").
+        queue_full: ``len(waiting) + num_requests > max_waiting`` (429 with retry_after).
+        """
+        if 0 < self.max_waiting < num_requests:
+            raise self._reject(
+                RejectReason.NEVER_FITS,
+                f"a batch of {num_requests} prompts can never be admitted: a batch enters the waiting "
+                f"queue whole and it holds at most max_waiting={self.max_waiting} requests "
+                f"(--max-waiting, or PUT /admin/limits); send at most {self.max_waiting} prompts per request",
+                param="prompt")
+        if len(self.waiting) + num_requests > self.max_waiting:
+            raise self._reject(
+                RejectReason.QUEUE_FULL,
+                f"the waiting queue has room for {max(0, self.max_waiting - len(self.waiting))} of "
+                f"{num_requests} requests ({len(self.waiting)} waiting, max_waiting={self.max_waiting})",
+                self.config.queue_full_retry_after_s)
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -409,7 +436,6 @@ class Scheduler:
             self._admit_seq[child.request_id] = self._next_seq
             self._next_seq += 1
             self.running.append(child)
-            self.admitted_total += 1
 
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
         sp = req.sampling_params
@@ -531,7 +557,7 @@ class Scheduler:
         return SchedulerStats(
             engine_state=self.engine_state(),
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + self.num_pending_forks,
             num_preempted_waiting=sum(1 for r in self.waiting if r.status is RequestStatus.PREEMPTED),
             kv_usage_ratio=bm.usage,
             num_blocks=bm.num_blocks,
@@ -547,6 +573,12 @@ class Scheduler:
         )
 
     @property
+    def num_pending_forks(self) -> int:
+        """``n > 1`` forks admitted with a parent whose prompt has not run yet (not queued: they
+        start running when it has; counted as waiting in :meth:`stats`)."""
+        return sum(map(len, self._pending_forks.values()))
+
+    @property
     def prefix_cache_queries_total(self) -> int:
         """Prompt tokens looked up in the prefix cache (kept by the block manager)."""
         return self.block_manager.prefix_cache_queries
@@ -560,6 +592,8 @@ class Scheduler:
         """Block-manager invariants plus queue consistency (tests; O(pool))."""
         self.block_manager.check_invariants(self.running)
         assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert self.admitted_total == sum(self.finished_total.values()) + len(self.running) \
+            + len(self.waiting) + self.num_pending_forks, "admitted != finished + running + waiting"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING and self.requests[r.request_id] is r
         for r in self.waiting:

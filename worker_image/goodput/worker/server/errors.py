@@ -1,8 +1,9 @@
 """HTTP errors in the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 
 Status codes: 400 bad or unsupported input (including requests that can never fit: prompt +
-max_tokens > max_model_len, or more KV blocks than the pool), 401/403 admin auth, 404 unknown
-model or route, 429 waiting queue full (with ``Retry-After``), 503 model loading or engine dead.
+max_tokens > max_model_len, or more KV blocks than the pool, a batch of more prompts than
+max_waiting), 401/403 admin auth, 404 unknown model or route, 429 "not now": the waiting queue
+has no room at the moment (with ``Retry-After``), 503 model loading or engine dead.
 Validation errors use 400 (not FastAPI's default 422 shape) with a message naming the field.
 """
 from __future__ import annotations

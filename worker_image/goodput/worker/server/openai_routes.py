@@ -212,6 +212,8 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
     prefix = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
     admitted: list[tuple[int, int, RequestStream]] = []
     try:
+        if len(prompts) > 1:  # a batch: 400 when it can never fit the queue, 429 when not now
+            engine.check_room(len(prompts))
         for pi, ids in enumerate(prompts):
             rid = f"{prefix}-{pi}" if len(prompts) > 1 else prefix
             streams = engine.add_request_group(
