@@ -15,8 +15,9 @@ Two parameter sets: ``cpu`` fitted to the real engine on the development machine
 derived from one H200's roofline (``h200_step_time``: assumptions in its docstring).
 
 What is simulated, per policy, on the same trace:
-- arrivals are routed round-robin over ready, non-draining replicas (kube-proxy in IPVS ``rr``
-  mode); with none ready a request is refused (counted as a rejection);
+- arrivals are routed by ``--routing`` (``goodput.bench.routing``; default ``round-robin`` over
+  ready, non-draining replicas, kube-proxy in IPVS ``rr`` mode; ``affinity`` and ``goodput`` call
+  the router's picker); with no ready pod a request is refused (counted as a rejection);
 - ``Scheduler.add_request`` decides admission: ``queue_full`` is a 429, ``never_fits`` a 400;
   a refused request is not retried;
 - a new replica is ready ``load_time_s`` after it is created (model load), and costs replica time
@@ -55,6 +56,7 @@ from goodput.autoscaler.policy import (
     decide,
 )
 from goodput.bench.baselines import HpaQueue, Kpa, Saturation, SimPolicy, StaticPeak
+from goodput.bench.routing import ROUTINGS, SimRouter, chat_trace
 from goodput.bench.workloads import read_azure_trace
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
@@ -147,6 +149,9 @@ class Trace:
     initial_replicas: int
     note: str = ""
     static_replicas: int | None = None      # static-peak's N (None: max_replicas)
+    tokens: list[tuple[int, ...]] | None = None   # prompt token ids (None: 1..prompt, no shared prefix)
+    anchor_tokens: list[int] | None = None  # leading tokens naming the conversation (routing.chat_trace)
+    prefix_caching: bool = False            # the replicas' engine prefix cache
 
     def __len__(self) -> int:
         return len(self.t)
@@ -348,6 +353,9 @@ class Result:
     duration: float
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, replicas, ready)
     reasons: dict[str, int] = field(default_factory=dict)
+    routing: str = "round-robin"
+    decisions: dict[str, int] = field(default_factory=dict)   # the router picker's reasons
+    prefix_hit_rate: float | None = None    # engine prefix-cache hits / queries (tokens), all pods
 
     @property
     def goodput_rps(self) -> float:
@@ -364,7 +372,9 @@ class Result:
     def summary(self) -> dict:
         return {"goodput_rps": round(self.goodput_rps, 4), "attainment": round(self.attainment, 4),
                 "rejection_rate": round(self.rejection_rate, 4),
-                "replica_hours": round(self.replica_hours, 4), "direction_changes": self.direction_changes}
+                "replica_hours": round(self.replica_hours, 4), "direction_changes": self.direction_changes,
+                **({"prefix_hit_rate": round(self.prefix_hit_rate, 4)} if self.prefix_hit_rate is not None
+                   else {})}
 
 
 def direction_changes(replicas: Iterable[int]) -> int:
@@ -380,8 +390,12 @@ def direction_changes(replicas: Iterable[int]) -> int:
 
 
 def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: float = 60.0,
-             max_num_seqs: int = 64, max_waiting: int = 256, progress: bool = False) -> Result:
+             max_num_seqs: int = 64, max_waiting: int = 256, progress: bool = False,
+             routing: str = "round-robin", route_seed: int = 0) -> Result:
     """Run ``trace`` through a fleet scaled by ``policy``; deterministic for a given trace.
+
+    ``routing``: how arrivals pick a ready pod (``goodput.bench.routing.ROUTINGS``; the router's
+    picker for ``affinity`` and ``goodput``), ``route_seed`` seeds ``random``.
 
     Replicas start with the engine defaults ``max_num_seqs`` / ``max_waiting`` (the worker's);
     ``trace.initial_replicas`` (``policy.initial_replicas`` when it has one) are ready at t = 0.
@@ -389,7 +403,8 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
     cfg = EngineConfig(num_blocks=hw.num_blocks, max_model_len=hw.max_model_len,
                        block_size=hw.block_size, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=hw.max_num_batched_tokens, max_waiting=max_waiting,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=trace.prefix_caching)
+    router = SimRouter(routing, route_seed)
     pods: list[Replica] = []
     serial = itertools.count()
     events: list[tuple[float, int, str, object]] = []   # (time, seq, kind, payload)
@@ -405,7 +420,6 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
     initial = getattr(policy, "initial_replicas", None) or trace.initial_replicas
     for _ in range(initial):
         new_pod(0.0, True)
-    rr = itertools.count()
     unrouted = 0
     slo_met_total = 0
     finished_total = 0
@@ -521,13 +535,12 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
         i += 1
         if bar is not None and i % 500 == 0:
             bar.update(500)
-        targets = ready_pods(now)
-        if not targets:
+        r = router.route(trace, k, ready_pods(now))
+        if r is None:   # no ready pod, or (router picker) every pod at its limits
             unrouted += 1
             continue
-        r = targets[next(rr) % len(targets)]
         r.now = now
-        req = Request(f"q{k}", range(1, trace.prompt[k] + 1),
+        req = Request(f"q{k}", trace.tokens[k] if trace.tokens is not None else range(1, trace.prompt[k] + 1),
                       SamplingParams(max_tokens=trace.output[k], ignore_eos=True), arrival_time=now)
         try:
             r.sched.add_request(req)
@@ -543,9 +556,12 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                 for p in pods) / 3600.0
     rejected = unrouted + sum(p.sched.rejected_total["queue_full"] + p.sched.rejected_total["never_fits"]
                               + p.sched.rejected_total["invalid"] for p in pods)
+    queries = sum(p.sched.block_manager.prefix_cache_queries for p in pods)
+    hit_rate = (sum(p.sched.block_manager.prefix_cache_hits for p in pods) / queries
+                if trace.prefix_caching and queries else None)
     return Result(policy.name, n, slo_met_total, rejected, finished_total, hours,
                   direction_changes(r for _, r, _ in timeline), end, timeline,
-                  dict(getattr(policy, "reasons", {})))
+                  dict(getattr(policy, "reasons", {})), routing, dict(router.decisions), hit_rate)
 
 
 def default_goodput_spec(trace: Trace, **kw) -> PolicySpec:
@@ -575,13 +591,20 @@ def make_policy(name: str, trace: Trace, **goodput_kw) -> SimPolicy:
 
 
 # ------------------------------------------------------------------------------------- reporting
-TRACES = ("bursty", "diurnal", "long-prompt", "two-class", "azure-code")
+TRACES = ("bursty", "diurnal", "long-prompt", "two-class", "azure-code", "chat")
 
 
 def make_trace(name: str, seed: int = 0, hardware: str = "h200", duration: float | None = None,
                rate: float | None = None) -> Trace:
     """The traces of the committed results, sized so the fleet spans a few to ~10 replicas.
-    ``duration`` (s) and ``rate`` (req/s) override the synthetic traces' defaults (quick runs)."""
+    ``duration`` (s) and ``rate`` (req/s) override the synthetic traces' defaults (quick runs;
+    for ``chat``, ``rate`` is sessions per second)."""
+    if name == "chat":   # goodput.bench.routing.chat_trace (h200: 1.0 sessions/s over 600 s)
+        kw = {k: v for k, v in (("duration", duration), ("session_rate", rate)) if v is not None}
+        if hardware == "cpu":   # ~100x slower engine: shorter texts, fewer sessions, looser SLO
+            kw = dict(dict(session_rate=0.02, system_tokens=128, user_median=16, output_median=24,
+                           tpot_estimate_s=0.5, slo=(3.0, 0.5)), **kw)
+        return chat_trace(seed, **kw)
     if duration is not None or rate is not None:
         if name == "azure-code":
             raise ValueError("--duration/--rate apply to the synthetic traces only")
@@ -616,8 +639,9 @@ STATIC_PEAK = {"bursty": 6}
 
 
 def markdown_table(trace: Trace, hw: StepTime, results: list[Result], load_time_s: float) -> str:
+    routing = results[0].routing if results else "round-robin"
     lines = [f"### {trace.name} ({len(trace)} requests over {trace.duration:.0f} s; {trace.note}; "
-             f"{hw.name}; model load {load_time_s:.0f} s)", "",
+             f"{hw.name}; model load {load_time_s:.0f} s; routing {routing})", "",
              "| policy | goodput (req/s) | attainment | rejection rate | replica-hours | direction changes |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -699,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=None, help="write <trace>.md and <trace>.png here")
     ap.add_argument("--duration", type=float, help="synthetic trace length in seconds (quick runs)")
     ap.add_argument("--rate", type=float, help="synthetic trace base rate in req/s (quick runs)")
+    ap.add_argument("--routing", default="round-robin", choices=ROUTINGS,
+                    help="how arrivals pick a pod (goodput.bench.routing; default round-robin)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -713,16 +739,18 @@ def main(argv: list[str] | None = None) -> int:
     for tname in traces:
         trace = make_trace(tname, args.seed, args.hardware, args.duration, args.rate)
         results = [simulate(trace, make_policy(p, trace), hw, load_time_s=args.load_time,
-                            progress=not args.no_progress) for p in names]
+                            progress=not args.no_progress, routing=args.routing, route_seed=args.seed)
+                   for p in names]
         table = markdown_table(trace, hw, results, args.load_time) + "\n" + verdict(results)
         print(table)
         all_json[tname] = {"trace": tname, "hardware": hw.name, "load_time_s": args.load_time,
-                           "policies": {r.policy: r.summary() for r in results}}
+                           "routing": args.routing, "policies": {r.policy: r.summary() for r in results}}
         if args.out_dir:
             os.makedirs(args.out_dir, exist_ok=True)
-            with open(os.path.join(args.out_dir, f"{tname}-{args.hardware}.md"), "w") as f:
+            stem = f"{tname}-{args.hardware}" + ("" if args.routing == "round-robin" else f"-{args.routing}")
+            with open(os.path.join(args.out_dir, f"{stem}.md"), "w") as f:
                 f.write(table)
-            plot(trace, results, os.path.join(args.out_dir, f"{tname}-{args.hardware}.png"))
+            plot(trace, results, os.path.join(args.out_dir, f"{stem}.png"))
     if args.json:
         out = all_json[traces[0]] if len(traces) == 1 else all_json
         with open(args.json, "w") as f:

@@ -1,0 +1,326 @@
+"""Request routing in the simulator, and the multi-turn chat trace it is measured on.
+
+``SimRouter`` is what ``simulate(..., routing=...)`` (``python -m goodput.bench.simulate
+--routing ...``) sends each arrival through. Five routings:
+
+- ``round-robin``: the ready pods in turn (kube-proxy's IPVS ``rr``; what the simulator did before);
+- ``random``: a seeded uniform choice (kube-proxy's iptables mode);
+- ``least-loaded``: the fewest in-flight requests (ties in turn);
+- ``affinity``: the router's picker (``goodput.router.picker.pick``) with prefix affinity and
+  rendezvous hashing only: no load bound, admission limits ignored (``PickConfig(eps=None,
+  respect_limits=False)``);
+- ``goodput``: the router's full pipeline: prefix affinity, rendezvous, bounded loads and the
+  admission-limit filter (``PickConfig`` defaults, chunks of 64 token ids ~ the router's
+  256 characters). When every pod is at its limits the request is refused (counted as a
+  rejection; the real router queues it up to a bound first).
+
+The last two call the router's own code, not a copy. In-flight = the pod's running + waiting
+requests (with one router, exactly the router's count); the scraped fields (waiting, KV usage)
+are read at the arrival instant (the real router's are up to one scrape period old).
+
+Requests of a trace with token ids (``Trace.tokens``: the chat trace) are keyed by
+``chunk_hashes`` of their ids, with the conversation's anchor (its system prompt and first user
+message, as the router computes for chat); requests of the other traces share no prefix: each is
+keyed by its own number.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+from typing import TYPE_CHECKING, Sequence
+
+from goodput.router.picker import Endpoint, PickConfig, PrefixIndex, RouteKey, chunk_hashes, pick
+
+if TYPE_CHECKING:  # simulate imports this module: no import cycle at run time
+    from goodput.bench.simulate import Replica, Trace
+
+ROUTINGS = ("round-robin", "random", "least-loaded", "affinity", "goodput")
+SIM_CHUNK_TOKENS = 64
+
+
+def pick_config(routing: str) -> PickConfig | None:
+    """The picker's configuration for ``affinity`` and ``goodput`` (None for the others)."""
+    if routing == "goodput":
+        return PickConfig(chunk_size=SIM_CHUNK_TOKENS)
+    if routing == "affinity":
+        return PickConfig(chunk_size=SIM_CHUNK_TOKENS, eps=None, respect_limits=False)
+    if routing in ROUTINGS:
+        return None
+    raise ValueError(f"unknown routing {routing!r}; one of {', '.join(ROUTINGS)}")
+
+
+class SimRouter:
+    """One router in front of the simulated fleet: ``route(trace, k, pods)`` -> the replica for
+    request ``k`` or None (refused); deterministic for a given seed."""
+
+    def __init__(self, routing: str = "round-robin", seed: int = 0, cfg: PickConfig | None = None) -> None:
+        self.routing = routing
+        self.cfg = cfg if cfg is not None else pick_config(routing)
+        self.index = PrefixIndex(self.cfg.index_capacity) if self.cfg is not None else None
+        self.rng = random.Random(seed)
+        self.turn = itertools.count()
+        self.decisions: Counter[str] = Counter()
+
+    def key(self, trace: "Trace", k: int) -> RouteKey:
+        """Request ``k``'s route key (see the module doc)."""
+        size = self.cfg.chunk_size if self.cfg is not None else SIM_CHUNK_TOKENS
+        if trace.tokens is None:
+            return RouteKey("sim", "r", None, chunk_hashes("sim", "r", None, token_ids=(k,), chunk_size=size))
+        ids = trace.tokens[k]
+        n_anchor = trace.anchor_tokens[k] if trace.anchor_tokens is not None else 0
+        anchor = chunk_hashes("sim", "r", None, token_ids=ids[:n_anchor], chunk_size=size)[-1] if n_anchor else None
+        return RouteKey("sim", "r", None, chunk_hashes("sim", "r", None, token_ids=ids, chunk_size=size), anchor)
+
+    def route(self, trace: "Trace", k: int, pods: Sequence["Replica"]) -> "Replica | None":
+        if not pods:
+            return None
+        if self.routing == "round-robin":
+            return pods[next(self.turn) % len(pods)]
+        if self.routing == "random":
+            return pods[self.rng.randrange(len(pods))]
+        if self.routing == "least-loaded":
+            start = next(self.turn) % len(pods)
+            order = pods[start:] + pods[:start]
+            return min(order, key=lambda p: len(p.sched.running) + len(p.sched.waiting))
+        key = self.key(trace, k)
+        by_name = {p.name: p for p in pods}
+        eps = [Endpoint(p.name, f"sim://{p.name}", len(p.sched.running) + len(p.sched.waiting),
+                        p.sched.max_num_seqs, p.sched.max_waiting, len(p.sched.running),
+                        len(p.sched.waiting), p.sched.block_manager.usage) for p in pods]
+        got = pick(key, eps, self.index, self.cfg)
+        self.decisions[got.reason] += 1
+        if got.pod is None:
+            return None
+        self.index.record(key, got.pod)
+        return by_name[got.pod]
+
+
+def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
+
+
+def chat_trace(seed: int = 0, session_rate: float = 1.0, duration: float = 600.0,
+               system_tokens: int = 1024, turns: tuple[int, int] = (3, 8), user_median: int = 96,
+               output_median: int = 192, think_median_s: float = 15.0, tpot_estimate_s: float = 0.06,
+               slo: tuple[float, float] = (1.0, 0.15), max_replicas: int = 10, initial_replicas: int = 2,
+               max_model_len: int = 8192, vocab: int = 32000) -> "Trace":
+    """Seeded multi-turn chat: sessions arrive as a Poisson process (``session_rate`` per second)
+    over ``duration`` seconds; every session starts with the same ``system_tokens``-token system
+    prompt and runs a uniform number of turns in ``turns`` (inclusive). Turn j's prompt is the
+    system prompt, then every earlier user message and reply, then the new user message (lognormal
+    median ``user_median`` tokens, sigma 0.6, 8..1024); its output is lognormal median
+    ``output_median`` (sigma 0.6, 8..1024). Replies are ids ``1`` (what the simulated model emits:
+    the sampled token is always 1), so the engine's prefix cache holds exactly the next turn's
+    history. The next turn arrives after the reply's estimated generation time (``output *
+    tpot_estimate_s``) plus a think time (lognormal median ``think_median_s``, sigma 0.5):
+    open loop, the same arrivals under every routing. A session ends early when its next turn
+    would not fit ``max_model_len``; turns after ``duration`` are dropped. Token ids of system and
+    user text are uniform in [2, vocab).
+    """
+    from goodput.bench.simulate import Trace
+
+    rng = random.Random(seed)
+    system = tuple(rng.randrange(2, vocab) for _ in range(system_tokens))
+    reqs: list[tuple[float, tuple[int, ...], int, int]] = []   # (t, ids, output, anchor tokens)
+    t = 0.0
+    sessions = 0
+    while True:
+        t += rng.expovariate(session_rate)
+        if t >= duration:
+            break
+        sessions += 1
+        n_turns = rng.randint(turns[0], turns[1])
+        history = system
+        at = t
+        anchor = 0
+        for j in range(n_turns):
+            user = tuple(rng.randrange(2, vocab) for _ in range(_lognormal_int(rng, user_median, 0.6, 8, 1024)))
+            out = _lognormal_int(rng, output_median, 0.6, 8, 1024)
+            prompt = history + user
+            if len(prompt) + out > max_model_len or at >= duration:
+                break
+            if j == 0:
+                anchor = len(prompt)
+            reqs.append((at, prompt, out, anchor))
+            history = prompt + (1,) * out
+            at += out * tpot_estimate_s + rng.lognormvariate(math.log(think_median_s), 0.5)
+    reqs.sort(key=lambda r: r[0])
+    tr = Trace("chat", [r[0] for r in reqs], [len(r[1]) for r in reqs], [r[2] for r in reqs],
+               [0] * len(reqs), [slo], duration, max_replicas, initial_replicas,
+               note=f"seed {seed}, {sessions} sessions at {session_rate}/s, {turns[0]}-{turns[1]} turns, "
+                    f"system prompt {system_tokens}, user median {user_median}, reply median "
+                    f"{output_median}, think median {think_median_s:.0f} s, prefix caching on, SLO TTFT "
+                    f"{slo[0]} s / TPOT {slo[1] * 1000:.0f} ms")
+    tr.tokens = [r[1] for r in reqs]
+    tr.anchor_tokens = [r[3] for r in reqs]
+    tr.prefix_caching = True
+    return tr
+
+
+# ------------------------------------------------------------------------------ the results
+CHAT_POLICIES = ("goodput", "hpa-queue", "kpa", "saturation")
+OTHER_TRACES = ("bursty", "diurnal", "long-prompt", "two-class", "azure-code")
+
+
+def _run(job: tuple) -> dict:
+    """One simulation (in a worker process): (trace, seed, hardware, duration, rate, policy or
+    ("static", n), routing) -> its summary."""
+    from goodput.bench import baselines
+    from goodput.bench import simulate as sim
+
+    tname, seed, hardware, duration, rate, policy, routing = job
+    trace = sim.make_trace(tname, seed, hardware, duration, rate)
+    pol = baselines.StaticPeak(policy[1]) if isinstance(policy, tuple) else sim.make_policy(policy, trace)
+    r = sim.simulate(trace, pol, sim.HARDWARE[hardware](), routing=routing, route_seed=seed)
+    return {"trace": tname, "policy": policy if isinstance(policy, str) else f"fixed-{policy[1]}",
+            "routing": routing, "requests": len(trace), "note": trace.note, "decisions": r.decisions,
+            **r.summary()}
+
+
+def _pool_map(jobs: list, procs: int) -> list:
+    if procs <= 1:
+        return [_run(j) for j in jobs]
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        return pool.map(_run, jobs, chunksize=1)
+
+
+def smallest_fleets(base: tuple, routings: Sequence[str], target: float, start: int, hi: int,
+                    procs: int) -> dict[str, dict[int, dict]]:
+    """For each routing, fixed fleets from ``start`` down while they reach ``target`` attainment
+    and up until one does (at most ``hi``): {routing: {n: summary}}; each routing's smallest
+    passing n has n - 1 failing (or is 1) unless it hit ``hi``."""
+    runs: dict[str, dict[int, dict]] = {r: {} for r in routings}
+
+    def next_n(r: str) -> int | None:
+        got = runs[r]
+        if not got:
+            return start
+        ok = sorted(n for n, s in got.items() if s["attainment"] >= target)
+        bad = sorted(n for n, s in got.items() if s["attainment"] < target)
+        if ok and (ok[0] == 1 or (bad and bad[-1] == ok[0] - 1)):
+            return None
+        if ok:
+            return ok[0] - 1
+        return bad[-1] + 1 if bad[-1] < hi else None
+
+    while True:
+        todo = [(r, n) for r in routings if (n := next_n(r)) is not None]
+        if not todo:
+            return runs
+        for (r, n), s in zip(todo, _pool_map([base + (("static", n), r) for r, n in todo], procs)):
+            runs[r][n] = s
+
+
+def _row(s: dict, first: str) -> str:
+    hit = s.get("prefix_hit_rate")
+    dec = ", ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items())) or "-"
+    return (f"| {first} | {s['goodput_rps']:.2f} | {s['attainment']:.3f} | {s['rejection_rate']:.3f} | "
+            f"{s['replica_hours']:.3f} | {s['direction_changes']} | "
+            f"{'-' if hit is None else f'{hit:.3f}'} | {dec} |")
+
+
+HEAD = ("| goodput (req/s) | attainment | rejection rate | replica-hours | direction changes | "
+        "prefix-cache hit rate | picker decisions |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m goodput.bench.routing [--out-dir bench/results/routing] [--procs 2]``: the
+    routing results (chat trace: routing x autoscaling policy, smallest fixed fleet per routing,
+    the targets; the other traces: goodput vs round-robin routing under our autoscaler)."""
+    import argparse
+    import json
+    import os
+    import time
+
+    from goodput.bench.simulate import default_goodput_spec, make_trace
+
+    ap = argparse.ArgumentParser(prog="python -m goodput.bench.routing", description=main.__doc__)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--chat-duration", type=float, default=600.0)
+    ap.add_argument("--chat-rate", type=float, default=2.0, help="chat sessions per second")
+    ap.add_argument("--other-traces", default=",".join(OTHER_TRACES), help="'' to skip")
+    ap.add_argument("--fleet-start", type=int, default=3)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    chat = make_trace("chat", args.seed, args.hardware, args.chat_duration, args.chat_rate)
+    target = default_goodput_spec(chat).attainment_target
+    base = ("chat", args.seed, args.hardware, args.chat_duration, args.chat_rate)
+    fleets = smallest_fleets(base, ROUTINGS, target, args.fleet_start, chat.max_replicas, args.procs)
+    table = _pool_map([base + (p, r) for r in ROUTINGS for p in CHAT_POLICIES], args.procs)
+    others = [t for t in args.other_traces.split(",") if t]
+    other = _pool_map([(t, args.seed, args.hardware, None, None, "goodput", r)
+                       for t in others for r in ("round-robin", "goodput")], args.procs)
+
+    out = [f"# Routing in the simulator ({args.hardware})", "",
+           f"Chat trace: {len(chat)} requests over {chat.duration:.0f} s; {chat.note}. Replicas: the "
+           f"engine's real Scheduler + BlockManager; SLO target (the autoscaler spec's attainment "
+           f"target): {target}.", "",
+           "## Smallest fixed fleet reaching the target, per routing", "",
+           "| routing | replicas | " + HEAD.lstrip("| "), "|---|---:|" + "---:|" * 6 + "---|"]
+    smallest: dict[str, int | None] = {}
+    for r in ROUTINGS:
+        ok = sorted(n for n, s in fleets[r].items() if s["attainment"] >= target)
+        smallest[r] = ok[0] if ok else None
+        for n in sorted(fleets[r]):
+            mark = " (smallest)" if n == smallest[r] else ""
+            out.append(_row(fleets[r][n], f"{r} | {n}{mark}"))
+    out += ["", "## Routing x autoscaling policy (chat trace)", "",
+            "| routing | policy | " + HEAD.lstrip("| "), "|---|---|" + "---:|" * 6 + "---|"]
+    cell = {(s["routing"], s["policy"]): s for s in table}
+    for r in ROUTINGS:
+        for p in CHAT_POLICIES:
+            out.append(_row(cell[(r, p)], f"{r} | {p}"))
+    # the targets
+    checks = []
+    ours, rr = smallest["goodput"], smallest["round-robin"]
+    if ours and rr:
+        checks.append(f"smallest fleet: goodput {ours} vs round-robin {rr} replicas "
+                      f"({1 - ours / rr:.0%} smaller; target >= 25%) -> "
+                      f"{'met' if ours <= 0.75 * rr else 'NOT met'}")
+        g_ours = fleets["goodput"][ours]["goodput_rps"]
+        rr_at = fleets["round-robin"].get(ours)
+        if rr_at is not None:
+            checks.append(f"at {ours} replicas: round-robin goodput {rr_at['goodput_rps']:.2f} vs ours "
+                          f"{g_ours:.2f} req/s ({rr_at['goodput_rps'] / g_ours:.2f}x; target < 0.5x) -> "
+                          f"{'met' if rr_at['goodput_rps'] < 0.5 * g_ours else 'NOT met'}")
+    a, b = cell[("goodput", "goodput")], cell[("round-robin", "goodput")]
+    checks.append(f"goodput autoscaler: attainment {a['attainment']:.3f} (ours) vs {b['attainment']:.3f} "
+                  f"(round-robin) at {a['replica_hours'] / b['replica_hours']:.2f}x the replica-hours "
+                  f"(target >= and <= 0.75x) -> "
+                  f"{'met' if a['attainment'] >= b['attainment'] and a['replica_hours'] <= 0.75 * b['replica_hours'] else 'NOT met'}")
+    if other:
+        out += ["", "## The other traces: our autoscaler, round-robin vs goodput routing", "",
+                "| trace | routing | " + HEAD.lstrip("| "), "|---|---|" + "---:|" * 6 + "---|"]
+        for s in other:
+            out.append(_row(s, f"{s['trace']} | {s['routing']}"))
+        byt = {(s["trace"], s["routing"]): s for s in other}
+        worse = [t for t in others if byt[(t, "goodput")]["goodput_rps"] < byt[(t, "round-robin")]["goodput_rps"] - 1e-9]
+        checks.append("other traces: goodput routing's goodput >= round-robin's on "
+                      f"{len(others) - len(worse)} of {len(others)}"
+                      + (f" (below on {', '.join(worse)})" if worse else "") + " -> "
+                      + ("met" if not worse else "NOT met"))
+    out += ["", "## Targets", ""] + [f"- {c}" for c in checks]
+    out += ["", f"Made by `python -m goodput.bench.routing --out-dir bench/results/routing --procs "
+                f"{args.procs} --chat-duration {args.chat_duration:.0f} --chat-rate {args.chat_rate}` "
+                f"({time.time() - t0:.0f} s wall on a shared 2-core machine).", ""]
+    text = "\n".join(out)
+    print(text)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, f"routing-{args.hardware}.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(args.out_dir, f"routing-{args.hardware}.json"), "w") as f:
+            json.dump({"fleets": fleets, "chat": table, "other": other, "target": target}, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
