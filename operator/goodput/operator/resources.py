@@ -30,6 +30,8 @@ MANAGED_BY = "goodput-operator"
 LABEL_ISVC = f"{api.GROUP}/inferenceservice"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
+# the worker's kernel policy (cpu_kernels.POLICY_ENV, a torch module; a test keeps the two equal)
+CPU_KERNELS_ENV = "GOODPUT_CPU_KERNELS"
 CONTAINER_NAME = "worker"
 MODEL_VOLUME_NAME = "model"
 
@@ -166,6 +168,9 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         "env": [
             {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}},
+            # a pod never compiles the C++ CPU kernels at start-up: the image's (or setup.sh's) build, or
+            # the torch path (worker_image/goodput/worker/model/cpu_kernels.py)
+            {"name": CPU_KERNELS_ENV, "value": "prebuilt"},
         ] + [v.model_dump(by_alias=True, exclude_none=True) for v in spec.pod_template.env],
         # /health answers once the server is up; the model loads before that, so allow the whole budget
         "startupProbe": _http_probe("/health", p.period_seconds, p.timeout_seconds,

@@ -1,32 +1,58 @@
-"""Build and call goodput's C++ CPU kernels (``csrc/``): paged decode attention
+"""Build, cache and call goodput's C++ CPU kernels (``csrc/``): paged decode attention
 (``paged_attention.cpp``, used by the ``cpu`` attention backend) and fused decoder-layer ops
 (``layer_ops.cpp``: RMSNorm, residual add + RMSNorm, RoPE, SiLU·up; used by ``llama.py``).
 
-The extension is compiled on first use with torch's own ``torch.utils.cpp_extension.load``
-(g++ with OpenMP, ``-O3 -march=native``) into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), named by a hash of the source,
-the flags and this CPU's instruction-set flags, so a cache shared between different machines never
-loads code built for another CPU. The first build takes ~1 minute on 2 cores; later loads are
-instant. Where it cannot be built (no compiler, no Python headers) :func:`load` returns None with
-the reason in :func:`load_error`: ``auto`` then picks the torch attention backend and the model
-runs its torch ops. ``GOODPUT_CPU_KERNELS=0`` turns both off (:func:`available`).
+Building and loading are separate steps, so a worker never compiles while it starts:
+
+- **Build** (``python -m goodput.worker.model.cpu_kernels``; ``scripts/setup.sh`` runs it once, the
+  worker image's Dockerfile at build time): torch's ``torch.utils.cpp_extension.load`` compiles the
+  sources (g++ with OpenMP, ``-O3 -march=native``, ~1 min on 2 cores) and the shared library is moved
+  into the cache atomically (``os.replace``) as ``<name>.so``. ``<name>`` is
+  ``goodput_cpu_kernels_<12 hex>``, a SHA-256 of the sources, the flags, this CPU's instruction-set
+  flags and torch's version: a changed source or another CPU is another file, never a stale one.
+  Builds of one name are serialized by an exclusive ``flock`` on ``<name>.lock`` (released by the
+  kernel if the builder dies), and the builder that gets the lock first checks for the file again:
+  concurrent starts build at most once. A build that fails writes ``<name>.failed`` (the compiler's
+  last error line), so no later process pays for the same failing compile; ``--force`` retries.
+- **Load** (:func:`load`): imports ``<name>.so`` from the cache — no compiler, ninja or source
+  timestamps involved (torch's JIT loader re-runs ninja in every new process and recompiles whenever a
+  source's mtime is newer than its output, e.g. after a checkout). With ``GOODPUT_CPU_KERNELS`` unset
+  or ``1``, a miss builds as above (library use, tests); with ``prebuilt`` — what the operator sets in
+  worker pods — a miss never compiles: :func:`load` returns None and :func:`load_error` says why and
+  what to run, and the worker uses the torch path (``auto`` attention backend → ``torch``, the model's
+  torch ops). ``0`` turns the kernels off (:func:`available`).
+
+Cache directory: ``$GOODPUT_CPU_KERNELS_DIR``, else ``cpu-kernels`` under the worker's cache
+(``$GOODPUT_CACHE_DIR``, default ``~/.cache/goodput``).
 """
 from __future__ import annotations
 
+import argparse
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from goodput.worker.model.gguf_loader import default_cache_dir
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f for f in ("paged_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+POLICY_ENV = "GOODPUT_CPU_KERNELS"  # 0 | prebuilt | 1 (default): see the module docstring
+DIR_ENV = "GOODPUT_CPU_KERNELS_DIR"
+BUILD_COMMAND = "python -m goodput.worker.model.cpu_kernels"
 _error: str | None = None
 
 
@@ -41,22 +67,91 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cache_dir() -> Path:
+    """Where built kernels live: ``$GOODPUT_CPU_KERNELS_DIR`` or ``<worker cache>/cpu-kernels``."""
+    return Path(os.environ.get(DIR_ENV) or default_cache_dir() / "cpu-kernels")
+
+
+def kernel_name() -> str:
+    """``goodput_cpu_kernels_<12 hex>`` of the current sources, flags, CPU and torch version."""
+    src = "\0".join(p.read_text() for p in SOURCES)
+    key = hashlib.sha256("\0".join([src, " ".join(CFLAGS), _cpu_flags(), torch.__version__]).encode())
+    return f"goodput_cpu_kernels_{key.hexdigest()[:12]}"
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+def build(force: bool = False) -> ModuleType:
+    """Compile the kernels into the cache unless there already (at most once across processes).
+
+    Returns the loaded module. Raises RuntimeError when the build fails, or failed before for these
+    sources (``<name>.failed``; ``force=True`` removes that record and tries again).
+    """
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    name = kernel_name()
+    so, failed = d / f"{name}.so", d / f"{name}.failed"
+    with open(d / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same name: wait for its result
+        if force:
+            failed.unlink(missing_ok=True)
+        if so.exists():
+            return _import(name, so)
+        if failed.exists():
+            raise RuntimeError(f"an earlier build of these sources failed ({failed.read_text().strip()}); "
+                               f"`{BUILD_COMMAND} --force` retries")
+        log.info("building the C++ CPU kernels %s into %s (~1 min)", name, d)
+        from torch.utils import cpp_extension
+
+        work = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=d))
+        try:
+            mod = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                                     extra_ldflags=LDFLAGS, build_directory=str(work), verbose=False)
+            tmp = d / f".{name}.so.{os.getpid()}"
+            shutil.copyfile(work / f"{name}.so", tmp)
+            os.replace(tmp, so)  # atomic: a loader sees the whole file or none
+            return mod
+        except Exception as e:  # noqa: BLE001 - record any build failure for the next processes
+            tmp = d / f".{name}.failed.{os.getpid()}"
+            tmp.write_text(_last_line(e) + "\n")
+            os.replace(tmp, failed)
+            raise RuntimeError(f"building the C++ CPU kernels failed: {_last_line(e)}") from e
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled extension module, or None (see :func:`load_error`) when it cannot be built."""
+    """The kernels' extension module, or None (see :func:`load_error`): the cached build, else a new
+    build unless ``GOODPUT_CPU_KERNELS=prebuilt`` (never compile: the torch path instead)."""
     global _error
     try:
-        from torch.utils import cpp_extension
-        src = "\0".join(p.read_text() for p in SOURCES)
-        key = hashlib.sha256("\0".join([src, " ".join(CFLAGS), _cpu_flags(), torch.__version__]).encode())
-        name = f"goodput_cpu_kernels_{key.hexdigest()[:12]}"
-        log.info("loading the C++ CPU kernels %s (the first build compiles them, ~1 min)", name)
-        return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
-        _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("C++ CPU kernels unavailable (%s); using the torch reference ops", _error)
-        return None
+        name = kernel_name()
+        so = cache_dir() / f"{name}.so"
+        if so.exists():
+            return _import(name, so)
+        if os.environ.get(POLICY_ENV, "1") == "prebuilt":
+            failed = so.with_suffix(".failed")
+            why = f"building them failed: {failed.read_text().strip()}" if failed.exists() else "not built"
+            _error = (f"{name} is not in {so.parent} ({why}); {POLICY_ENV}=prebuilt never compiles at start-up: "
+                      f"run `{BUILD_COMMAND}` once (scripts/setup.sh does; the worker image ships them)")
+        else:
+            return build()
+    except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
+        _error = _last_line(e) if not isinstance(e, RuntimeError) else str(e)
+    log.warning("C++ CPU kernels unavailable (%s); using the torch reference ops", _error)
+    return None
 
 
 def load_error() -> str | None:
@@ -65,15 +160,30 @@ def load_error() -> str | None:
 
 
 def available() -> bool:
-    """True when the kernels build (or are cached) here; GOODPUT_CPU_KERNELS=0 says no."""
+    """True when the kernels are loaded here; GOODPUT_CPU_KERNELS=0 says no."""
     return loaded() is not None
 
 
 def loaded() -> ModuleType | None:
     """:func:`load`, or None when GOODPUT_CPU_KERNELS=0 (the torch reference ops everywhere)."""
-    if os.environ.get("GOODPUT_CPU_KERNELS", "1") == "0":
+    if os.environ.get(POLICY_ENV, "1") == "0":
         return None
     return load()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m goodput.worker.model.cpu_kernels [--force]``: build into the cache; prints the file."""
+    ap = argparse.ArgumentParser(description="Build goodput's C++ CPU kernels once into their cache.")
+    ap.add_argument("--force", action="store_true", help="retry a build that failed before for these sources")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        build(force=a.force)
+    except RuntimeError as e:
+        print(f"CPU kernels unavailable ({e}); the worker uses the torch reference ops", file=sys.stderr)
+        return 1
+    print(f"CPU kernels (paged decode attention, fused layer ops): ready in {cache_dir() / kernel_name()}.so")
+    return 0
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, threads: int | None = None,
@@ -115,3 +225,7 @@ def checked_call(mod: ModuleType, q, k_cache, v_cache, block_tables, seq_lens, s
     if q.stride(-1) != 1:
         q = q.contiguous()
     return mod.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float(scale), int(splits))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
