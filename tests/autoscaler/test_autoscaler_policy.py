@@ -239,7 +239,9 @@ def _quiet(name: str, rps: float = 5.0) -> PodObservation:
 def test_scale_down_after_the_window_and_one_step_at_a_time():
     # 3 pods at 5 req/s: demand 15 * 4.16 = 62.4, capacity 53.33 -> rec 2
     obs = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
-    old = PolicyState(since=-400.0)           # 400 s of history
+    # 400 s of history, and the fleet has proven it serves 500 output tokens/s per replica (5 req/s
+    # x 100 tokens; no prompt counter): at 2 replicas each gets 15 * 100 / 2 = 750 <= 1.75 * 500
+    old = PolicyState(since=-400.0, proven_work=500.0)
     d = decide(0.0, obs, SPEC, old)
     assert (d.replicas, d.reason) == (2, "ScaleDown")
     # no history (fresh or lost state): a whole window must pass first
@@ -249,8 +251,14 @@ def test_scale_down_after_the_window_and_one_step_at_a_time():
     st = PolicyState(recommendations=[[-200.0, 3.0]], since=-400.0)
     assert decide(0.0, obs, SPEC, st).reason == "HoldStabilizing"
     # ... from 400 s ago it is not
-    st = PolicyState(recommendations=[[-400.0, 3.0]], since=-400.0)
+    st = PolicyState(recommendations=[[-400.0, 3.0]], since=-400.0, proven_work=500.0)
     assert decide(0.0, obs, SPEC, st).replicas == 2
+    # nothing proven yet: 750 per replica is not within 1.75x of 0, and demand 62.4 is above the
+    # idle 0.3 * 2 * 53.33 = 32: the fleet that carries it is the current 3 -> hold
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0)).reason == "HoldStabilizing"
+    # proven 428 < 750 / 1.75 = 428.57: hold; 429: go
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0, proven_work=428.0)).replicas == 3
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0, proven_work=429.0)).replicas == 2
     # idle fleet of 4: rec = min_replicas 1, but at most max_scale_down_step = 1 per decision
     idle = tuple(pod(n, running=0, admitted=0, finished=0, slo_met=0, generation_tokens=0, ttft=None,
                      tpot=None, kv_usage=0.0) for n in "abcd")
@@ -315,11 +323,15 @@ def test_restart_from_saved_state_does_not_flap():
     restored = decide(30.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(up.state.to_dict()))))
     assert (kept.replicas, kept.reason) == (4, "HoldStabilizing")
     assert (restored.replicas, restored.reason) == (kept.replicas, kept.reason)
-    # at t=330 the 4 has left the window and 330 s of history exist: one step down, restored or
-    # not; a fresh state (history lost) holds another whole window instead of acting on one sample
-    later = decide(330.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(kept.state.to_dict()))))
+    # at t=331 the 4s (and the t=30 call, when nothing was proven yet, so 4 replicas were the
+    # fewest known to carry the load) have left the window; 331 s of history exist and the good
+    # calls at 30 and 331 (more than a model load apart) prove 2 * 100 = 200 tokens/s per
+    # replica: 3 replicas get 800 / 3 = 267 <= 1.75 * 200 = 350 (2 would get 400 > 350): one
+    # step down, restored or not; a fresh state (history lost) holds another whole window
+    later = decide(331.0, light, SPEC, PolicyState.from_dict(json.loads(json.dumps(kept.state.to_dict()))))
     assert (later.replicas, later.reason) == (3, "ScaleDown")
-    assert decide(330.0, light, SPEC, None).reason == "HoldStabilizing"
+    assert later.state.proven_work == pytest.approx(200.0)
+    assert decide(331.0, light, SPEC, None).reason == "HoldStabilizing"
 
 
 def test_missed_slos_scale_up_in_proportion_and_at_once():
@@ -345,13 +357,18 @@ def test_successive_scale_downs_are_a_model_load_apart():
     # rec 2 from 3 (see test_scale_down_after_the_window...); the last scale-down was 30 s ago:
     # undoing a wrong one would cost a 60 s model load, so wait; 70 s ago: go
     obs = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
-    recent = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=-1)
+    recent = PolicyState(since=-400.0, last_down_time=-30.0, proven_work=500.0)
     assert decide(0.0, obs, SPEC, recent).reason == "HoldStabilizing"
-    older = PolicyState(since=-400.0, last_scale_time=-70.0, last_direction=-1)
+    older = PolicyState(since=-400.0, last_down_time=-70.0, proven_work=500.0)
     assert decide(0.0, obs, SPEC, older).replicas == 2
-    # after a scale-UP 30 s ago nothing waits on this rule (the window already covers it)
-    up = PolicyState(since=-400.0, last_scale_time=-30.0, last_direction=1)
-    assert decide(0.0, obs, SPEC, up).replicas == 2
+    # no scale-down within a model load of a scale-UP either (its new pods are watched that
+    # long), nor of the last call that saw a pod loading
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0, proven_work=500.0, last_up_time=-30.0)).reason == "HoldStabilizing"
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0, proven_work=500.0, last_loading_time=-59.0)).reason == "HoldStabilizing"
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0, proven_work=500.0, last_up_time=-61.0)).replicas == 2
+    # a measured model load of 145 s (state) replaces the 60 s prior: 70 s after a scale-up waits
+    assert decide(0.0, obs, SPEC, PolicyState(since=-400.0, proven_work=500.0, last_up_time=-70.0, load_s=145.0)
+                  ).reason == "HoldStabilizing"
 
 
 # ------------------------------- rule 4: a batch cut while capacity loads adds no replica
@@ -426,7 +443,7 @@ def test_metrics_back_after_a_long_gap_wait_a_whole_window():
     # (HoldMissingMetrics) and records max(rec, current) = 3
     quiet = Observation(tuple(_quiet(n) for n in "abc"), (), (), 3)
     gap = Observation((_quiet("a"), _quiet("b")), (), ("c",), 3)
-    st = PolicyState(since=-400.0)
+    st = PolicyState(since=-400.0, proven_work=500.0)
     for t in (0.0, 100.0, 200.0, 300.0, 400.0):
         d = decide(t, gap, SPEC, st)
         assert (d.replicas, d.reason) == (3, "HoldMissingMetrics")

@@ -109,7 +109,10 @@ def test_cli_writes_json_table_and_plot(tmp_path):
     assert data["trace"] == "bursty"
     assert set(data["policies"]) == {"static-peak", "goodput"}
     assert set(data["policies"]["goodput"]) == {"goodput_rps", "attainment", "rejection_rate",
-                                                "replica_hours", "direction_changes"}
+                                                "replica_hours", "direction_changes", "frontier_attainment"}
+    # 4 arrivals in 20 s, each served alone by one replica within its SLO: 1 replica suffices
+    assert data["hindsight_static"]["replicas"] == 1
+    assert data["hindsight_static"]["replica_hours"] == pytest.approx(20.0 / 3600.0, abs=1e-4)
     assert (tmp_path / "bursty-h200.md").read_text().count("| goodput |") == 1
     assert (tmp_path / "bursty-h200.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
@@ -125,3 +128,33 @@ def test_cpu_step_time_from_the_committed_fit():
                       max_replicas=1, initial_replicas=1)
     r = sim.simulate(trace, baselines.StaticPeak(1), hw)
     assert (r.finished, r.slo_met) == (2, 2)
+
+
+def _fake(n: int, met: int) -> sim.Result:
+    return sim.Result(f"static-{n}", 100, met, 0, 100, float(n), 0, 3600.0)
+
+
+def test_fixed_fleets_hindsight_and_frontier():
+    # a one-hour trace, so N replicas spend N replica-hours; attainment 0.5, 0.9, 1.0 for 1, 2, 3
+    trace = sim.Trace("t", [], [], [], [], [(1.0, 0.1)], duration=3600.0, max_replicas=3, initial_replicas=1)
+    ff = sim.FixedFleets(trace, HW, 60.0, {1: _fake(1, 50), 2: _fake(2, 90), 3: _fake(3, 100)})
+    assert ff.hindsight(0.85) == 2          # 1 -> 0.5 < 0.85, 2 -> 0.9
+    assert ff.hindsight(0.95) == 3
+    assert ff.hindsight(0.9) == 2
+    assert ff.hindsight(1.01) is None       # even 3 replicas miss it
+    assert ff.frontier(1.25) == pytest.approx(0.5 + (0.9 - 0.5) * 0.25)   # 0.6
+    assert ff.frontier(2.0) == pytest.approx(0.9)
+    assert ff.frontier(0.5) == pytest.approx(0.25)    # between 0 replicas (0) and 1 (0.5)
+    assert ff.frontier(3.5) == pytest.approx(1.0)     # past max_replicas: its attainment
+
+
+def test_steady_trace_is_constant_rate_poisson():
+    t = sim.make_trace("steady")
+    # 5 req/s for 1800 s: 9000 expected arrivals, Poisson sd sqrt(9000) = 95
+    assert t.duration == 1800.0 and t.initial_replicas == 2
+    assert abs(len(t) - 9000) < 4 * 95
+    # constant rate: each third of the trace holds a third of the arrivals (sd sqrt(3000) = 55)
+    for k in range(3):
+        n = sum(1 for x in t.t if 600 * k <= x < 600 * (k + 1))
+        assert abs(n - 3000) < 4 * 55
+    assert t.slos == [(1.0, 0.15)]

@@ -12,9 +12,13 @@ OFFERED requests.
 How each rule follows from the ideas it rests on:
 
 1. Offered demand, not admitted demand. A fleet can look fast by refusing work, so demand is
-   ``admitted + rejected_429`` per second, and attainment is
-   ``slo_met / (finished + rejected_429)``: a 429 is a missed request. (400s, never_fits and
-   invalid, are client errors that no replica count can fix; they are reported, not counted.)
+   ``admitted + rejected_429 + router refused`` per second, and attainment is
+   ``slo_met / (finished + rejected)`` (:func:`attainment`; rejected = the pods' 429s + the
+   router's refusals): a refusal is a missed request. The chart's recording rule
+   ``goodput:slo_attainment:ratio_rate<w>`` is the same ratio, and the dashboards read it.
+   (400s, never_fits and invalid, are client errors that no replica count can fix; they are
+   reported, not counted.) Requests the router holds (no ready pod) or queues (every pod at its
+   limits) are demand in flight (Little's L): they add to ``running + waiting``.
 
 2. The best batch is the largest that still meets the latency contract. Each replica's
    ``max_num_seqs`` is tuned AIMD-style from its own signals over the interval: TPOT attainment
@@ -85,14 +89,31 @@ How each rule follows from the ideas it rests on:
 6. Preemptions are a saturation signal (they waste the recomputed prefill and stall TPOT): they
    cut the batch (rule 2) and block any scale-down.
 
-7. Scale down only after the stabilization window and only when the rest holds the SLO. The
-   scale-down target is the LARGEST recommendation of the last ``stabilization_window_s``
-   (Kubernetes HPA's scale-down stabilization), over a history at least that long (a fresh or
-   lost state waits a window); it applies only when there were no 429s and no
-   preemptions in the interval, attainment met the target, nothing is starting, and the
-   remaining replicas carry L at no more than ``target_utilization`` of their capacity.
-   Successive scale-downs are at least ``model_load_s`` apart: undoing a wrong one costs a model
-   load, so the smaller fleet is watched that long before the next replica goes.
+7. Scale down only after the stabilization window, and only to a fleet predicted to carry the
+   load with margin. The scale-down target is the LARGEST recommendation of the last
+   ``stabilization_window_s`` (Kubernetes HPA's scale-down stabilization), over a history at
+   least that long (a fresh or lost state waits a window); it applies only when there were no
+   refusals and no preemptions in the interval, attainment met the target, nothing is starting,
+   and the smaller fleet of m replicas *carries* the load (:func:`carries`):
+   (a) Little's law: L (and L forecast over the horizon, rule 11) fits m replicas at
+   ``target_utilization``; and (b) the work per replica it would get (offered tokens per second,
+   prompt + output, smoothed and forecast) is at most ``explore_ratio`` times the most work per
+   replica seen while the SLO held (``PolicyState.proven_work``), or the fleet is nearly idle
+   (L at most ``idle_utilization`` of m replicas' capacity); and (c) it stays below the work per
+   replica at which a smaller fleet already failed (below). Why (b): Little's law counts
+   sequences, but a replica saturates on its step's token budget (prefill chunks) well before its
+   batch is full — a steady 5 req/s that 2 H200s carry at 1.000 gets 0.63 on one, whose batch is
+   only half full — and that knee depends on the hardware and the length mix, which the policy
+   cannot see. What a fleet has served within its SLO it can serve again; a step of at most
+   ``explore_ratio`` past it is a bounded experiment.
+   Learning from an undone scale-down: a scale-up within ``stabilization_window_s`` of a
+   scale-down records the work per replica that failed (``fail_work``) and a floor (the replicas
+   after the scale-up); no scale-down below the floor while the work per replica there would be
+   within ``tolerance`` of ``fail_work``. The floor decays one replica per ``floor_quiet_s``
+   without a new failure, so an N <-> N-1 flip-flop happens at most once.
+   Successive scale-downs are at least one model-load time apart, and no scale-down comes within
+   a model-load time of a scale-up or of the last pod becoming ready: undoing a wrong one costs a
+   model load, and a scale-up's new pods are watched that long before any replica goes.
 
 8. Scale up on evidence. The scale-up target is the SMALLEST recommendation of the last
    ``scale_up_window_s`` (a spike shorter than the window moves nothing), except that a
@@ -113,12 +134,43 @@ How each rule follows from the ideas it rests on:
    recording nothing would leave it empty after a gap longer than the window and let a single
    sample act. ``current_replicas`` below ``min_replicas`` is raised regardless
    (ScaleUpMinReplicas).
+
+11. Predictive scale-up (:func:`forecast`). Offered load (req/s) follows Holt's linear trend
+   (double exponential smoothing: level ``a``, trend ``b`` per second, ``forecast_alpha`` and
+   ``forecast_beta`` per 5 s, compounded over the time between calls; Holt 1957; Hyndman & Athanasopoulos, *Forecasting: Principles
+   and Practice*, section 8.2); mean prompt and output tokens per request follow simple
+   exponential smoothing. The horizon is the model-load time, measured from the pods' creation
+   -> Ready times (``PodObservation.load_s``, smoothed in ``PolicyState.load_s``; ``model_load_s``
+   until one is seen): capacity ordered now is ready then. The forecast ``a + b * horizon`` (at
+   most ``panic_ratio`` times the level, never below 0), sized by Little's law, is a
+   recommendation like any other, so it passes the scale-up window (a single spike moves neither
+   the smoothed level much nor the window's minimum) and it holds the scale-down window while
+   load rises. Why Holt and not ARIMA, a Kalman filter or Prophet (the predictors Dynamo's
+   planner offers) or a model fitted to a long history (AIBrix's predictive mode): the horizon is
+   one model load (about a minute), over which a local level and slope is what there is to
+   learn; Holt is two numbers of state that survive a restart in ``PolicyState``, needs no
+   training window, and with no trend it is the smoothed level. A seasonal model needs whole
+   seasons (days) of history, which a per-service state in status does not keep; known daily
+   peaks are better served by raising ``minReplicas`` on a schedule.
+
+12. Scale from and to zero (with a router in front). ``current_replicas == 0`` and requests held
+   by the router -> 1 replica at once (ScaleFromZero, no window). ``min_replicas == 0``, a router
+   scraped, and nothing offered, held, queued or in flight for ``scale_to_zero_idle_s`` -> 0
+   (ScaleToZeroIdle); without a router nothing could wake the service again, so it stays at 1.
+   The router's fleet-queue bound ``router_max_queued`` is rule 5's TTFT bound applied to the
+   fleet's service rate: ``floor((slo_ttft_s - t_first) * mu * ready)``.
+
+13. Every knob is declared once, as a field of :class:`PolicySpec` with a :class:`Knob` (help,
+   bounds, where the InferenceService holds it, unit); the CRD's ``spec.autoscaling`` and
+   ``spec.slo`` fields, :meth:`PolicySpec.from_crd` and the defaults derive from it
+   (:func:`knobs`). A new knob is one new field.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import typing
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping
 
 # ----------------------------------------------------------------------------------- observations
 
@@ -188,6 +240,10 @@ class PodObservation:
     age_s: seconds since the pod became ready.
     queue: histogram increase of the queue time (arrival -> first scheduled, seconds) over the
         interval (None when not scraped; rule 5 then assumes no time after the queue).
+    load_s: seconds from the pod's creation to Ready (its model load; None when unknown). Rule 11's
+        horizon is learned from it.
+    prompt_tokens: increase of ``goodput_prompt_tokens_total`` over the interval (None when not
+        scraped: the work per replica of rule 7 then counts output tokens only).
     """
 
     name: str
@@ -208,6 +264,8 @@ class PodObservation:
     tpot: HistogramDelta | None
     age_s: float = 0.0
     queue: HistogramDelta | None = None
+    load_s: float | None = None
+    prompt_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,18 +277,112 @@ class StartingPod:
 
 
 @dataclass(frozen=True)
+class RouterObservation:
+    """The routers in front of one service, summed over router replicas (the contract's
+    ``goodput_router_*`` gauges and counter).
+
+    held: requests held now because no pod is Ready (scale from zero). queued: requests in the
+    router's fleet queue now (every pod at its limits). refused: router 429s over the interval
+    since the previous observation (requests).
+    """
+
+    held: int
+    queued: int
+    refused: float
+
+
+@dataclass(frozen=True)
 class Observation:
     """The fleet at one instant.
 
     ready: scraped ready pods. starting: pods not ready yet. unreachable: names of ready pods whose
     scrape failed, timed out or is stale. current_replicas: ``spec.replicas`` as the API server
-    has it now (it also counts pods not created yet).
+    has it now (it also counts pods not created yet). router: the routers' view (None when no
+    router is scraped).
     """
 
     ready: tuple[PodObservation, ...]
     starting: tuple[StartingPod, ...]
     unreachable: tuple[str, ...]
     current_replicas: int
+    router: RouterObservation | None = None
+
+
+def attainment(slo_met: float, finished: float, rejected: float) -> float | None:
+    """THE attainment: requests meeting both SLOs over requests offered and not dropped by the
+    client, ``slo_met / (finished + rejected)`` (rejected: 429s of the pods and of the router).
+    None when nothing finished or was refused (no requests: no evidence either way, never NaN).
+    The chart's recording rule ``goodput:slo_attainment:ratio_rate<w>`` computes the same ratio.
+    """
+    offered = finished + rejected
+    return slo_met / offered if offered > 0 else None
+
+
+# ------------------------------------------------------------------------------------------ knobs
+_KNOB = "goodput.knob"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """How one policy knob is spelled and checked in an InferenceService.
+
+    help: one line (the CRD field's description).
+    crd: the camelCase path under ``.spec`` (``"autoscaling.minReplicas"``); None = under
+        ``autoscaling.tuning`` with the field's name in camelCase (``tpot_margin`` ->
+        ``autoscaling.tuning.tpotMargin``).
+    unit: policy value = CRD value * unit (``slo.ttftMs`` in ms -> ``slo_ttft_s``: 0.001).
+    crd_type: the CRD's type when it differs from the field's (whole seconds: int).
+    ge, gt, le: bounds in CRD units, checked by the CRD schema and by ``PolicySpec``.
+    """
+
+    help: str
+    crd: str | None = None
+    unit: float = 1.0
+    crd_type: type | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+
+def knob(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field declaring one knob (``kw``: the other :class:`Knob` fields)."""
+    return field(default=default, metadata={_KNOB: Knob(help, **kw)})
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+@dataclass(frozen=True)
+class KnobField:
+    """One declared knob: ``name`` (PolicySpec field), ``type`` (int or float), ``default`` (policy
+    units), ``path`` (camelCase keys under ``.spec``), ``crd_type`` and ``crd_default`` (CRD units),
+    ``meta`` (its :class:`Knob`)."""
+
+    name: str
+    type: type
+    default: Any
+    path: tuple[str, ...]
+    crd_type: type
+    crd_default: Any
+    meta: Knob
+
+
+def knobs() -> list[KnobField]:
+    """Every :class:`PolicySpec` knob in declaration order (what the CRD and ``from_crd`` derive
+    from)."""
+    hints = typing.get_type_hints(PolicySpec)
+    out = []
+    for f in fields(PolicySpec):
+        meta = f.metadata.get(_KNOB)
+        if meta is None:
+            continue
+        path = tuple((meta.crd or "autoscaling.tuning." + _camel(f.name)).split("."))
+        crd_type = meta.crd_type or hints[f.name]
+        crd_default = crd_type(round(f.default / meta.unit, 9))
+        out.append(KnobField(f.name, hints[f.name], f.default, path, crd_type, crd_default, meta))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ spec
@@ -238,96 +390,111 @@ class Observation:
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """What the policy holds the fleet to. Times in seconds, ratios in 0..1.
+    """What the policy holds the fleet to: every field is a knob (help text beside it). Times in
+    seconds, ratios in 0..1. Raises ValueError on a value out of its knob's bounds or inconsistent
+    bounds (min > max)."""
 
-    min_replicas, max_replicas: bounds on the replicas decided.
-    slo_ttft_s, slo_tpot_s, attainment_target: the SLO (``spec.slo``).
-    scale_up_window_s: scale-up uses the smallest recommendation of this window (rule 8).
-    stabilization_window_s: scale-down uses the largest recommendation of this window (rule 7).
-    kv_target: KV usage a replica is held below. queue_target: waiting requests per replica above
-        which a replica counts as saturated (rule 3).
-    tolerance: relative band within which replicas do not move (rule 9).
-    max_scale_up_step, max_scale_down_step: replicas one decision may add (at least; up to
-        doubling) / remove.
-    target_utilization: fraction of a replica's batch capacity the sizing plans to fill.
-    panic_ratio: a recommendation this many times the current replicas skips the scale-up window.
-    model_load_s: expected seconds from pod creation to ready; also the least time between two
-        scale-downs (rule 7).
-    min_num_seqs, max_num_seqs: bounds on the ``max_num_seqs`` limit set on replicas.
-    min_waiting, max_waiting: bounds on the ``max_waiting`` limit set on replicas.
-    queue_slack: how far past the TTFT-bound queue the limit loosens when nothing loads (rule 5).
-    batch_increase, batch_fast_increase, batch_decrease, tpot_margin, tpot_fast_margin: the
-        AIMD factors of rule 2.
-    """
-
-    min_replicas: int = 1
-    max_replicas: int = 4
-    slo_ttft_s: float = 1.0
-    slo_tpot_s: float = 0.1
-    attainment_target: float = 0.9
-    scale_up_window_s: float = 30.0
-    stabilization_window_s: float = 300.0
-    kv_target: float = 0.8
-    queue_target: int = 4
-    tolerance: float = 0.1
-    max_scale_up_step: int = 4
-    max_scale_down_step: int = 1
-    target_utilization: float = 0.85
-    panic_ratio: float = 2.0
-    model_load_s: float = 60.0
-    min_num_seqs: int = 1
-    max_num_seqs: int = 256
-    min_waiting: int = 1
-    max_waiting: int = 1024
-    queue_slack: float = 2.0
-    batch_increase: float = 0.125
-    batch_fast_increase: float = 1.5
-    batch_decrease: float = 0.75
-    tpot_margin: float = 0.8
-    tpot_fast_margin: float = 0.5
+    min_replicas: int = knob(1, "fewest worker pods (0: scale to zero when idle, with a router)",
+                             crd="autoscaling.minReplicas", ge=0, le=1000)
+    max_replicas: int = knob(4, "most worker pods", crd="autoscaling.maxReplicas", ge=1, le=1000)
+    slo_ttft_s: float = knob(1.0, "time-to-first-token target, milliseconds", crd="slo.ttftMs",
+                             unit=0.001, gt=0)
+    slo_tpot_s: float = knob(0.1, "time-per-output-token target, milliseconds", crd="slo.tpotMs",
+                             unit=0.001, gt=0)
+    attainment_target: float = knob(0.9, "wanted fraction of requests meeting both",
+                                    crd="slo.attainmentTarget", ge=0, le=1)
+    scale_up_window_s: float = knob(30.0, "evidence window before scaling up (rule 8)",
+                                    crd="autoscaling.scaleUpWindowSeconds", crd_type=int, ge=0, le=3600)
+    stabilization_window_s: float = knob(300.0, "scale down only after this long below target (rule 7)",
+                                         crd="autoscaling.stabilizationWindowSeconds", crd_type=int,
+                                         ge=0, le=86400)
+    scale_to_zero_idle_s: float = knob(600.0, "with minReplicas 0: seconds with nothing offered, held, "
+                                       "queued or in flight before scaling to zero",
+                                       crd="autoscaling.scaleToZeroIdleSeconds", crd_type=int, ge=0)
+    kv_target: float = knob(0.8, "KV cache usage ratio above which to scale up",
+                            crd="autoscaling.targets.kvCacheUsage", ge=0, le=1)
+    queue_target: int = knob(4, "waiting requests per replica above which to scale up",
+                             crd="autoscaling.targets.queueDepth", ge=0)
+    tolerance: float = knob(0.1, "relative band within which replicas do not move (rule 9)", ge=0, le=1)
+    max_scale_up_step: int = knob(4, "replicas one decision may add at least (up to doubling)", ge=1)
+    max_scale_down_step: int = knob(1, "replicas one decision may remove", ge=1)
+    target_utilization: float = knob(0.85, "fraction of a replica's batch the sizing plans to fill",
+                                     gt=0, le=1)
+    panic_ratio: float = knob(2.0, "a recommendation this many times the replicas skips the scale-up "
+                              "window", gt=0)
+    model_load_s: float = knob(60.0, "expected seconds from pod creation to Ready until one is measured",
+                               ge=0)
+    min_num_seqs: int = knob(1, "lower bound of the tuned max_num_seqs", ge=1)
+    max_num_seqs: int = knob(256, "upper bound of the tuned max_num_seqs (engine.maxNumSeqs raises it)",
+                             ge=1)
+    min_waiting: int = knob(1, "lower bound of the max_waiting limit", ge=0)
+    max_waiting: int = knob(1024, "upper bound of the max_waiting limit", ge=0)
+    queue_slack: float = knob(2.0, "how far past the TTFT-bound queue the limit loosens when nothing "
+                              "loads (rule 5)", ge=1)
+    batch_increase: float = knob(0.125, "additive batch growth, fraction of the cap (rule 2)", gt=0)
+    batch_fast_increase: float = knob(1.5, "multiplicative batch growth far from the TPOT SLO (rule 2)",
+                                      ge=1)
+    batch_decrease: float = knob(0.75, "multiplicative batch cut on a TPOT miss or preemption (rule 2)",
+                                 gt=0, le=1)
+    tpot_margin: float = knob(0.8, "fraction of the TPOT SLO the batch grows under (rule 2)", gt=0, le=1)
+    tpot_fast_margin: float = knob(0.5, "fraction of the TPOT SLO the batch grows fast under (rule 2)",
+                                   gt=0, le=1)
+    forecast_alpha: float = knob(0.3, "Holt level smoothing per 5 s (rule 11)", gt=0, le=1)
+    forecast_beta: float = knob(0.1, "Holt trend smoothing per 5 s (rule 11)", ge=0, le=1)
+    explore_ratio: float = knob(1.75, "a scale-down may raise the work per replica to this many times "
+                                "the most served within the SLO (rule 7)", ge=1)
+    idle_utilization: float = knob(0.3, "below this Little's-law utilization a smaller fleet counts as "
+                                   "carrying the load without proof (rule 7)", ge=0, le=1)
+    floor_release: float = knob(0.75, "below the learned floor only when the work per replica there is "
+                                "under this fraction of the work that failed (rule 7)", gt=0, le=1)
+    floor_quiet_s: float = knob(1800.0, "seconds without a new failure before the learned floor drops "
+                                "one replica (rule 7)", ge=0)
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
-            raise ValueError(f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
-                             f"{self.min_replicas}..{self.max_replicas}")
-        for name in ("slo_ttft_s", "slo_tpot_s", "target_utilization", "panic_ratio"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("attainment_target", "kv_target", "tolerance"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if not 1 <= self.min_num_seqs <= self.max_num_seqs:
-            raise ValueError(f"need 1 <= min_num_seqs <= max_num_seqs, got "
-                             f"{self.min_num_seqs}..{self.max_num_seqs}")
-        if not 0 <= self.min_waiting <= self.max_waiting:
-            raise ValueError(f"need 0 <= min_waiting <= max_waiting, got "
-                             f"{self.min_waiting}..{self.max_waiting}")
-        if self.max_scale_up_step < 1 or self.max_scale_down_step < 1:
-            raise ValueError("max_scale_up_step and max_scale_down_step must be >= 1")
+        for k in knobs():
+            v = getattr(self, k.name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and (k.type is float or isinstance(v, int))
+            crd_v = v / k.meta.unit if ok else v
+            m = k.meta
+            if not ok or (m.ge is not None and crd_v < m.ge - 1e-12) or (m.gt is not None and crd_v <= m.gt) \
+                    or (m.le is not None and crd_v > m.le + 1e-12):
+                raise ValueError(f"{k.name} ({'.'.join(k.path)}) must be a finite {k.type.__name__}"
+                                 f"{_bounds_text(m)}, got {v!r}")
+        if self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(f"need min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
+        if self.min_num_seqs > self.max_num_seqs:
+            raise ValueError(f"need min_num_seqs <= max_num_seqs, got {self.min_num_seqs}..{self.max_num_seqs}")
+        if self.min_waiting > self.max_waiting:
+            raise ValueError(f"need min_waiting <= max_waiting, got {self.min_waiting}..{self.max_waiting}")
 
     @classmethod
-    def from_crd(cls, spec: dict[str, Any]) -> "PolicySpec":
+    def from_crd(cls, spec: Mapping[str, Any]) -> "PolicySpec":
         """Build from an InferenceService ``.spec`` (camelCase dict as the API server returns it;
-        absent fields take the CRD defaults). Raises ValueError on inconsistent values."""
-        a = spec.get("autoscaling") or {}
-        slo = spec.get("slo") or {}
-        targets = a.get("targets") or {}
+        absent fields take the knobs' defaults; ``engine.maxNumSeqs`` raises the upper bound of
+        the tuned batch). Raises ValueError on values out of bounds or inconsistent."""
+        kw: dict[str, Any] = {}
+        for k in knobs():
+            node: Any = spec
+            for key in k.path:
+                node = node.get(key) if isinstance(node, Mapping) else None
+            if node is not None:
+                try:
+                    v = float(node) * k.meta.unit
+                except (TypeError, ValueError):
+                    raise ValueError(f"{'.'.join(k.path)} must be a number, got {node!r}") from None
+                kw[k.name] = int(round(v)) if k.type is int else v
         engine = spec.get("engine") or {}
-        kw: dict[str, Any] = {
-            "min_replicas": int(a.get("minReplicas", 1)),
-            "max_replicas": int(a.get("maxReplicas", 4)),
-            "slo_ttft_s": float(slo.get("ttftMs", 1000.0)) / 1000.0,
-            "slo_tpot_s": float(slo.get("tpotMs", 100.0)) / 1000.0,
-            "attainment_target": float(slo.get("attainmentTarget", 0.9)),
-            "scale_up_window_s": float(a.get("scaleUpWindowSeconds", 30)),
-            "stabilization_window_s": float(a.get("stabilizationWindowSeconds", 300)),
-            "kv_target": float(targets.get("kvCacheUsage", 0.8)),
-            "queue_target": int(targets.get("queueDepth", 4)),
-        }
-        # the other PolicySpec fields keep their defaults (the CRD does not expose them)
         if engine.get("maxNumSeqs"):
-            kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), cls.max_num_seqs)
+            kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), kw.get("max_num_seqs", cls.max_num_seqs))
         return cls(**kw)
+
+
+def _bounds_text(m: Knob) -> str:
+    parts = [f">= {m.ge}" if m.ge is not None else "", f"> {m.gt}" if m.gt is not None else "",
+             f"<= {m.le}" if m.le is not None else ""]
+    text = " and ".join(p for p in parts if p)
+    return f" {text} (CRD units)" if text else ""
 
 
 # ----------------------------------------------------------------------------------------- state
@@ -336,17 +503,30 @@ class PolicySpec:
 @dataclass
 class PolicyState:
     """What ``decide`` remembers between calls (JSON-safe through ``to_dict``/``from_dict``).
+    Times are the caller's clock (seconds).
 
-    recommendations: ``[time, replicas]`` pairs, newest last, kept for the longest window.
+    recommendations: ``[time, replicas, keep]``, newest last, kept for the longest window (keep:
+        the fewest replicas that carried the load then, rule 7; absent in older states).
     caps: pod name -> learned ``max_num_seqs`` (the best batch, rule 2).
     service_s: last estimate of the service time of one request (seconds; 0 = unknown).
     last_scale_time: when replicas last changed (None = never). last_direction: +1, -1 or 0.
+    last_up_time, last_down_time: the last scale-up / scale-down (None = never).
+    last_loading_time: the last call that saw pods loading (None = never).
     plan_cap, plan_tpot_s, plan_offered_rps: the batch (``max_num_seqs``) per replica, the mean
         TPOT (seconds) and the offered load (req/s) that the capacity now coming was sized with
         (rule 4); 0 when nothing is coming.
     since: when this history started (the first call with metrics); no scale-down before a whole
         stabilization window of history exists, so an autoscaler that lost its state waits
         instead of acting on one sample.
+    last_tick: the previous call with metrics (the router's refusals are spread over the time
+        since). level_rps, trend_rps: Holt's level (req/s) and trend (req/s per second) of the
+        offered load; prompt_level, output_level: smoothed tokens per request (rule 11).
+    load_s: measured model-load time, smoothed (seconds; 0 = none measured yet).
+    proven_work: the most offered tokens/s per replica sustained while the SLO held (rule 7);
+        proof: ``[time, tokens/s per replica]`` of the current run of good calls.
+    fail_work, floor, floor_time: the work per replica at which a scale-down had to be undone, the
+        replicas it took, and when (floor 0 = none).
+    last_busy: the last call with anything offered, held, queued or in flight (rule 12).
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -358,29 +538,52 @@ class PolicyState:
     plan_cap: int = 0
     plan_tpot_s: float = 0.0
     plan_offered_rps: float = 0.0
+    last_up_time: float | None = None
+    last_down_time: float | None = None
+    last_loading_time: float | None = None
+    last_tick: float | None = None
+    level_rps: float | None = None
+    trend_rps: float = 0.0
+    prompt_level: float = 0.0
+    output_level: float = 0.0
+    load_s: float = 0.0
+    proven_work: float = 0.0
+    proof: list[list[float]] = field(default_factory=list)
+    fail_work: float = 0.0
+    floor: int = 0
+    floor_time: float | None = None
+    last_busy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "PolicyState":
-        """Inverse of ``to_dict``; unknown keys are ignored, a missing or malformed dict gives a
-        fresh state (a corrupt status must not crash the loop)."""
-        if not isinstance(d, dict):
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "PolicyState":
+        """Inverse of ``to_dict``; unknown keys are ignored, missing ones take their defaults, and a
+        malformed dict gives a fresh state (a corrupt status must not crash the loop)."""
+        if not isinstance(d, Mapping):
             return cls()
+        hints = typing.get_type_hints(cls)
+        kw: dict[str, Any] = {}
         try:
-            return cls(
-                recommendations=[[float(t), float(r)] for t, r in d.get("recommendations", [])],
-                caps={str(k): int(v) for k, v in (d.get("caps") or {}).items()},
-                service_s=float(d.get("service_s", 0.0)),
-                last_scale_time=None if d.get("last_scale_time") is None else float(d["last_scale_time"]),
-                last_direction=int(d.get("last_direction", 0)),
-                since=None if d.get("since") is None else float(d["since"]),
-                plan_cap=int(d.get("plan_cap", 0)),
-                plan_tpot_s=float(d.get("plan_tpot_s", 0.0)),
-                plan_offered_rps=float(d.get("plan_offered_rps", 0.0)),
-            )
+            for f in fields(cls):
+                if f.name not in d:
+                    continue
+                v, t = d[f.name], hints[f.name]
+                if f.name in ("recommendations", "proof"):
+                    kw[f.name] = [[float(x) for x in e] for e in v if 2 <= len(e) <= 3]
+                elif f.name == "caps":
+                    kw[f.name] = {str(k): int(x) for k, x in (v or {}).items()}
+                elif v is None and type(None) in typing.get_args(t):
+                    kw[f.name] = None
+                else:
+                    base = int if t is int else float
+                    x = base(v)
+                    if base is float and not math.isfinite(x):
+                        raise ValueError(f"{f.name} is not finite")
+                    kw[f.name] = x
+            return cls(**kw)
         except (TypeError, ValueError, AttributeError):
             return cls()
 
@@ -399,11 +602,14 @@ class Decision:
 
     replicas: the ``spec.replicas`` to set (unchanged = current).
     limits: pod name -> limits for every ready pod.
-    reason: CamelCase (ScaleUpGoodput, ScaleUpSaturation, ScaleUpMinReplicas, ScaleDownMaxReplicas,
-        HoldStarting, ScaleDownIdle, ScaleDown, HoldStabilizing, HoldMissingMetrics, Steady).
+    reason: CamelCase (ScaleUpGoodput, ScaleUpSaturation, ScaleUpForecast, ScaleUpMinReplicas,
+        ScaleFromZero, ScaleDownMaxReplicas, ScaleDownIdle, ScaleDown, ScaleToZeroIdle,
+        HoldStarting, HoldStabilizing, HoldMissingMetrics, Steady).
     message: one sentence with the numbers behind the decision.
     conditions: type -> (status, reason, message) for MetricsAvailable, ScalingActive, AbleToScale.
     state: the state to pass to the next call.
+    router_max_queued: the bound of the router's fleet queue (``status.admission.routerMaxQueued``;
+        None when no ready pod gives a service rate).
     """
 
     replicas: int
@@ -412,28 +618,10 @@ class Decision:
     message: str
     conditions: dict[str, tuple[bool, str, str]]
     state: PolicyState
+    router_max_queued: int | None = None
 
 
-# -------------------------------------------------------------------------------------- decision
-
-
-@dataclass
-class _Fleet:
-    """Aggregates of one observation (internal)."""
-
-    rated: int = 0                  # ready pods with interval_s > 0
-    offered_rps: float = 0.0
-    admitted_rps: float = 0.0
-    finished_rps: float = 0.0
-    rejected_429: float = 0.0
-    finished: float = 0.0
-    slo_met: float = 0.0
-    preempted: float = 0.0
-    in_flight: int = 0              # running + waiting now
-    waiting: int = 0
-    kv_hot: bool = False
-    attainment: float | None = None
-    service_s: float = 0.0
+# -------------------------------------------------------------------------------- phase helpers
 
 
 def _pod_service_s(p: PodObservation, slo_ttft_s: float, tpot_ceiling_s: float = math.inf
@@ -445,8 +633,8 @@ def _pod_service_s(p: PodObservation, slo_ttft_s: float, tpot_ceiling_s: float =
     return min(ttft, slo_ttft_s) + (out - 1.0) * min(p.tpot.mean, tpot_ceiling_s)
 
 
-def _tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
-    """Rule 2 (AIMD on the best batch) for one pod."""
+def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
+    """Rule 2 (AIMD on the best batch) for one pod: the cap after this interval's evidence."""
     if p.interval_s <= 0 or p.tpot is None:
         return cap
     tpot_ok = p.tpot.fraction_le(spec.slo_tpot_s)
@@ -468,7 +656,7 @@ def _tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
     return max(cap, min(spec.max_num_seqs, grown, kv_room))
 
 
-def _replica_capacity(p: PodObservation, cap: int, spec: PolicySpec) -> float:
+def replica_capacity(p: PodObservation, cap: int, spec: PolicySpec) -> float:
     """Rule 3: concurrency one replica carries within the contract (batch or KV at kv_target)."""
     c = float(cap)
     if p.kv_usage > 0 and p.running > 0:
@@ -481,6 +669,521 @@ def _median(xs: list[int]) -> int:
     return s[len(s) // 2] if s else 0
 
 
+def _mean(xs: list[float], default: float) -> float:
+    return sum(xs) / len(xs) if xs else default
+
+
+# ------------------------------------------------------------------------ phase 1: batch caps
+
+
+@dataclass(frozen=True)
+class BatchCaps:
+    """Rule 2 and 4. caps: pod -> learned ``max_num_seqs`` (unreachable pods keep theirs);
+    sizing: pod -> the batch it is sized with (a cut while capacity is coming does not shrink it);
+    coming: pods loading or not yet created; plan_cap: the batch the coming capacity was sized
+    with (0 = none)."""
+
+    caps: Mapping[str, int]
+    sizing: Mapping[str, int]
+    coming: int
+    plan_cap: int
+
+
+def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> BatchCaps:
+    """Phase 1: each ready pod's best batch (rule 2) and the batch it is sized with (rule 4)."""
+    n_ready = len(obs.ready)
+    coming = len(obs.starting) + max(0, obs.current_replicas - n_ready - len(obs.unreachable)
+                                     - len(obs.starting))
+    plan_cap = st.plan_cap
+    if coming > 0 and not plan_cap:
+        # loading found without a plan of ours (created elsewhere, or state lost): the batch in
+        # force before this tick's cuts is the one it will have
+        plan_cap = _median([st.caps.get(p.name) or p.max_num_seqs for p in obs.ready])
+    fleet_cap = max(plan_cap, _median(list(st.caps.values()))) or None
+    arrived = coming == 0 and plan_cap > 0   # cuts made while loading were provisional (rule 4)
+    caps: dict[str, int] = {}
+    for p in obs.ready:
+        start = st.caps.get(p.name) or fleet_cap or p.max_num_seqs
+        if arrived:
+            start = max(start, plan_cap)
+        caps[p.name] = tune_cap(p, max(spec.min_num_seqs, min(spec.max_num_seqs, start)), spec)
+    for name in obs.unreachable:
+        if name in st.caps:
+            caps[name] = st.caps[name]
+    sizing = {n: max(c, plan_cap) if coming > 0 else c for n, c in caps.items()}
+    return BatchCaps(caps, sizing, coming, plan_cap)
+
+
+# --------------------------------------------------------------------- phase 2: fleet aggregate
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Rule 1 and 3: one observation, summed. Rates in req/s, counts in requests, times in s.
+
+    rated: ready pods with a rate (interval_s > 0). offered_rps: pods' admitted + 429s + router
+    refusals per second; admitted_rps likewise. finished, slo_met, rejected (pods' 429s + router
+    refusals), preempted: counts over the interval. in_flight: running + waiting on the pods +
+    held + queued at the router; waiting: on the pods. kv_hot: some pod above kv_target.
+    attainment: :func:`attainment` (None without requests). service_s: mean time one request
+    occupies a slot (None = none finished); sizing_service_s: the same with TPOT at most the
+    plan's (rule 4). tpot_mean: mean TPOT (0 = none). capacity: mean concurrency per replica with
+    the sizing caps; live_capacity: with the caps in force now. t_first: mean TTFT - mean queue
+    time. prompt_mean, output_mean: tokens per request this interval (None = no evidence).
+    held, queued: at the router.
+    """
+
+    rated: int
+    offered_rps: float
+    admitted_rps: float
+    finished: float
+    slo_met: float
+    rejected: float
+    preempted: float
+    in_flight: int
+    waiting: int
+    kv_hot: bool
+    attainment: float | None
+    service_s: float | None
+    sizing_service_s: float | None
+    tpot_mean: float
+    capacity: float
+    live_capacity: float
+    t_first: float
+    prompt_mean: float | None
+    output_mean: float | None
+    held: int = 0
+    queued: int = 0
+
+
+def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, st: PolicyState) -> Fleet:
+    """Phase 2: the fleet's demand, attainment, service time and per-replica capacity."""
+    rated = [p for p in obs.ready if p.interval_s > 0]
+    router = obs.router
+    router_dt = (now - st.last_tick) if st.last_tick is not None and now > st.last_tick else \
+        _mean([p.interval_s for p in rated], 0.0)
+    refused = router.refused if router is not None else 0.0
+    refused_rps = refused / router_dt if router_dt > 0 else 0.0
+    offered_rps = sum((p.admitted + p.rejected_429) / p.interval_s for p in rated) + refused_rps
+    admitted_rps = sum(p.admitted / p.interval_s for p in rated)
+    finished = sum(p.finished for p in rated)
+    slo_met = sum(p.slo_met for p in rated)
+    rejected = sum(p.rejected_429 for p in rated) + refused
+    tpot_ceiling = st.plan_tpot_s if caps.coming > 0 and st.plan_tpot_s > 0 else math.inf
+    services = [(s, p) for p in rated if (s := _pod_service_s(p, spec.slo_ttft_s)) is not None]
+    weight = sum(p.finished for _, p in services)
+    service_s = sum(s * p.finished for s, p in services) / weight if services else None
+    sizing_service_s = (sum((_pod_service_s(p, spec.slo_ttft_s, tpot_ceiling) or s) * p.finished
+                            for s, p in services) / weight) if services else None
+    tpots = [p.tpot for p in rated if p.tpot is not None and p.tpot.count > 0]
+    tpot_n = sum(h.count for h in tpots)
+    ttfts = [p.ttft for p in rated if p.ttft is not None and p.ttft.count > 0]
+    queues = [p.queue for p in rated if p.queue is not None and p.queue.count > 0]
+    t_first = 0.0
+    if ttfts and queues:   # time after the queue until the first token (prefill)
+        t_first = max(0.0, sum(h.sum for h in ttfts) / sum(h.count for h in ttfts)
+                      - sum(h.sum for h in queues) / sum(h.count for h in queues))
+    fallback = float(_median(list(caps.sizing.values())) or spec.max_num_seqs)
+    capacity = _mean([replica_capacity(p, caps.sizing[p.name], spec) for p in obs.ready], fallback)
+    live = _mean([replica_capacity(p, caps.caps[p.name], spec) for p in obs.ready], capacity)
+    admitted = sum(p.admitted for p in rated)
+    prompts = [p.prompt_tokens for p in rated if p.prompt_tokens is not None]
+    prompt_mean = sum(prompts) / admitted if prompts and admitted > 0 else None
+    output_mean = sum(p.generation_tokens for p in rated) / finished if finished > 0 else None
+    held, queued = (router.held, router.queued) if router is not None else (0, 0)
+    return Fleet(
+        rated=len(rated), offered_rps=offered_rps, admitted_rps=admitted_rps, finished=finished,
+        slo_met=slo_met, rejected=rejected, preempted=sum(p.preempted for p in rated),
+        in_flight=sum(p.running + p.waiting for p in obs.ready) + held + queued,
+        waiting=sum(p.waiting for p in obs.ready),
+        kv_hot=any(p.kv_usage > spec.kv_target for p in obs.ready),
+        attainment=attainment(slo_met, finished, rejected), service_s=service_s,
+        sizing_service_s=sizing_service_s,
+        tpot_mean=sum(h.sum for h in tpots) / tpot_n if tpot_n > 0 else 0.0,
+        capacity=capacity, live_capacity=live, t_first=t_first, prompt_mean=prompt_mean,
+        output_mean=output_mean, held=held, queued=queued)
+
+
+# ------------------------------------------------------------------------------- phase 3: size
+
+
+@dataclass(frozen=True)
+class Size:
+    """Rule 3 and 4. sizing_rps: the offered rate sized for (retried 429s while capacity loads
+    are not new demand); service_s: the service time sized with; demand: L in sequences;
+    per_replica: sequences one replica carries at target utilization; wanted: replicas for L
+    (and for the attainment evidence); saturated, evidence: the fleet is saturated / missing its
+    SLO while saturated with nothing coming; up_reason: the reason a scale-up would carry;
+    rec: wanted within [max(1, min_replicas), max_replicas]."""
+
+    sizing_rps: float
+    service_s: float
+    demand: float
+    per_replica: float
+    wanted: int
+    saturated: bool
+    evidence: bool
+    up_reason: str
+    rec: int
+
+
+def size(fleet: Fleet, caps: BatchCaps, n_ready: int, spec: PolicySpec, st: PolicyState) -> Size:
+    """Phase 3: replicas wanted now from Little's law and the attainment evidence (rules 3, 4)."""
+    service_s = fleet.sizing_service_s if fleet.sizing_service_s is not None else st.service_s
+    sizing_rps = fleet.offered_rps
+    if caps.coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
+        plan = st.plan_offered_rps or fleet.offered_rps
+        sizing_rps = min(fleet.offered_rps, max(plan, fleet.admitted_rps))
+    per_replica = max(1e-9, fleet.capacity * spec.target_utilization)
+    demand = max(float(fleet.in_flight), sizing_rps * service_s)
+    wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
+    saturated = (fleet.waiting > spec.queue_target * max(1, n_ready) or fleet.rejected > 0
+                 or fleet.preempted > 0 or fleet.kv_hot or fleet.queued > 0)
+    missing = fleet.attainment is not None and \
+        fleet.attainment < spec.attainment_target * (1 - spec.tolerance / 2)
+    # misses while pods load are expected (rule 4): only a fleet with nothing coming is evidence
+    evidence = missing and saturated and caps.coming == 0
+    if evidence:
+        # goodput-proportional (HPA's formula on attainment): at least one more
+        att = max(fleet.attainment or 0.0, 0.25)
+        wanted = max(wanted, n_ready + 1, math.ceil(n_ready * spec.attainment_target / att - 1e-9))
+    up_reason = "ScaleUpSaturation" if (fleet.preempted > 0 or fleet.kv_hot) else "ScaleUpGoodput"
+    rec = max(max(1, spec.min_replicas), min(spec.max_replicas, wanted))
+    return Size(sizing_rps, service_s, demand, per_replica, wanted, saturated, evidence, up_reason, rec)
+
+
+# --------------------------------------------------------------------------- phase 4: forecast
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Rule 11. level_rps, trend_rps: Holt's state after this observation (req/s, req/s per s);
+    prompt_level, output_level: smoothed tokens per request; horizon_s: the model-load time used;
+    rps: the offered load forecast at the horizon (req/s); work: the offered work per second
+    (tokens, prompt + output) at max(level, forecast); rec: replicas for the forecast load
+    (Little's law, bounded like ``Size.rec``); load_s: the smoothed model-load time to keep."""
+
+    level_rps: float
+    trend_rps: float
+    prompt_level: float
+    output_level: float
+    horizon_s: float
+    rps: float
+    work: float
+    rec: int
+    load_s: float
+
+
+def forecast(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, metrics_ok: bool,
+             spec: PolicySpec, st: PolicyState) -> Forecast:
+    """Phase 4: Holt's linear trend on the offered load over one model-load time (rule 11).
+
+    The input is the rate sized for (``Size.sizing_rps``: offered, less retried 429s while
+    capacity loads). Without metrics the state is carried unchanged (an outage is not zero
+    traffic); exactly zero traffic is a level falling to 0, never NaN. While capacity is coming
+    the forecast recommends nothing (``rec`` = the lower bound): the coming pods were ordered for
+    this horizon, and a step of load extrapolated as a trend would pile up pods (rule 4).
+    """
+    new_loads = [p.load_s for p in obs.ready if p.load_s is not None and p.load_s > 0
+                 and p.name not in st.caps]
+    load_s = st.load_s
+    for x in new_loads:      # a pod seen ready for the first time: its load time
+        load_s = x if load_s <= 0 else 0.5 * load_s + 0.5 * x
+    horizon = load_s if load_s > 0 else spec.model_load_s
+    level, trend = st.level_rps, st.trend_rps
+    prompt_l, output_l = st.prompt_level, st.output_level
+    if metrics_ok and fleet.rated > 0:
+        x = sz.sizing_rps    # retried 429s while capacity loads are not new demand (rule 4)
+        dt = now - st.last_tick if st.last_tick is not None and now > st.last_tick else 0.0
+        if level is None:
+            level, trend = x, 0.0
+        else:       # smoothing factors are per 5 s: a longer gap forgets more
+            a = 1 - (1 - spec.forecast_alpha) ** (dt / 5.0)
+            b = 1 - (1 - spec.forecast_beta) ** (dt / 5.0)
+            prev = level
+            level = max(0.0, a * x + (1 - a) * (level + trend * dt))
+            trend = b * (level - prev) / dt + (1 - b) * trend if dt > 0 else trend
+        if fleet.prompt_mean is not None:
+            prompt_l = fleet.prompt_mean if prompt_l <= 0 else \
+                spec.forecast_alpha * fleet.prompt_mean + (1 - spec.forecast_alpha) * prompt_l
+        if fleet.output_mean is not None:
+            output_l = fleet.output_mean if output_l <= 0 else \
+                spec.forecast_alpha * fleet.output_mean + (1 - spec.forecast_alpha) * output_l
+    base = level if level is not None else fleet.offered_rps
+    rps = min(max(0.0, base + trend * horizon), spec.panic_ratio * base)
+    work = max(base, rps) * (prompt_l + output_l)
+    want = math.ceil(rps * sz.service_s / sz.per_replica - 1e-9) if rps > 0 and sz.service_s > 0 else 0
+    if caps.coming > 0:
+        want = 0    # the capacity coming was ordered for this horizon already (rule 4)
+    rec = max(max(1, spec.min_replicas), min(spec.max_replicas, want))
+    return Forecast(level if level is not None else 0.0, trend, prompt_l, output_l, horizon, rps, work,
+                    rec, load_s)
+
+
+# ---------------------------------------------------------------------------- phase 5: windows
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Rules 7, 8, 10. recommendations: the window history to keep, ``(time, replicas, keep)``;
+    up_target: the scale-up target (window minimum unless panic, evidence or missing metrics);
+    down_target: the window maximum of both the recommendations and the fewest replicas that
+    carry the load (``keep``, rule 7); history_s: seconds of history with metrics; since: when
+    that history started."""
+
+    recommendations: tuple[tuple[float, float, float], ...]
+    up_target: int
+    down_target: int
+    history_s: float
+    since: float | None
+
+
+def windows(now: float, current: int, sz: Size, fc: Forecast, keep: int, metrics_ok: bool,
+            spec: PolicySpec, st: PolicyState) -> Windows:
+    """Phase 5: the scale-up and stabilization windows over this call's recommendation (the
+    larger of now's and the forecast's) and ``keep`` (:func:`fewest_carrying`)."""
+    rec = max(sz.rec, fc.rec)
+    if not metrics_ok:      # silent pods are assumed busy (rule 10)
+        rec_w, keep = max(rec, current), max(keep, current)
+    else:
+        rec_w = rec
+    since = st.since if st.since is not None or not metrics_ok else now
+    horizon = max(spec.stabilization_window_s, spec.scale_up_window_s)
+    entries = [(e[0], e[1], e[2] if len(e) > 2 else e[1]) for e in st.recommendations]
+    recs = [e for e in entries + [(now, float(rec_w), float(keep))] if now - e[0] <= horizon]
+    up = [r for t, r, _ in recs if now - t <= spec.scale_up_window_s] or [rec]
+    down = [max(r, k) for t, r, k in recs if now - t <= spec.stabilization_window_s] or [rec]
+    up_target = int(min(up))
+    if rec >= spec.panic_ratio * max(1, current) or sz.evidence or not metrics_ok:
+        up_target = rec   # panic, SLOs missed while saturated, or only the pods that answered speak
+    return Windows(tuple(recs), up_target, int(max(down)),
+                   now - since if since is not None else 0.0, since)
+
+
+# --------------------------------------------------------------------------- phase 6: replicas
+
+
+@dataclass(frozen=True)
+class Proof:
+    """Rule 7. proven: the most offered work per replica (tokens/s) sustained while the SLO held;
+    samples: ``(time, work per replica)`` of the current run of good calls within one model-load
+    time (cleared by a call that is not good)."""
+
+    proven: float
+    samples: tuple[tuple[float, float], ...]
+
+
+def proven_work(now: float, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast, n_ready: int,
+                metrics_ok: bool, spec: PolicySpec, st: PolicyState) -> Proof:
+    """Rule 7: what the fleet has proven it serves. A call is *good* when metrics are complete,
+    nothing loads, the fleet is not saturated and attainment is at target (or there were no
+    requests). A work per replica counts as proven once good calls have lasted a whole model-load
+    time with at least that work in each (the minimum of the run's samples): a single noisy
+    interval or a spike proves nothing."""
+    good = (metrics_ok and caps.coming == 0 and not sz.saturated and fleet.rated > 0 and n_ready > 0
+            and (fleet.attainment is None or fleet.attainment >= spec.attainment_target))
+    if not good:
+        return Proof(st.proven_work, ())
+    run = [(t, w) for t, w in map(tuple, st.proof)]
+    # keep the newest sample at least one horizon old (it anchors the span) and all newer ones
+    old = [i for i, (t, _) in enumerate(run) if now - t >= fc.horizon_s * 0.99]
+    samples = run[old[-1]:] if old else run
+    samples.append((now, fc.work / n_ready))
+    proven = st.proven_work
+    if now - samples[0][0] >= fc.horizon_s * 0.99:   # good for a whole load time
+        proven = max(proven, min(w for _, w in samples))
+    return Proof(proven, tuple(samples))
+
+
+def carries(m: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: PolicySpec,
+            st: PolicyState) -> bool:
+    """Rule 7: would ``m`` replicas carry the load with margin? Little's law now and at the
+    forecast, the work per replica within ``explore_ratio`` of ``proven`` (or a nearly idle
+    fleet), and below the work that already failed."""
+    if m <= 0:
+        return False
+    demand_fc = max(sz.demand, fc.rps * sz.service_s)
+    if demand_fc > m * sz.per_replica:
+        return False
+    work = fc.work / m
+    if st.floor > m and st.fail_work > 0 and work >= st.fail_work * spec.floor_release:
+        return False
+    idle = demand_fc <= spec.idle_utilization * m * sz.per_replica
+    return idle or work <= spec.explore_ratio * proven + 1e-9
+
+
+def fewest_carrying(current: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: PolicySpec,
+                    st: PolicyState) -> int:
+    """Rule 7: the fewest replicas (at most ``current``, at least ``max(1, min_replicas)``) that
+    :func:`carries` the load now; the stabilization window keeps its maximum, so a lull shorter
+    than the window never lets the fleet shrink below what the rest of the window needed."""
+    lo = max(1, spec.min_replicas)
+    for m in range(lo, max(lo, current)):
+        if carries(m, proven, fleet, sz, fc, spec, st):
+            return m
+    return max(lo, current)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Phase 6's outcome: the replicas to set and why."""
+
+    replicas: int
+    reason: str
+
+
+def choose_replicas(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast,
+                    win: Windows, proven: float, metrics_ok: bool, spec: PolicySpec,
+                    st: PolicyState) -> Replicas:
+    """Phase 6: the replicas (rules 7-10, 12), from the targets of the windows."""
+    current, n_ready = obs.current_replicas, len(obs.ready)
+    held = obs.router.held if obs.router is not None else 0
+    idle_since = st.last_busy if st.last_busy is not None else now
+    if current == 0:
+        if held > 0 or spec.min_replicas > 0:
+            return Replicas(max(1, spec.min_replicas), "ScaleFromZero" if held > 0 else "ScaleUpMinReplicas")
+        return Replicas(0, "Steady")
+    if current < spec.min_replicas:
+        return Replicas(spec.min_replicas, "ScaleUpMinReplicas")
+    if current > spec.max_replicas:
+        return Replicas(spec.max_replicas, "ScaleDownMaxReplicas")
+    rec = max(sz.rec, fc.rec)
+    in_band = abs(rec / current - 1.0) <= spec.tolerance + 1e-9
+    if win.up_target > current and not in_band:
+        step = max(spec.max_scale_up_step, current)
+        reason = sz.up_reason if sz.rec > current or sz.evidence else "ScaleUpForecast"
+        return Replicas(min(win.up_target, current + step), reason)
+    if rec > current and not in_band:
+        return Replicas(current, "HoldStabilizing")   # the scale-up window has not confirmed it yet
+    if spec.min_replicas == 0 and obs.router is not None and metrics_ok and _idle(fleet) \
+            and now - idle_since >= spec.scale_to_zero_idle_s and caps.coming == 0:
+        return Replicas(0, "ScaleToZeroIdle")
+    if rec < current and not metrics_ok:
+        return Replicas(current, "HoldMissingMetrics")
+    if rec < current and caps.coming > 0:
+        return Replicas(current, "HoldStarting")
+    if rec < current and not in_band:
+        target = max(win.down_target, current - spec.max_scale_down_step, 1, spec.min_replicas)
+        holds = (fleet.rejected == 0 and fleet.preempted == 0
+                 and (fleet.attainment is None or fleet.attainment >= spec.attainment_target))
+        load_time = fc.horizon_s
+        quiet = all(t is None or now - t >= load_time
+                    for t in (st.last_up_time, st.last_down_time, st.last_loading_time))
+        if target < current and holds and win.history_s >= spec.stabilization_window_s and quiet \
+                and carries(target, proven, fleet, sz, fc, spec, st):
+            return Replicas(target, "ScaleDownIdle" if sz.demand == 0 else "ScaleDown")
+        return Replicas(current, "HoldStabilizing")
+    return Replicas(current, "HoldStarting" if caps.coming > 0 else "Steady")
+
+
+def _idle(fleet: Fleet) -> bool:
+    return fleet.offered_rps == 0 and fleet.in_flight == 0 and fleet.rejected == 0
+
+
+# ----------------------------------------------------------------------- phase 7: queue limits
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Rule 5 and 12. max_waiting: per ready pod; router_max_queued: the router's fleet queue
+    (None without a service rate); k_ttft: queued requests one replica serves within TTFT."""
+
+    max_waiting: int
+    router_max_queued: int | None
+    k_ttft: int | None
+
+
+def queue_limits(fleet: Fleet, n_ready: int, coming: int, added: int, spec: PolicySpec,
+                 service_s: float) -> QueueLimits:
+    """Phase 7: the waiting-queue limit from the TTFT budget (rule 5) and the router's bound."""
+    mu = fleet.live_capacity / service_s if service_s > 0 else 0.0   # completions/s per replica
+    budget = max(0.0, spec.slo_ttft_s - fleet.t_first)
+    k_ttft = math.floor(budget * mu) if mu > 0 else None
+    loading = coming + max(0, added)
+    ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
+    slack = 1.0 + (spec.queue_slack - 1.0) * ready_frac
+    k = spec.max_waiting if k_ttft is None else math.floor(k_ttft * slack)
+    max_waiting = max(spec.min_waiting, min(spec.max_waiting, k))
+    router = math.floor(budget * mu * n_ready) if mu > 0 and n_ready > 0 else None
+    return QueueLimits(max_waiting, router, k_ttft)
+
+
+# ------------------------------------------------------------------------- phase 8: conditions
+
+
+def conditions(obs: Observation, fleet: Fleet, metrics_ok: bool, reason: str, message: str,
+               spec: PolicySpec) -> dict[str, tuple[bool, str, str]]:
+    """Phase 8: MetricsAvailable, ScalingActive, AbleToScale (HPA's conditions)."""
+    if obs.unreachable:
+        metrics_msg = f"{len(obs.unreachable)} ready pod(s) not scraped: {', '.join(obs.unreachable)}"
+    elif not obs.ready:
+        metrics_msg = "no ready pod to scrape"
+    elif fleet.rated == 0:
+        metrics_msg = "first scrape of every ready pod; rates need a second one"
+    else:
+        metrics_msg = f"{fleet.rated} ready pod(s) scraped"
+    active = spec.min_replicas != spec.max_replicas
+    holding = reason in ("HoldStarting", "HoldStabilizing", "HoldMissingMetrics")
+    return {
+        "MetricsAvailable": (metrics_ok, "MetricsScraped" if metrics_ok else "MetricsMissing", metrics_msg),
+        "ScalingActive": (active, "ValidMetricFound" if active else "ScalingDisabled",
+                          f"replicas between {spec.min_replicas} and {spec.max_replicas}"),
+        "AbleToScale": (not holding, reason if holding else "ReadyForNewScale", message),
+    }
+
+
+# -------------------------------------------------------------------------------------- state
+
+
+def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast,
+               win: Windows, proof: Proof, out: Replicas, metrics_ok: bool, spec: PolicySpec,
+               st: PolicyState) -> PolicyState:
+    """What the next call remembers: windows, caps, plan (rule 4), Holt (rule 11), the proven and
+    failed work per replica and the floor (rule 7), the last busy time (rule 12)."""
+    current, replicas = obs.current_replicas, out.replicas
+    n_ready = len(obs.ready)
+    plan_cap, plan_tpot, plan_rps = caps.plan_cap, st.plan_tpot_s, st.plan_offered_rps
+    if caps.coming > 0:
+        plan_tpot = plan_tpot or fleet.tpot_mean
+        plan_rps = plan_rps or fleet.offered_rps
+    if replicas > current:      # what this scale-up was sized with (rule 4)
+        plan_cap = _median(list(caps.sizing.values())) or plan_cap
+        plan_tpot = min(fleet.tpot_mean, plan_tpot or math.inf) if fleet.tpot_mean else plan_tpot
+        plan_rps = max(sz.sizing_rps, plan_rps if caps.coming else 0.0)
+    elif caps.coming == 0:
+        plan_cap, plan_tpot, plan_rps = 0, 0.0, 0.0
+    work_now = fc.work / max(1, n_ready)
+    proven, fail, floor, floor_time = proof.proven, st.fail_work, st.floor, st.floor_time
+    undone = replicas > current > 0 and st.last_down_time is not None \
+        and now - st.last_down_time <= spec.stabilization_window_s
+    if undone:   # a scale-down had to be undone: remember the work per replica that failed
+        fail = work_now if fail <= 0 else min(fail, work_now)
+        proven = min(proven, fail * (1 - spec.tolerance))
+        floor, floor_time = max(floor, replicas), now
+    elif floor > 0 and floor_time is not None and now - floor_time >= spec.floor_quiet_s:
+        floor, floor_time = floor - 1, now    # decays one replica per quiet period
+        if floor <= max(1, spec.min_replicas):
+            floor, fail, floor_time = 0, 0.0, None
+    busy = not _idle(fleet) or (obs.router is not None and obs.router.held > 0) or not metrics_ok
+    return replace(
+        st, recommendations=[list(e) for e in win.recommendations], caps=dict(caps.caps),
+        service_s=fleet.service_s if fleet.service_s is not None else st.service_s,
+        since=win.since, plan_cap=plan_cap, plan_tpot_s=plan_tpot, plan_offered_rps=plan_rps,
+        last_scale_time=now if replicas != current else st.last_scale_time,
+        last_direction=(1 if replicas > current else -1) if replicas != current else st.last_direction,
+        last_up_time=now if replicas > current else st.last_up_time,
+        last_down_time=now if replicas < current else st.last_down_time,
+        last_loading_time=now if caps.coming > 0 else st.last_loading_time,
+        last_tick=now if metrics_ok else st.last_tick,
+        level_rps=fc.level_rps if (metrics_ok and fleet.rated > 0) or st.level_rps is not None else None,
+        trend_rps=fc.trend_rps, prompt_level=fc.prompt_level, output_level=fc.output_level,
+        load_s=fc.load_s, proven_work=proven, proof=[[t, w] for t, w in proof.samples], fail_work=fail, floor=floor, floor_time=floor_time,
+        last_busy=now if busy or st.last_busy is None else st.last_busy)
+
+
+# -------------------------------------------------------------------------------------- decide
+
+
 def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | None) -> Decision:
     """One autoscaling decision; see the module docstring for the rules and their sources.
 
@@ -489,209 +1192,39 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     observations (negative deltas are treated as 0 by the caller's counter-reset handling).
     """
     st = PolicyState.from_dict(state.to_dict()) if state is not None else PolicyState()
-    current = obs.current_replicas
-    ready_names = [p.name for p in obs.ready]
-    n_ready = len(obs.ready)
-
-    # pods loading or not yet created (rule 4)
-    coming = len(obs.starting) + max(0, current - n_ready - len(obs.unreachable) - len(obs.starting))
-    if coming > 0 and not st.plan_cap:
-        # loading found without a plan of ours (created elsewhere, or state lost): the batch in
-        # force before this tick's cuts is the one it will have
-        st.plan_cap = _median([st.caps.get(p.name) or p.max_num_seqs for p in obs.ready])
-
-    # --- rule 2: best batch per pod (caps of vanished pods are forgotten) ---
-    fleet_cap = max(st.plan_cap, _median(list(st.caps.values()))) or None
-    # the capacity the plan waited for has arrived: cuts made meanwhile were provisional (rule 4)
-    arrived = coming == 0 and st.plan_cap > 0
-    caps: dict[str, int] = {}
-    for p in obs.ready:
-        start = st.caps.get(p.name) or fleet_cap or p.max_num_seqs
-        if arrived:
-            start = max(start, st.plan_cap)
-        start = max(spec.min_num_seqs, min(spec.max_num_seqs, start))
-        caps[p.name] = _tune_cap(p, start, spec)
-    for name in obs.unreachable:
-        if name in st.caps:
-            caps[name] = st.caps[name]
-    st.caps = caps
-    # the batch each replica is sized with: a cut while capacity is coming does not shrink it
-    sizing_caps = {n: max(c, st.plan_cap) if coming > 0 else c for n, c in caps.items()}
-
-    # --- rule 1 and 3: demand and capacity ---
-    f = _Fleet()
-    services: list[tuple[float, float]] = []     # (live service_s, finished) per pod
-    sized: list[tuple[float, float]] = []        # with TPOT at most the plan's (rule 4)
-    tpot_sum = tpot_n = 0.0
-    tpot_ceiling = st.plan_tpot_s if coming > 0 and st.plan_tpot_s > 0 else math.inf
-    capacities: list[float] = []        # sized with sizing_caps (rule 4)
-    live: list[float] = []              # with the caps in force now (rule 5: how fast queues drain)
-    for p in obs.ready:
-        f.in_flight += p.running + p.waiting
-        f.waiting += p.waiting
-        f.kv_hot = f.kv_hot or p.kv_usage > spec.kv_target
-        capacities.append(_replica_capacity(p, sizing_caps[p.name], spec))
-        live.append(_replica_capacity(p, caps[p.name], spec))
-        if p.interval_s <= 0:
-            continue
-        f.rated += 1
-        f.offered_rps += (p.admitted + p.rejected_429) / p.interval_s
-        f.admitted_rps += p.admitted / p.interval_s
-        f.finished_rps += p.finished / p.interval_s
-        f.rejected_429 += p.rejected_429
-        f.finished += p.finished
-        f.slo_met += p.slo_met
-        f.preempted += p.preempted
-        s = _pod_service_s(p, spec.slo_ttft_s)
-        if s is not None:
-            services.append((s, p.finished))
-            sized.append((_pod_service_s(p, spec.slo_ttft_s, tpot_ceiling) or s, p.finished))
-        if p.tpot is not None and p.tpot.count > 0:
-            tpot_sum, tpot_n = tpot_sum + p.tpot.sum, tpot_n + p.tpot.count
-    sizing_service_s = st.service_s
-    if services:
-        w = sum(n for _, n in services)
-        st.service_s = sum(s * n for s, n in services) / w
-        sizing_service_s = sum(s * n for s, n in sized) / w
-    f.service_s = st.service_s       # how fast queues drain now (rule 5)
-    tpot_mean = tpot_sum / tpot_n if tpot_n > 0 else 0.0
-    if coming > 0 and not st.plan_tpot_s:
-        st.plan_tpot_s = tpot_mean
-    if coming > 0 and not st.plan_offered_rps:
-        st.plan_offered_rps = f.offered_rps
-    sizing_offered_rps = f.offered_rps
-    if coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
-        sizing_offered_rps = min(f.offered_rps, max(st.plan_offered_rps, f.admitted_rps))
-    offered = f.finished + f.rejected_429
-    f.attainment = f.slo_met / offered if offered > 0 else None
-    cap_mean = sum(capacities) / len(capacities) if capacities else float(
-        _median(list(sizing_caps.values())) or spec.max_num_seqs)
-    per_replica = max(1e-9, cap_mean * spec.target_utilization)
-    demand = max(float(f.in_flight), sizing_offered_rps * sizing_service_s)
-    wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
-
-    saturated = f.waiting > spec.queue_target * max(1, n_ready) or f.rejected_429 > 0 \
-        or f.preempted > 0 or f.kv_hot
-    missing_attainment = (f.attainment is not None
-                          and f.attainment < spec.attainment_target * (1 - spec.tolerance / 2))
-    up_reason = "ScaleUpSaturation" if (f.preempted > 0 or f.kv_hot) else "ScaleUpGoodput"
-    # misses while pods load are expected (rule 4): only a fleet with nothing coming is evidence
-    evidence = missing_attainment and saturated and coming == 0
-    if evidence:
-        # goodput-proportional (HPA's formula on attainment): the replicas that would bring the
-        # attainment back to target if misses scale with load per replica; at least one more
-        att = max(f.attainment or 0.0, 0.25)
-        wanted = max(wanted, n_ready + 1, math.ceil(n_ready * spec.attainment_target / att - 1e-9))
-    rec = max(spec.min_replicas, min(spec.max_replicas, wanted))
-
-    # --- metrics health (rule 10) ---
-    metrics_ok = not obs.unreachable and f.rated > 0
-    if obs.unreachable:
-        metrics_msg = f"{len(obs.unreachable)} ready pod(s) not scraped: {', '.join(obs.unreachable)}"
-    elif n_ready == 0:
-        metrics_msg = "no ready pod to scrape"
-    elif f.rated == 0:
-        metrics_msg = "first scrape of every ready pod; rates need a second one"
-    else:
-        metrics_msg = f"{f.rated} ready pod(s) scraped"
-
-    # --- windows (rules 7, 8) ---
-    if metrics_ok:
-        st.recommendations.append([now, float(rec)])
-        if st.since is None:
-            st.since = now
-    else:   # the silent pods are assumed busy: nothing here argues for fewer replicas
-        st.recommendations.append([now, float(max(rec, current))])
-    history_s = now - st.since if st.since is not None else 0.0
-    horizon = max(spec.stabilization_window_s, spec.scale_up_window_s)
-    st.recommendations = [r for r in st.recommendations if now - r[0] <= horizon]
-    up_window = [r for t, r in st.recommendations if now - t <= spec.scale_up_window_s] or [rec]
-    down_window = [r for t, r in st.recommendations if now - t <= spec.stabilization_window_s] or [rec]
-    up_target = int(min(up_window))
-    if rec >= spec.panic_ratio * max(1, current) or evidence:
-        up_target = rec   # panic, or SLOs already missed while saturated: no more evidence needed
-    if not metrics_ok:
-        up_target = rec  # only pods that answered speak; a scale-up they prove is still taken
-    down_target = int(max(down_window))
-
-    in_band = current > 0 and abs(rec / current - 1.0) <= spec.tolerance + 1e-9
-    replicas, reason = current, "Steady"
-    if current < spec.min_replicas:
-        replicas, reason = spec.min_replicas, "ScaleUpMinReplicas"
-    elif current > spec.max_replicas:
-        replicas, reason = spec.max_replicas, "ScaleDownMaxReplicas"
-    elif up_target > current and not in_band:
-        step = max(spec.max_scale_up_step, current)
-        replicas, reason = min(up_target, current + step), up_reason
-    elif rec > current and not in_band:
-        reason = "HoldStabilizing"   # the scale-up window has not confirmed it yet
-    elif rec < current and not metrics_ok:
-        reason = "HoldMissingMetrics"
-    elif rec < current and coming > 0:
-        reason = "HoldStarting"
-    elif rec < current and not in_band:
-        holds = (f.rejected_429 == 0 and f.preempted == 0
-                 and (f.attainment is None or f.attainment >= spec.attainment_target)
-                 and demand <= down_target * per_replica)
-        spaced = (st.last_direction >= 0 or st.last_scale_time is None
-                  or now - st.last_scale_time >= spec.model_load_s)
-        if down_target < current and holds and history_s >= spec.stabilization_window_s and spaced:
-            replicas = max(down_target, current - spec.max_scale_down_step, spec.min_replicas)
-            reason = "ScaleDownIdle" if demand == 0 else "ScaleDown"
-        else:
-            reason = "HoldStabilizing"
-    elif coming > 0:
-        reason = "HoldStarting"
-
-    if replicas != current:
-        st.last_direction = 1 if replicas > current else -1
-        st.last_scale_time = now
-    if replicas > current:      # what this scale-up was sized with (rule 4)
-        st.plan_cap = _median(list(sizing_caps.values())) or st.plan_cap
-        st.plan_tpot_s = min(tpot_mean, st.plan_tpot_s or math.inf) if tpot_mean else st.plan_tpot_s
-        st.plan_offered_rps = max(sizing_offered_rps, st.plan_offered_rps if coming else 0.0)
-    elif coming == 0:
-        st.plan_cap, st.plan_tpot_s, st.plan_offered_rps = 0, 0.0, 0.0
-
-    # --- rule 5: waiting-queue limit ---
-    live_mean = sum(live) / len(live) if live else cap_mean
-    mu = (live_mean / f.service_s) if f.service_s > 0 else 0.0
-    ttfts = [p.ttft for p in obs.ready if p.interval_s > 0 and p.ttft is not None and p.ttft.count > 0]
-    queues = [p.queue for p in obs.ready if p.interval_s > 0 and p.queue is not None and p.queue.count > 0]
-    t_first = 0.0
-    if ttfts and queues:   # time after the queue until the first token (prefill)
-        t_first = max(0.0, sum(h.sum for h in ttfts) / sum(h.count for h in ttfts)
-                      - sum(h.sum for h in queues) / sum(h.count for h in queues))
-    budget = max(0.0, spec.slo_ttft_s - t_first)
-    k_ttft = math.floor(budget * mu) if mu > 0 else spec.max_waiting
-    loading = coming + max(0, replicas - current)
-    ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
-    slack = 1.0 + (spec.queue_slack - 1.0) * ready_frac
-    max_waiting = max(spec.min_waiting, min(spec.max_waiting, math.floor(k_ttft * slack)))
-    limits = {p.name: Limits(max_num_seqs=caps[p.name], max_waiting=max_waiting) for p in obs.ready}
-
-    att = "n/a" if f.attainment is None else f"{f.attainment:.3f}"
-    message = (f"{reason}: {current} -> {replicas} replicas ({n_ready} ready, {coming} starting); "
-               f"offered {f.offered_rps:.2f} req/s, in flight {f.in_flight}, demand {demand:.1f} seqs, "
-               f"{per_replica:.1f} seqs per replica, attainment {att} (target "
-               f"{spec.attainment_target}), 429s {f.rejected_429:.0f}, preemptions {f.preempted:.0f}; "
-               f"limits max_num_seqs median {_median(list(caps.values())) or '-'} "
-               f"max_waiting {max_waiting}")
-    conditions = {
-        "MetricsAvailable": (metrics_ok, "MetricsScraped" if metrics_ok else "MetricsMissing",
-                             metrics_msg),
-        "ScalingActive": (spec.min_replicas != spec.max_replicas,
-                          "ValidMetricFound" if spec.min_replicas != spec.max_replicas
-                          else "ScalingDisabled",
-                          f"replicas between {spec.min_replicas} and {spec.max_replicas}"),
-        "AbleToScale": (reason not in ("HoldStarting", "HoldStabilizing", "HoldMissingMetrics"),
-                        "ReadyForNewScale" if reason not in (
-                            "HoldStarting", "HoldStabilizing", "HoldMissingMetrics") else reason,
-                        message),
-    }
-    return Decision(replicas=replicas, limits=limits, reason=reason, message=message,
-                    conditions=conditions, state=st)
+    caps = tune_batch_caps(obs, spec, st)
+    fleet = aggregate(now, obs, caps, spec, st)
+    metrics_ok = not obs.unreachable and fleet.rated > 0
+    sz = size(fleet, caps, len(obs.ready), spec, st)
+    fc = forecast(now, obs, fleet, caps, sz, metrics_ok, spec, st)
+    proof = proven_work(now, fleet, caps, sz, fc, len(obs.ready), metrics_ok, spec, st)
+    keep = fewest_carrying(obs.current_replicas, proof.proven, fleet, sz, fc, spec, st)
+    win = windows(now, obs.current_replicas, sz, fc, keep, metrics_ok, spec, st)
+    out = choose_replicas(now, obs, fleet, caps, sz, fc, win, proof.proven, metrics_ok, spec, st)
+    ql = queue_limits(fleet, len(obs.ready), caps.coming, out.replicas - obs.current_replicas, spec,
+                      fleet.service_s if fleet.service_s is not None else st.service_s)
+    limits = {p.name: Limits(caps.caps[p.name], ql.max_waiting) for p in obs.ready}
+    message = _message(obs, fleet, caps, sz, fc, out, ql, spec, st)
+    return Decision(out.replicas, limits, out.reason, message,
+                    conditions(obs, fleet, metrics_ok, out.reason, message, spec),
+                    next_state(now, obs, fleet, caps, sz, fc, win, proof, out, metrics_ok, spec, st),
+                    ql.router_max_queued)
 
 
-__all__ = ["HistogramDelta", "PodObservation", "StartingPod", "Observation", "PolicySpec",
-           "PolicyState", "Limits", "Decision", "decide"]
+def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast, out: Replicas,
+             ql: QueueLimits, spec: PolicySpec, st: PolicyState) -> str:
+    att = "n/a" if fleet.attainment is None else f"{fleet.attainment:.3f}"
+    floor = f", floor {st.floor}" if st.floor else ""
+    return (f"{out.reason}: {obs.current_replicas} -> {out.replicas} replicas ({len(obs.ready)} ready, "
+            f"{caps.coming} starting); offered {fleet.offered_rps:.2f} req/s (forecast {fc.rps:.2f} in "
+            f"{fc.horizon_s:.0f} s), in flight {fleet.in_flight}, demand {sz.demand:.1f} seqs, "
+            f"{sz.per_replica:.1f} seqs per replica, attainment {att} (target {spec.attainment_target}), "
+            f"rejected {fleet.rejected:.0f}, preemptions {fleet.preempted:.0f}{floor}; limits max_num_seqs "
+            f"median {_median(list(caps.caps.values())) or '-'} max_waiting {ql.max_waiting}")
+
+
+__all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation", "Observation",
+           "attainment", "Knob", "KnobField", "knob", "knobs", "PolicySpec", "PolicyState", "Limits",
+           "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
+           "tune_cap", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
+           "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]
