@@ -89,8 +89,10 @@ def test_routes_by_model_streaming_and_not():
         # the body reached the pod unchanged
         assert b.bodies[0] == {"model": "m2", "messages": [{"role": "user", "content": "hi"}]}
         for m, pod, n in (("m1", pod_of(r, "m1", 0), 1), ("m2", pod_of(r, "m2", 0), 2)):
-            assert sample(r.url, "goodput_router_requests_total", namespace="", inferenceservice=m, model=m,
-                          pod=pod, outcome="success") == n
+            # a stream is counted when the router closes it, just after the client saw its end
+            wait_until(lambda m=m, pod=pod, n=n: sample(r.url, "goodput_router_requests_total", namespace="",
+                                                        inferenceservice=m, model=m, pod=pod,
+                                                        outcome="success") == n, f"{n} successes for {m}")
 
 
 def test_unknown_model_is_404_naming_it():
@@ -176,21 +178,27 @@ def test_client_gone_mid_stream_aborts_upstream():
 
 
 def test_upstream_gone_mid_stream_ends_with_error_event():
-    st = StubState("m1", "A", chunks=3, die_after=1)
+    # the pod sends event 0, waits for the gate, then drops the connection
+    st = StubState("m1", "A", chunks=3, die_after=1, gate=threading.Semaphore(0))
     with fleet({"m1": [st]}) as r:
         pieces = []
         with pytest.raises(openai.APIError) as e:
             for ev in client(r).completions.create(model="m1", prompt="x", stream=True):
                 pieces.append(ev.choices[0].text)
+                st.gate.release()
         assert pieces == ["A-0 "] and "mid-stream" in str(e.value)
         with httpx.stream("POST", r.url + "/v1/completions", timeout=HANG_GUARD_S,
                           json={"model": "m1", "prompt": "x", "stream": True}) as resp:
-            lines = [x for x in resp.iter_lines() if x]
-        assert len(lines) == 2 and "A-0" in lines[0]
-        err = json.loads(lines[1].removeprefix("data: "))["error"]
+            lines = resp.iter_lines()
+            first = next(x for x in lines if x)
+            st.gate.release()
+            rest = [x for x in lines if x]
+        assert "A-0" in first and len(rest) == 1  # one error event, no [DONE]
+        err = json.loads(rest[0].removeprefix("data: "))["error"]
         assert err["code"] == "upstream_error" and pod_of(r, "m1", 0) in err["message"]
-        assert sample(r.url, "goodput_router_requests_total", namespace="", inferenceservice="m1", model="m1",
-                      pod=pod_of(r, "m1", 0), outcome="error") == 2
+        # counted when the router closes the upstream response, just after the client's stream ended
+        wait_until(lambda: sample(r.url, "goodput_router_requests_total", namespace="", inferenceservice="m1",
+                                  model="m1", pod=pod_of(r, "m1", 0), outcome="error") == 2, "2 errors counted")
 
 
 # ---------------------------------------------------------------------------------- readiness

@@ -8,7 +8,10 @@ passed through event by event), ``GET /v1/models`` (every served model), ``/v1/m
 One request (generate routes): the body is read (413 beyond ``max_body_bytes``) and parsed (400:
 not JSON, not an object, no string ``model``); ``model`` names the service (404 naming it when
 unknown); :class:`~goodput.router.admission.Admission` holds, picks, queues or refuses; the body
-is sent as is to the pod over one pooled ``httpx.AsyncClient`` (keep-alive). Before the pod's
+is sent as is to the pod over one pooled ``aiohttp.ClientSession`` (keep-alive; the data path:
+httpx's pool rescans every pooled connection per request, which measured ~4 ms of CPU per request
+at a few hundred connections; bench/results/*-router-latency.md). The low-rate calls (scrape,
+models, tokenize) use an ``httpx.AsyncClient``. Before the pod's
 first byte, a connection error or a 503 with code ``draining`` is retried once on another pod
 (a draining answer also marks the pod draining); never after. An SSE answer is passed through
 as the pod sends it (whole events; nothing buffered beyond an incomplete event); a pod that
@@ -28,6 +31,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from fastapi import FastAPI, Request
@@ -53,6 +57,8 @@ _FORWARD_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 _OUTCOMES = {"queue_full": "refused", "queue_timeout": "timeout", "no_ready_pod": "timeout"}
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
               httpx.WriteError)
+# The data path's (aiohttp) errors before the first byte: refused, reset, closed, connect timeout.
+_RETRYABLE_DATA = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
 
 
 def _knob(default: Any, flag: str, help: str) -> Any:
@@ -137,7 +143,7 @@ def _req_headers(request: Request) -> dict[str, str]:
     return h
 
 
-def _resp_headers(resp: httpx.Response, pod: Pod | None) -> dict[str, str]:
+def _resp_headers(resp: httpx.Response | aiohttp.ClientResponse, pod: Pod | None) -> dict[str, str]:
     h = {k: v for k in _FORWARD_RESP if (v := resp.headers.get(k)) is not None}
     if pod is not None:
         h[POD_HEADER] = pod.name
@@ -179,6 +185,7 @@ class Router:
                                    queue_timeout_s=settings.queue_timeout_s,
                                    retry_after_s=settings.retry_after_s)
         self.client: httpx.AsyncClient | None = None
+        self.session: aiohttp.ClientSession | None = None
         self.cards: dict[str, dict[str, Any]] = {}  # pod URL -> its /v1/models card
         self._tasks: list[asyncio.Task] = []
 
@@ -190,6 +197,10 @@ class Router:
             timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
             limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections,
                                 keepalive_expiry=60.0))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=s.max_connections, keepalive_timeout=60.0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s),
+            skip_auto_headers=("User-Agent",))
         self._tasks = [asyncio.create_task(self._run_discovery(), name="discovery"),
                        asyncio.create_task(scrape_forever(self.fleet, self.client, s.scrape_period_s,
                                                           self.admission.dispatch), name="scrape")]
@@ -212,6 +223,8 @@ class Router:
                 await t
         if self.client is not None:
             await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
 
     # ------------------------------------------------------------------------- helpers
 
@@ -267,10 +280,9 @@ class Router:
             self._count(svc, None, _OUTCOMES.get(e.code or "", "error"))
             raise
 
-    async def _send(self, request: Request, pod: Pod, path: str, raw: bytes) -> httpx.Response:
-        assert self.client is not None
-        req = self.client.build_request("POST", pod.url + path, content=raw, headers=_req_headers(request))
-        return await self.client.send(req, stream=True)
+    async def _send(self, request: Request, pod: Pod, path: str, raw: bytes) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        return await self.session.post(pod.url + path, data=raw, headers=_req_headers(request))
 
     async def _forward(self, request: Request, svc: Service, key, priority: int, path: str, raw: bytes,
                        t0: float, state: dict[str, Any]) -> Response:
@@ -279,7 +291,7 @@ class Router:
         state["pod"] = pod
         labels = svc.key
         tried = {pod.name}
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         try:
             while True:
                 sent = time.perf_counter()
@@ -287,13 +299,13 @@ class Router:
                 try:
                     resp = await self._send(request, pod, path, raw)
                     failure: str | None = None
-                    if resp.status_code == 503:
-                        await resp.aread()
-                        with suppress(ValueError, AttributeError):
-                            if resp.json()["error"]["code"] == "draining":
+                    if resp.status == 503:
+                        err = await resp.read()
+                        with suppress(ValueError, AttributeError, KeyError, TypeError):
+                            if json.loads(err)["error"]["code"] == "draining":
                                 failure = "draining"
                                 self._mark_draining(svc, pod)
-                except _RETRYABLE as e:
+                except _RETRYABLE_DATA as e:
                     failure = f"{type(e).__name__}: {e}"
                 if failure is None:
                     break
@@ -306,37 +318,42 @@ class Router:
                                         f"({failure}) and no other pod could take the request")
                 log.info("retrying on %s: %s failed before its first byte (%s)", other[0].name, pod.name, failure)
                 if resp is not None:
-                    await resp.aclose()
+                    resp.release()
                     resp = None
                 adm.release(svc, pod)
                 pod = other[0]
                 state["pod"] = pod
                 tried.add(pod.name)
-            if resp.status_code < 400:
+            if resp.status < 400:
                 self.index.record(key, pod.name)
             if not resp.headers.get("content-type", "").startswith("text/event-stream"):
-                content = await resp.aread()
+                content = await resp.read()
                 self.metrics.upstream_ttft.labels(*labels).observe(time.perf_counter() - sent)
-                await resp.aclose()
-                self._count(svc, pod, "success" if resp.status_code < 400 else "error")
+                resp.release()
+                self._count(svc, pod, "success" if resp.status < 400 else "error")
                 adm.release(svc, pod)
-                return Response(content, status_code=resp.status_code, headers=_resp_headers(resp, pod))
+                return Response(content, status_code=resp.status, headers=_resp_headers(resp, pod))
+        except aiohttp.ClientError as e:  # e.g. died while sending a non-stream answer's body
+            if resp is not None:
+                resp.close()
+            adm.release(svc, pod)
+            raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed while answering "
+                                f"({type(e).__name__}: {e})") from None
         except BaseException:
             if resp is not None:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
+                resp.close()  # not released to the pool: closing the connection aborts the request
             adm.release(svc, pod)
             raise
         return self._stream(svc, pod, resp, sent)
 
-    def _stream(self, svc: Service, pod: Pod, resp: httpx.Response, sent: float) -> Response:
+    def _stream(self, svc: Service, pod: Pod, resp: aiohttp.ClientResponse, sent: float) -> Response:
         ended: dict[str, str] = {}
 
         async def events():
             tail = b""
             first = True
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.content.iter_any():
                     if first:
                         self.metrics.upstream_ttft.labels(*svc.key).observe(time.perf_counter() - sent)
                         first = False
@@ -345,7 +362,7 @@ class Router:
                     tail = data[cut:]
                     if cut:
                         yield data[:cut]
-            except httpx.HTTPError as e:
+            except aiohttp.ClientError as e:
                 ended["outcome"] = "error"
                 log.warning("pod %s died mid-stream: %r", pod.name, e)
                 yield _sse_error(f"the pod {pod.name} serving this stream failed mid-stream "
@@ -353,14 +370,17 @@ class Router:
                 return
             if tail.strip():
                 yield tail + b"\n\n"
-            ended["outcome"] = "success" if resp.status_code < 400 else "error"
+            ended["outcome"] = "success" if resp.status < 400 else "error"
 
         async def close() -> None:
-            await resp.aclose()
+            if ended.get("outcome") == "success":
+                resp.release()
+            else:
+                resp.close()  # client gone or pod failed: closing the connection aborts the request
             self.admission.release(svc, pod)
             self._count(svc, pod, ended.get("outcome", "client_abort"))
 
-        return _Passthrough(events(), on_close=close, status_code=resp.status_code,
+        return _Passthrough(events(), on_close=close, status_code=resp.status,
                             headers=_resp_headers(resp, pod), media_type="text/event-stream")
 
     # ------------------------------------------------------------------------- others
