@@ -393,3 +393,17 @@ def test_refused_scale_in_undoes_the_drain(rig):
     assert order == [("annotate", "p1", ("true", "-1000")), ("POST", "/admin/drain"),
                      ("annotate", "p1", (None, None)), ("DELETE", "/admin/drain")]
     assert rig.kube.events[-1][:2] == ("Warning", "FailedUpdateScale")
+
+
+def test_a_standby_decides_and_writes_nothing_until_it_leads(rig):
+    rig.scaler.period_s = 0.001
+    stop, calls = asyncio.Event(), []
+
+    def leading():
+        calls.append(1)
+        if len(calls) == 4:
+            stop.set()
+        return len(calls) == 3      # standby for two passes, leader for one, standby again
+    rig.script.append(_decision(1, "Steady"))
+    asyncio.run(rig.scaler.run(stop, leading=leading))
+    assert len(rig.calls) == 1 and rig.kube.patches    # one pass as leader: decided and wrote

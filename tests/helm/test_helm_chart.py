@@ -71,6 +71,7 @@ def test_default_render(helm: str):
         ("ClusterRoleBinding", "rel-goodput-operator"), ("ClusterRoleBinding", "rel-goodput-autoscaler"),
         ("Deployment", "rel-goodput-operator"), ("Deployment", "rel-goodput-autoscaler"),
         ("Service", "rel-goodput-autoscaler"),
+        ("Role", "rel-goodput-autoscaler-leader-election"), ("RoleBinding", "rel-goodput-autoscaler-leader-election"),
         ("CustomResourceDefinition", "inferenceservices.serving.goodput.dev"),
         ("ConfigMap", "rel-goodput-dashboard-serving"), ("ConfigMap", "rel-goodput-dashboard-autoscaler"),
     ])
@@ -90,6 +91,11 @@ def test_default_render(helm: str):
     assert ca["command"] == ["python", "-m", "goodput.autoscaler"]
     assert ca["args"][:2] == ["--all-namespaces", "--metrics-port=9091"]
     assert au["spec"]["template"]["spec"]["serviceAccountName"] == "rel-goodput-autoscaler"
+    # two replicas, one leader: the Lease in the release namespace, named after the release
+    assert au["spec"]["replicas"] == 2 and "strategy" not in au["spec"]
+    assert {"--lease-name=rel-goodput-autoscaler", "--lease-namespace=goodput-system", "--lease-duration=15",
+            "--renew-deadline=10", "--retry-period=2"} <= set(ca["args"])
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in ca["env"]
     svc = k[("Service", "goodput-system", "rel-goodput-autoscaler")]
     assert svc["spec"]["selector"] == au["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["ports"][0]["port"] == 9091
@@ -135,6 +141,18 @@ def test_rules_equal_the_ones_the_e2e_suite_runs_the_component_with(helm: str, c
     assert got == rules_set(e2e["rules"])
     if component == "autoscaler":  # it only reads and patches
         assert not any(v in ("*", "delete", "deletecollection", "escalate", "bind", "update") for _, _, v in got)
+
+
+@pytest.mark.parametrize("values", [(), ("--set", "watchNamespaces={team-a}")])
+def test_leader_election_rules_equal_the_e2e_ones(helm: str, values: tuple[str, ...]):
+    k = by_kind(template(helm, *values))
+    role = k[("Role", "goodput-system", "rel-goodput-autoscaler-leader-election")]
+    (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "autoscaler-rbac.yaml").read_text())
+              if d and d["kind"] == "Role"]
+    assert rules_set(role["rules"]) == rules_set(e2e["rules"])
+    rb = k[("RoleBinding", "goodput-system", "rel-goodput-autoscaler-leader-election")]
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "rel-goodput-autoscaler",
+                               "namespace": "goodput-system"}]
 
 
 def test_autoscaler_in_one_namespace_or_refused(helm: str):

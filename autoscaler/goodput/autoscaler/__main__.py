@@ -2,13 +2,19 @@
 
     python -m goodput.autoscaler [--namespace NS | --all-namespaces] [--period 5] [--metrics-port 9091]
         [--metrics-host 0.0.0.0] [--scrape-timeout 2] [--prometheus-url URL] [--once] [--dry-run]
-        [--log-level info]
+        [--no-leader-elect] [--lease-name goodput-autoscaler] [--lease-namespace NS]
+        [--lease-duration 15] [--renew-deadline 10] [--retry-period 2] [--log-level info]
 
 Credentials: in-cluster ServiceAccount, else KUBECONFIG / ~/.kube/config. ``--once`` runs one pass,
 prints the decisions as JSON and exits (0; 1 when a pass could not list InferenceServices).
 ``--dry-run`` decides and reports (log, its own metrics, ``--once`` output) but writes nothing:
 no scaling, no limits, no status, no Events — to watch what it would do next to another autoscaler.
-SIGTERM/SIGINT stop it after the current pass.
+SIGTERM/SIGINT stop it after the current pass (and release the Lease).
+
+Leader election (on by default; ``lease``): every replica is a candidate for the Lease
+``--lease-name`` in ``--lease-namespace`` (default ``$POD_NAMESPACE``, else goodput-system); only
+the holder reconciles, a standby takes over within ``--lease-duration`` seconds of the holder's
+last renewal. ``--once`` and ``--dry-run`` write nothing and do not take part.
 """
 from __future__ import annotations
 
@@ -16,8 +22,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+
+from goodput.autoscaler.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S
 
 
 def _positive(text: str) -> float:
@@ -56,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="one pass, print the decisions as JSON, exit")
     p.add_argument("--dry-run", action="store_true",
                    help="decide and report, but write nothing (no scale, limits, status or Events)")
+    le = p.add_argument_group("leader election (coordination.k8s.io Lease; client-go's defaults)")
+    le.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
+                    help="reconcile only while holding the Lease (--no-leader-elect: always, one replica only)")
+    le.add_argument("--lease-name", default="goodput-autoscaler", help="name of the Lease")
+    le.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "goodput-system",
+                    help="namespace of the Lease (default: $POD_NAMESPACE, else goodput-system)")
+    le.add_argument("--lease-duration", type=_positive, default=LEASE_DURATION_S,
+                    help="seconds a standby waits after the holder's last renewal before taking over")
+    le.add_argument("--renew-deadline", type=_positive, default=RENEW_DEADLINE_S,
+                    help="seconds the holder keeps leading without a successful renewal")
+    le.add_argument("--retry-period", type=_positive, default=RETRY_PERIOD_S,
+                    help="seconds between tries to acquire or renew")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -76,7 +97,8 @@ async def _main(ns: argparse.Namespace) -> int:
             source = PrometheusSource(http, ns.prometheus_url, timeout_s=ns.scrape_timeout)
         else:
             source = DirectScraper(http, ns.scrape_timeout)
-        scaler = Autoscaler(Kube(), source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics,
+        kube = Kube()
+        scaler = Autoscaler(kube, source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics,
                             dry_run=ns.dry_run)
         if ns.once:
             try:
@@ -96,12 +118,25 @@ async def _main(ns: argparse.Namespace) -> int:
         logging.getLogger("goodput.autoscaler").info(
             "autoscaling InferenceServices in %s every %.3g s (metrics from %s)",
             ns.namespace or "all namespaces", ns.period, ns.prometheus_url or "the pods' /metrics")
-        await scaler.run(stop)
+        if not ns.leader_elect or ns.dry_run:
+            await scaler.run(stop)
+            return 0
+        from goodput.autoscaler.lease import LeaderElector, LeaseAPI
+        elector = LeaderElector(LeaseAPI(kube.api_client), ns.lease_namespace, ns.lease_name,
+                                lease_duration_s=ns.lease_duration, renew_deadline_s=ns.renew_deadline,
+                                retry_period_s=ns.retry_period)
+        logging.getLogger("goodput.autoscaler").info("leader election: lease %s/%s as %s", ns.lease_namespace,
+                                                     ns.lease_name, elector.me)
+        await asyncio.to_thread(elector.try_once)   # a lone instance leads from its first pass
+        await asyncio.gather(elector.run(stop), scaler.run(stop, leading=elector.is_leader))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not 0 < ns.retry_period < ns.renew_deadline < ns.lease_duration:
+        parser.error("need --retry-period < --renew-deadline < --lease-duration")
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
