@@ -329,7 +329,7 @@ class Knob:
     help: one line (the CRD field's description).
     crd: the camelCase path under ``.spec`` (``"autoscaling.minReplicas"``); None = under
         ``autoscaling.tuning`` with the field's name in camelCase (``tpot_margin`` ->
-        ``autoscaling.tuning.tpotMargin``).
+        ``autoscaling.tuning.tpotMargin``; a ``_s`` suffix reads ``Seconds``).
     unit: policy value = CRD value * unit (``slo.ttftMs`` in ms -> ``slo_ttft_s``: 0.001).
     crd_type: the CRD's type when it differs from the field's (whole seconds: int).
     ge, gt, le: bounds in CRD units, checked by the CRD schema and by ``PolicySpec``.
@@ -378,7 +378,8 @@ def knobs() -> list[KnobField]:
         meta = f.metadata.get(_KNOB)
         if meta is None:
             continue
-        path = tuple((meta.crd or "autoscaling.tuning." + _camel(f.name)).split("."))
+        leaf = _camel(f.name[:-2] + "_seconds" if f.name.endswith("_s") else f.name)
+        path = tuple((meta.crd or "autoscaling.tuning." + leaf).split("."))
         crd_type = meta.crd_type or hints[f.name]
         crd_default = crd_type(round(f.default / meta.unit, 9))
         out.append(KnobField(f.name, hints[f.name], f.default, path, crd_type, crd_default, meta))
@@ -403,13 +404,14 @@ class PolicySpec:
                              unit=0.001, gt=0)
     attainment_target: float = knob(0.9, "wanted fraction of requests meeting both",
                                     crd="slo.attainmentTarget", ge=0, le=1)
-    scale_up_window_s: float = knob(30.0, "evidence window before scaling up (rule 8)",
+    scale_up_window_s: float = knob(30.0, "evidence window before scaling up",
                                     crd="autoscaling.scaleUpWindowSeconds", crd_type=int, ge=0, le=3600)
-    stabilization_window_s: float = knob(300.0, "scale down only after this long below target (rule 7)",
+    stabilization_window_s: float = knob(300.0, "scale down only after this long below target",
                                          crd="autoscaling.stabilizationWindowSeconds", crd_type=int,
                                          ge=0, le=86400)
-    scale_to_zero_idle_s: float = knob(600.0, "with minReplicas 0: seconds with nothing offered, held, "
-                                       "queued or in flight before scaling to zero",
+    scale_to_zero_idle_s: float = knob(600.0, "with minReplicas 0 and a router: seconds with nothing "
+                                       "offered, held, queued or in flight before scaling to zero "
+                                       "(docs/router-autoscaler-contract.md)",
                                        crd="autoscaling.scaleToZeroIdleSeconds", crd_type=int, ge=0)
     kv_target: float = knob(0.8, "KV cache usage ratio above which to scale up",
                             crd="autoscaling.targets.kvCacheUsage", ge=0, le=1)

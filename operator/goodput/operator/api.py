@@ -17,11 +17,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+from goodput.autoscaler.policy import KnobField, PolicySpec, knobs
 from goodput.worker.admin_api import ADMIN_TOKEN_ENV
 from goodput.worker.engine.config import EngineArgs, SettingField, check, settings
 from goodput.worker.engine.units import parse_bytes
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, create_model
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
 GROUP = "serving.goodput.dev"
 VERSION = "v1alpha1"
@@ -133,32 +134,40 @@ class ResourceSpec(_Model):
     memory: Quantity | None = Field(None, description="memory request and limit, e.g. 4Gi")
 
 
-class SLOSpec(_Model):
-    """Service-level objectives; a request meets the SLO when TTFT <= ttftMs and TPOT <= tpotMs."""
-
-    ttft_ms: float = Field(1000.0, gt=0, description="time-to-first-token target, milliseconds")
-    tpot_ms: float = Field(100.0, gt=0, description="time-per-output-token target, milliseconds")
-    attainment_target: float = Field(0.9, ge=0, le=1, description="wanted fraction of requests meeting both")
+def _knob_field(k: KnobField) -> tuple[Any, Any]:
+    """The CRD field of one autoscaling knob: type, default and bounds in the CRD's units."""
+    return k.crd_type, Field(k.crd_default, ge=k.meta.ge, gt=k.meta.gt, le=k.meta.le, description=k.meta.help)
 
 
-class AutoscalingTargets(_Model):
-    """Signals the autoscaler holds each replica to."""
+def _knob_fields(*prefix: str) -> dict[str, Any]:
+    """The knobs held directly under ``.spec.<prefix>``, as pydantic fields (snake_case names,
+    camelCase aliases)."""
+    return {to_snake(k.path[-1]): _knob_field(k) for k in knobs()
+            if k.path[:-1] == prefix}
 
-    kv_cache_usage: float = Field(0.8, ge=0, le=1, description="KV cache usage ratio above which to scale up")
-    queue_depth: int = Field(4, ge=0, description="waiting requests per replica above which to scale up")
+
+def _nested(model: Any) -> Any:
+    return model, Field(default_factory=model, json_schema_extra={"default": {}})
 
 
-class AutoscalingSpec(_Model):
-    """Goodput autoscaler settings (read by the autoscaler; the operator only validates them)."""
-
-    enabled: bool = False
-    min_replicas: int = Field(1, ge=0, le=1000)
-    max_replicas: int = Field(4, ge=1, le=1000)
-    scale_up_window_seconds: int = Field(30, ge=0, le=3600, description="evidence window before scaling up")
-    stabilization_window_seconds: int = Field(
-        300, ge=0, le=86400, description="scale down only after this long below target"
-    )
-    targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets, json_schema_extra={"default": {}})
+# The SLO and autoscaling fields are built from the policy's knob declarations
+# (goodput.autoscaler.policy.PolicySpec), so a new knob appears here by itself.
+SLOSpec = create_model(
+    "SLOSpec", __base__=_Model,
+    __doc__="Service-level objectives; a request meets the SLO when TTFT <= ttftMs and TPOT <= tpotMs.",
+    **_knob_fields("slo"))
+AutoscalingTargets = create_model(
+    "AutoscalingTargets", __base__=_Model, __doc__="Signals the autoscaler holds each replica to.",
+    **_knob_fields("autoscaling", "targets"))
+AutoscalingTuning = create_model(
+    "AutoscalingTuning", __base__=_Model,
+    __doc__="The autoscaling policy's tuning knobs (goodput.autoscaler.policy); defaults suit most services.",
+    **_knob_fields("autoscaling", "tuning"))
+AutoscalingSpec = create_model(
+    "AutoscalingSpec", __base__=_Model,
+    __doc__="Goodput autoscaler settings (read by the autoscaler; the operator only validates them).",
+    enabled=(bool, False), **_knob_fields("autoscaling"), targets=_nested(AutoscalingTargets),
+    tuning=_nested(AutoscalingTuning))
 
 
 class Toleration(_Model):
@@ -386,6 +395,11 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
     if a.min_replicas > a.max_replicas:
         out.append(Problem(reason="InvalidAutoscaling", message=(
             f"autoscaling.minReplicas ({a.min_replicas}) > autoscaling.maxReplicas ({a.max_replicas})")))
+    else:
+        try:   # the policy's own consistency checks (e.g. tuning.minNumSeqs <= tuning.maxNumSeqs)
+            PolicySpec.from_crd(spec.model_dump(by_alias=True))
+        except ValueError as e:
+            out.append(Problem(reason="InvalidAutoscaling", message=str(e)))
     env_names = [v.name for v in spec.pod_template.env]
     if ADMIN_TOKEN_ENV in env_names:
         out.append(Problem(reason="InvalidPodTemplate", message=(
