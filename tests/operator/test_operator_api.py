@@ -33,8 +33,9 @@ def test_defaults_and_camel_case_round_trip():
     ({"resources": {"cpu": "two"}}, "cpu"),
     ({"resources": {"gpu": -1}}, "gpu"),
     ({"model": {"name": ""}}, "name"),
+    ({"autoscaling": {"scaleToZeroIdleSeconds": -1}}, "scaleToZeroIdleSeconds"),
 ], ids=["negative-replicas", "unknown-engine-field", "wrong-type", "bad-enum", "ratio-above-1",
-        "zero-ttft", "bad-quantity", "negative-gpu", "empty-model"])
+        "zero-ttft", "bad-quantity", "negative-gpu", "empty-model", "negative-idle"])
 def test_bad_spec_refused_naming_the_field(bad, field):
     with pytest.raises(ValidationError) as ei:
         InferenceServiceSpec.model_validate(bad)
@@ -140,6 +141,16 @@ def test_examples_are_valid(path):
     InferenceServiceSpec.model_validate(doc["spec"])
 
 
+def test_contract_fields_scale_to_zero_idle_and_router_max_queued():
+    s = InferenceServiceSpec.model_validate({})
+    assert s.autoscaling.scale_to_zero_idle_seconds == 600  # the contract's default
+    s = InferenceServiceSpec.model_validate({"autoscaling": {"minReplicas": 0, "scaleToZeroIdleSeconds": 0}})
+    assert s.autoscaling.scale_to_zero_idle_seconds == 0
+    st = api.InferenceServiceStatus.model_validate({"admission": {"maxWaiting": 3, "routerMaxQueued": 12}})
+    assert st.admission.router_max_queued == 12 and st.admission.max_waiting == 3
+    assert api.InferenceServiceStatus.model_validate({"admission": {}}).admission.router_max_queued is None
+
+
 def test_status_tolerates_fields_written_by_newer_writers():
     st = api.InferenceServiceStatus.model_validate({"replicas": 2, "somethingNew": 1, "conditions": [
         {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "lastTransitionTime": "2026-01-01T00:00:00Z"}]})
@@ -155,3 +166,22 @@ def test_status_tolerates_fields_written_by_newer_writers():
 def test_operator_command_line(argv, want):
     from goodput.operator.__main__ import kopf_args
     assert kopf_args(argv) == ["run", "-m", "goodput.operator.handlers", *want]
+
+
+@pytest.mark.parametrize("argv, url, rest", [
+    ([], None, []),
+    (["-n", "a", "--router-url", "http://r.gp.svc:8080"], "http://r.gp.svc:8080", ["-n", "a"]),
+    (["--router-url=https://r:1", "--verbose"], "https://r:1", ["--verbose"]),
+    (["--router-url", "http://a:1", "--router-url", "http://b:2"], "http://b:2", []),
+])
+def test_router_url_flag_is_taken_out_of_kopfs_arguments(argv, url, rest):
+    from goodput.operator.__main__ import split_router_url
+    assert split_router_url(argv) == (url, rest)
+
+
+@pytest.mark.parametrize("argv", [["--router-url"], ["--router-url", "goodput-router:8080"],
+                                  ["--router-url=ftp://x"], ["--router-url", "http://"]])
+def test_router_url_flag_refuses_what_is_not_an_http_url(argv):
+    from goodput.operator.__main__ import split_router_url
+    with pytest.raises(ValueError, match="--router-url"):
+        split_router_url(argv)

@@ -82,6 +82,10 @@ def test_schema_carries_defaults_bounds_enums_nullable(version):
     assert status["conditions"]["x-kubernetes-list-type"] == "map"
     assert status["conditions"]["items"]["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert status["autoscaler"]["properties"]["decisions"]["maxItems"] == api.MAX_DECISIONS
+    idle = p["autoscaling"]["properties"]["scaleToZeroIdleSeconds"]
+    assert (idle["type"], idle["minimum"], idle["default"]) == ("integer", 0, 600)
+    rmq = status["admission"]["properties"]["routerMaxQueued"]
+    assert (rmq["type"], rmq["minimum"], rmq["nullable"]) == ("integer", 0, True)
 
 
 def test_names_subresources_columns(crd, version):

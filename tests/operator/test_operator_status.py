@@ -67,6 +67,18 @@ def test_compute_status(case):
     assert st["url"] == ("http://tiny.ns1.svc.cluster.local:8000" if svc else None)
 
 
+@pytest.mark.parametrize("router_url, svc, want", [
+    (None, True, "http://tiny.ns1.svc.cluster.local:8000"),
+    (None, False, None),
+    ("http://goodput-router.gp.svc:8080", True, "http://goodput-router.gp.svc:8080"),
+    ("http://goodput-router.gp.svc:8080", False, "http://goodput-router.gp.svc:8080"),
+])
+def test_url_is_the_routers_when_the_operator_has_one(router_url, svc, want):
+    st = compute_status(name="tiny", namespace="ns1", generation=1, desired_replicas=1, deployment=dep(),
+                        service_exists=svc, now=T0, router_url=router_url)
+    assert st["url"] == want
+
+
 def test_degraded_message_joins_all_problems():
     p2 = Problem(reason="InvalidEngineConfig", message="maxNumBatchedTokens (8) < blockSize (16)")
     st = compute_status(name="a", namespace="b", generation=1, desired_replicas=1, deployment=None,

@@ -256,10 +256,13 @@ class Condition(_StatusModel):
 
 
 class AdmissionStatus(_StatusModel):
-    """Admission limits currently pushed to every ready worker."""
+    """Admission limits currently pushed to every ready worker, and the router's queue bound."""
 
     max_num_seqs: int | None = None
     max_waiting: int | None = None
+    router_max_queued: int | None = Field(
+        None, ge=0, description="bound of the router's fleet queue for this service (beyond it: 429); "
+        "unset = the sum of the Ready pods' max_waiting (docs/router-autoscaler-contract.md)")
     updated_at: str | None = None
 
 
@@ -316,7 +319,8 @@ class InferenceServiceStatus(_StatusModel):
     ready_replicas: int = 0
     updated_replicas: int = 0
     selector: str | None = Field(None, description="label selector of the pods (scale subresource)")
-    url: str | None = Field(None, description="in-cluster URL of the Service")
+    url: str | None = Field(None, description="in-cluster URL clients use: the router's (operator "
+                            "--router-url; it picks the service by model) or else the Service's")
     admission: AdmissionStatus | None = None
     autoscaler: AutoscalerStatus | None = None
 

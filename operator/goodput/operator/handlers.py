@@ -12,7 +12,8 @@ scaled by hand is set back. Children carry a controller owner reference, so dele
 InferenceService garbage-collects them.
 
 Env: GOODPUT_OPERATOR_RESYNC_SECONDS (resync period, default 60), GOODPUT_OPERATOR_WORKERS (threads
-for the synchronous handlers, default 16: reconciles mostly wait on the API server).
+for the synchronous handlers, default 16: reconciles mostly wait on the API server),
+GOODPUT_OPERATOR_ROUTER_URL (set by ``--router-url``: ``status.url`` is the router's URL).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from goodput.operator import api, kube, resources, status as status_mod
 
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
+ROUTER_URL = os.environ.get(resources.ROUTER_URL_ENV) or None  # --router-url: status.url
 
 log = logging.getLogger("goodput.operator")
 
@@ -324,7 +326,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             desired_replicas=spec.replicas if spec else int((body.get("spec") or {}).get("replicas") or 0),
             deployment=deployment, service_exists=service_exists, problems=problems,
             worker_problem=_worker_problem(namespace, name),
-            previous_conditions=prev_conditions, now=_now())
+            previous_conditions=prev_conditions, now=_now(), router_url=ROUTER_URL)
         if status_mod.status_changed(current, new):
             cluster.resource(api.API_VERSION, api.KIND).status.patch(
                 body={"status": new}, name=name, namespace=namespace,

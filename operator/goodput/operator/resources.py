@@ -87,6 +87,20 @@ def service_url(name: str, namespace: str) -> str:
     return f"http://{name}.{namespace}.svc.cluster.local:{api.WORKER_PORT}"
 
 
+# ``python -m goodput.operator --router-url URL`` sets this for the handlers (same process).
+ROUTER_URL_ENV = "GOODPUT_OPERATOR_ROUTER_URL"
+
+
+def check_router_url(url: str) -> str:
+    """``url`` if it is an absolute http(s) URL with a host (the router's Service URL, e.g.
+    ``http://goodput-router.goodput-system.svc:8080``); raises ValueError naming the flag otherwise."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--router-url {url!r}: want an absolute http:// or https:// URL with a host")
+    return url
+
+
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
     """Controller owner reference to the InferenceService; garbage collection deletes the children."""
     return {

@@ -126,12 +126,15 @@ def compute_status(
     worker_problem: Problem | None = None,
     previous_conditions: Sequence[dict[str, Any]] = (),
     now: str,
+    router_url: str | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status fields (camelCase) for one InferenceService.
 
     ``deployment`` is the apps/v1 Deployment as a dict (or None when it does not exist);
     ``now`` is an RFC 3339 timestamp used for conditions whose status changes. ``problems`` are the
     spec's (not rolled out); ``worker_problem`` is ``worker_failure`` of the running pods.
+    ``router_url`` (operator ``--router-url``): when set, ``url`` is that URL (the router picks the
+    service by the request's ``model``); else the Service's URL once the Service exists, else None.
     Returns observedGeneration, conditions, replicas, readyReplicas, updatedReplicas, selector, url.
     Fields owned by others (admission, autoscaler) are not returned.
     """
@@ -206,7 +209,7 @@ def compute_status(
         "readyReplicas": ready,
         "updatedReplicas": updated,
         "selector": resources.selector_string(name),
-        "url": resources.service_url(name, namespace) if service_exists else None,
+        "url": router_url or (resources.service_url(name, namespace) if service_exists else None),
     }
 
 

@@ -137,6 +137,11 @@ def test_admin_writes_refused_without_configured_token(server_tiny):
     err = _error(httpx.put(server_tiny.url + "/admin/limits", json={"max_num_seqs": 2},
                            headers={"Authorization": "Bearer anything"}), 403)
     assert "GOODPUT_ADMIN_TOKEN" in err["message"]
+    for method in ("POST", "DELETE"):
+        err = _error(httpx.request(method, server_tiny.url + "/admin/drain",
+                                   headers={"Authorization": "Bearer anything"}), 403)
+        assert "GOODPUT_ADMIN_TOKEN" in err["message"]
+    assert httpx.get(server_tiny.url + "/ready").status_code == 200
 
 
 def test_queue_full_is_429_with_retry_after(server_main):

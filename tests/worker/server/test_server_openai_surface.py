@@ -375,6 +375,8 @@ def test_openapi_declares_models_errors_and_content_types(server_main):
         ref + "DetokenizeResponse"
     assert set(responses("/v1/models/{model}", "get")) == {"200", "404"}
     assert set(responses("/admin/limits", "put")) == {"200", "400", "401", "403", "413", "503"}
+    assert set(responses("/admin/drain", "post")) == {"200", "401", "403", "413"}
+    assert set(responses("/admin/drain", "delete")) == {"200", "401", "403", "409"}
     assert any(ct.startswith("text/plain") for ct in responses("/metrics", "get")["200"]["content"])
     for path, item in paths.items():
         for method, op in item.items():

@@ -1,9 +1,17 @@
-"""Admin routes: runtime admission limits and engine state (used by the autoscaler).
+"""Admin routes: runtime admission limits, drain and engine state (used by the autoscaler).
 
-``GET /admin/limits`` and ``GET /admin/state`` are read-only and open (the same facts as
-``/metrics``). ``PUT /admin/limits`` needs ``Authorization: Bearer <GOODPUT_ADMIN_TOKEN>``: 401
-without it or with a wrong token; when the worker was started without ``GOODPUT_ADMIN_TOKEN`` all
-admin writes are refused with 403 (there is no way to authenticate them).
+``GET /admin/limits``, ``GET /admin/drain`` and ``GET /admin/state`` are read-only and open (the
+same facts as ``/metrics`` and ``/ready``). ``PUT /admin/limits``, ``POST /admin/drain`` and
+``DELETE /admin/drain`` need ``Authorization: Bearer <GOODPUT_ADMIN_TOKEN>``: 401 without it or with
+a wrong token; when the worker was started without ``GOODPUT_ADMIN_TOKEN`` all admin writes are
+refused with 403 (there is no way to authenticate them).
+
+Drain (docs/router-autoscaler-contract.md, "Scale-in"): ``POST /admin/drain`` turns ``/ready``
+503 ``draining`` (the Service, the router and the ReplicaSet see the pod unready), answers new
+generate requests 503 (code ``draining``, ``Retry-After``) and lets in-flight requests and streams
+finish; the process keeps running. Both verbs are idempotent and answer
+``{"draining": bool, "shutting_down": bool, "inflight": int}``. ``DELETE`` undoes an admin drain;
+after SIGTERM it answers 409 (a shutdown cannot be undone).
 """
 from __future__ import annotations
 
@@ -18,7 +26,8 @@ from pydantic import ValidationError
 router = APIRouter(prefix="/admin")
 
 _ERR = {400: "invalid limits", 401: "missing or wrong admin bearer token",
-        403: "admin writes disabled (no GOODPUT_ADMIN_TOKEN)", 503: "model loading or engine dead"}
+        403: "admin writes disabled (no GOODPUT_ADMIN_TOKEN)", 409: "shutting down (SIGTERM): cannot undo",
+        503: "model loading or engine dead"}
 
 
 def _errors(*codes: int) -> dict:
@@ -66,6 +75,40 @@ async def put_limits(request: Request) -> dict[str, int]:
     except ValueError as e:
         raise APIError(400, str(e))
     return _limits(st)
+
+
+def _drain(st) -> dict[str, bool | int]:
+    return {"draining": not st.admitting, "shutting_down": st.draining, "inflight": st.inflight}
+
+
+@router.get("/drain")
+async def get_drain(request: Request) -> dict[str, bool | int]:
+    """Whether the worker admits new generate requests; ``inflight`` = generate requests whose
+    response (stream included) is not finished."""
+    return _drain(request.app.state.server)
+
+
+@router.post("/drain", responses=_errors(401, 403))
+async def post_drain(request: Request) -> dict[str, bool | int]:
+    """Stop admitting (``/ready`` 503 ``draining``, new generate requests 503); in-flight requests
+    finish; the process stays. Idempotent; works while the model loads too."""
+    _require_admin(request)
+    st = request.app.state.server
+    st.set_admin_drain(True)
+    return _drain(st)
+
+
+@router.delete("/drain", responses=_errors(401, 403, 409))
+async def delete_drain(request: Request) -> dict[str, bool | int]:
+    """Undo ``POST /admin/drain``: admit again (``/ready`` back to 200 once the engine is up).
+    Idempotent; 409 after SIGTERM (the process is shutting down)."""
+    _require_admin(request)
+    st = request.app.state.server
+    if st.draining:
+        raise APIError(409, "the worker is shutting down (SIGTERM drain); a shutdown cannot be undone",
+                       code="shutting_down")
+    st.set_admin_drain(False)
+    return _drain(st)
 
 
 @router.get("/state", responses=_errors(503))

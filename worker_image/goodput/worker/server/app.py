@@ -13,9 +13,13 @@ pod leaves the Service's endpoints), new generate requests get 503 with an OpenA
 streams included — run to their end. The process exits 0 once none is left; the pod's
 ``terminationGracePeriodSeconds`` bounds the wait (the kubelet's SIGKILL).
 
+``POST /admin/drain`` (the autoscaler's scale-in, before it lowers replicas) starts the same
+drain without ending the process: ``/ready`` 503 ``draining``, new generate requests 503, in-flight
+ones finish; ``DELETE /admin/drain`` undoes it (not a SIGTERM drain). See server/admin.py.
+
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{model}``,
-``/tokenize``, ``/detokenize`` (server/openai_routes.py); ``/admin/limits``, ``/admin/state``
-(server/admin.py); ``/health``, ``/ready``, ``/metrics`` (here).
+``/tokenize``, ``/detokenize`` (server/openai_routes.py); ``/admin/limits``, ``/admin/state``,
+``/admin/drain`` (server/admin.py); ``/health``, ``/ready``, ``/metrics`` (here).
 
 A request body larger than ``EngineArgs.max_request_body_bytes`` is answered 413 (HTTP's
 "Content Too Large", with the OpenAI error body naming the limit and the flag) before it is
@@ -145,30 +149,46 @@ class ServerState:
         self.engine: AsyncLLMEngine | None = None
         self.load_error: BaseException | None = None
         self.loader: threading.Thread | None = None
-        self.draining = False
+        self.draining = False  # SIGTERM drain: the process exits once drained (cli.py)
+        self.admin_draining = False  # POST /admin/drain: same admission effect, the process stays
         self.inflight = 0  # generate requests whose response (stream included) is not finished
 
     def start_drain(self) -> None:
-        """Stop admitting: /ready turns 503, new generate requests get 503; in-flight ones finish."""
+        """SIGTERM: stop admitting (/ready 503, new generate requests 503); in-flight ones finish,
+        then the process exits (:attr:`drained`)."""
         if not self.draining:
             self.draining = True
             log.info("draining: admitting nothing new; %d request(s) in flight", self.inflight)
 
+    def set_admin_drain(self, on: bool) -> None:
+        """``POST``/``DELETE /admin/drain``: the admission effect of :meth:`start_drain` without
+        the exit; idempotent. Undoing it does not undo a SIGTERM drain (:attr:`admitting` stays
+        False while :attr:`draining`)."""
+        if on != self.admin_draining:
+            self.admin_draining = on
+            log.info("admin drain %s; %d request(s) in flight", "started" if on else "undone", self.inflight)
+
+    @property
+    def admitting(self) -> bool:
+        """False while any drain (SIGTERM or admin) is on."""
+        return not (self.draining or self.admin_draining)
+
     @property
     def drained(self) -> bool:
-        """Draining and no generate request left in flight: the process may exit."""
+        """SIGTERM-draining and no generate request left in flight: the process may exit."""
         return self.draining and self.inflight == 0
 
     def require_admitting(self) -> None:
-        """Raise 503 (OpenAI error body, code ``draining``) once a drain started."""
-        if self.draining:
-            raise APIError(503, "this replica is shutting down (draining) and admits no new requests; "
+        """Raise 503 (OpenAI error body, code ``draining``) once a drain (SIGTERM or admin) started."""
+        if not self.admitting:
+            why = "shutting down (draining)" if self.draining else "draining (scale-in)"
+            raise APIError(503, f"this replica is {why} and admits no new requests; "
                                 "retry the request: the Service routes it to another replica",
                            code="draining", headers={"Retry-After": "1"})
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_healthy() and not self.draining
+        return self.engine is not None and self.engine.is_healthy() and self.admitting
 
     def require_engine(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -275,7 +295,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
     async def ready() -> JSONResponse:
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.model_name})
-        if state.draining:
+        if not state.admitting:
             return JSONResponse({"status": "draining", "inflight": state.inflight}, status_code=503)
         body: dict[str, Any] = {"status": "loading" if state.load_error is None else "error"}
         if state.load_error is not None:
