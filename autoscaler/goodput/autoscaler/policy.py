@@ -956,8 +956,10 @@ def windows(now: float, current: int, sz: Size, fc: Forecast, keep: int, metrics
     up = [r for t, r, _ in recs if now - t <= spec.scale_up_window_s] or [rec]
     down = [max(r, k) for t, r, k in recs if now - t <= spec.stabilization_window_s] or [rec]
     up_target = int(min(up))
-    if rec >= spec.panic_ratio * max(1, current) or sz.evidence or not metrics_ok:
-        up_target = rec   # panic, SLOs missed while saturated, or only the pods that answered speak
+    if sz.rec >= spec.panic_ratio * max(1, current) or sz.evidence or not metrics_ok:
+        # panic (on load seen, never on a forecast), SLOs missed while saturated, or only the
+        # pods that answered speak
+        up_target = max(sz.rec, up_target) if metrics_ok else rec
     return Windows(tuple(recs), up_target, int(max(down)),
                    now - since if since is not None else 0.0, since)
 
