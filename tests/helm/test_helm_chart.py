@@ -71,7 +71,7 @@ def test_default_render(helm: str):
         ("ClusterRoleBinding", "rel-goodput-operator"), ("ClusterRoleBinding", "rel-goodput-autoscaler"),
         ("Deployment", "rel-goodput-operator"), ("Deployment", "rel-goodput-autoscaler"),
         ("Service", "rel-goodput-autoscaler"),
-        ("Role", "rel-goodput-autoscaler-leader-election"), ("RoleBinding", "rel-goodput-autoscaler-leader-election"),
+        ("Role", "rel-goodput-autoscaler-own"), ("RoleBinding", "rel-goodput-autoscaler-own"),
         ("CustomResourceDefinition", "inferenceservices.serving.goodput.dev"),
         ("ConfigMap", "rel-goodput-dashboard-serving"), ("ConfigMap", "rel-goodput-dashboard-autoscaler"),
     ])
@@ -146,11 +146,11 @@ def test_rules_equal_the_ones_the_e2e_suite_runs_the_component_with(helm: str, c
 @pytest.mark.parametrize("values", [(), ("--set", "watchNamespaces={team-a}")])
 def test_leader_election_rules_equal_the_e2e_ones(helm: str, values: tuple[str, ...]):
     k = by_kind(template(helm, *values))
-    role = k[("Role", "goodput-system", "rel-goodput-autoscaler-leader-election")]
+    role = k[("Role", "goodput-system", "rel-goodput-autoscaler-own")]
     (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "autoscaler-rbac.yaml").read_text())
               if d and d["kind"] == "Role"]
     assert rules_set(role["rules"]) == rules_set(e2e["rules"])
-    rb = k[("RoleBinding", "goodput-system", "rel-goodput-autoscaler-leader-election")]
+    rb = k[("RoleBinding", "goodput-system", "rel-goodput-autoscaler-own")]
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "rel-goodput-autoscaler",
                                "namespace": "goodput-system"}]
 

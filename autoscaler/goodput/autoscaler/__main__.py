@@ -2,6 +2,7 @@
 
     python -m goodput.autoscaler [--namespace NS | --all-namespaces] [--period 5] [--metrics-port 9091]
         [--metrics-host 0.0.0.0] [--scrape-timeout 2] [--prometheus-url URL] [--once] [--dry-run]
+        [--router-namespace NS] [--router-metrics-url URL ...]
         [--no-leader-elect] [--lease-name goodput-autoscaler] [--lease-namespace NS]
         [--lease-duration 15] [--renew-deadline 10] [--retry-period 2] [--log-level info]
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-timeout", type=_positive, default=2.0, help="seconds per pod scrape")
     p.add_argument("--prometheus-url", default=None,
                    help="read the workers' metrics from this Prometheus (PromQL) instead of scraping pods")
+    p.add_argument("--router-namespace", default=None,
+                   help="scrape the Ready router pods (label app.kubernetes.io/component=router) in this namespace")
+    p.add_argument("--router-metrics-url", action="append", default=[], metavar="URL",
+                   help="also scrape this router /metrics URL (repeatable; without Kubernetes discovery)")
     p.add_argument("--once", action="store_true", help="one pass, print the decisions as JSON, exit")
     p.add_argument("--dry-run", action="store_true",
                    help="decide and report, but write nothing (no scale, limits, status or Events)")
@@ -98,8 +103,13 @@ async def _main(ns: argparse.Namespace) -> int:
         else:
             source = DirectScraper(http, ns.scrape_timeout)
         kube = Kube()
+        routers = None
+        if ns.router_namespace or ns.router_metrics_url:
+            from goodput.autoscaler.loop import RouterScraper
+            routers = RouterScraper(http, ns.scrape_timeout, ns.router_metrics_url,
+                                    kube if ns.router_namespace else None, ns.router_namespace)
         scaler = Autoscaler(kube, source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics,
-                            dry_run=ns.dry_run)
+                            dry_run=ns.dry_run, routers=routers)
         if ns.once:
             try:
                 decisions = await scaler.tick()

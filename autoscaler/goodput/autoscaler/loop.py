@@ -390,7 +390,7 @@ def make_plan(status: Mapping[str, Any], spec: api.InferenceServiceSpec, seen: O
     adm: dict[str, Any] = {}
     if seqs is not None and (old_adm.get("maxNumSeqs"), old_adm.get("maxWaiting")) != (seqs, waiting):
         adm.update(maxNumSeqs=seqs, maxWaiting=waiting)
-    router_max = getattr(decision, "router_max_queued", None)
+    router_max = decision.router_max_queued
     if router_max is not None and old_adm.get("routerMaxQueued") != router_max:
         adm["routerMaxQueued"] = router_max
     if adm:
@@ -444,6 +444,75 @@ class DirectScraper:
                 return e
         results = await asyncio.gather(*(guarded(p) for p in pods))
         return {p.name: r for p, r in zip(pods, results)}
+
+
+ROUTER_SELECTOR = "app.kubernetes.io/component=router"
+ROUTER_PORT = 8080  # the router's default --port; a pod's prometheus.io/port annotation overrides it
+
+
+def router_targets(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The ``/metrics`` URLs of the Ready, not terminating router pods (sorted): port and path from
+    their ``prometheus.io/port`` / ``prometheus.io/path`` annotations (default 8080, /metrics)."""
+    out = []
+    for p in pods:
+        meta, st = p.get("metadata") or {}, p.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        if meta.get("deletionTimestamp") or not ready or not st.get("podIP"):
+            continue
+        ann = meta.get("annotations") or {}
+        port = ann.get("prometheus.io/port") or ROUTER_PORT
+        path = ann.get("prometheus.io/path") or "/metrics"
+        out.append(f"http://{st['podIP']}:{port}{path if path.startswith('/') else '/' + path}")
+    return sorted(out)
+
+
+class RouterScraper:
+    """The routers' view of every service, once per pass (docs/router-autoscaler-contract.md,
+    "Router -> autoscaler"): ``GET /metrics`` on each router — the ``urls`` given
+    (``--router-metrics-url``) and, with ``kube`` and ``namespace`` (``--router-namespace``), the
+    Ready pods labelled ``app.kubernetes.io/component=router`` there — summed per (namespace,
+    inferenceservice) by :func:`observe.router_observation`, counters as deltas per router.
+    A router that fails its scrape is left out of that pass (logged); its previous sample stays,
+    so its next delta spans the gap."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout_s: float, urls: Sequence[str] = (), kube: Any = None,
+                 namespace: str | None = None, clock=time.monotonic):
+        self.client, self.timeout_s, self.urls = client, timeout_s, list(urls)
+        self.kube, self.namespace, self.clock = kube, namespace, clock
+        self._prev: dict[tuple[str, observe.ServiceKey], observe.PodSample] = {}
+
+    async def targets(self) -> list[str]:
+        urls = list(self.urls)
+        if self.kube is not None and self.namespace:
+            pods = await asyncio.to_thread(self.kube.list_pods, self.namespace, ROUTER_SELECTOR)
+            urls += router_targets(pods)
+        return urls
+
+    async def _one(self, url: str) -> dict[observe.ServiceKey, observe.PodSample]:
+        r = await get_once_more(self.client, url, timeout=self.timeout_s)
+        if r.status_code != 200:
+            raise observe.MetricsParseError(f"GET {url} answered {r.status_code}")
+        return observe.parse_router(r.text, self.clock())
+
+    async def observe(self) -> dict[observe.ServiceKey, policy.RouterObservation] | None:
+        """Service -> the routers' observation; None when no router answered (or none exists)."""
+        urls = await self.targets()
+        results = await asyncio.gather(*(self._one(u) for u in urls), return_exceptions=True)
+        pairs: dict[observe.ServiceKey, list[tuple[observe.PodSample | None, observe.PodSample]]] = {}
+        answered = 0
+        kept = {k: v for k, v in self._prev.items() if k[0] in urls}
+        for url, res in zip(urls, results):
+            if isinstance(res, BaseException):
+                log.info("router %s not scraped: %r", url, res)
+                continue
+            answered += 1
+            for svc, cur in res.items():
+                pairs.setdefault(svc, []).append((self._prev.get((url, svc)), cur))
+                kept[(url, svc)] = cur
+        self._prev = kept
+        if not answered:
+            return None
+        return {svc: observe.router_observation(ps) for svc, ps in pairs.items()}
 
 
 # ------------------------------------------------------------------------------------------ Kubernetes
@@ -511,8 +580,10 @@ class Autoscaler:
 
     def __init__(self, kube: Any, source: MetricsSource, http: httpx.AsyncClient, *,
                  namespace: str | None = None, period_s: float = 5.0, metrics: AutoscalerMetrics | None = None,
-                 wall_clock=time.time, dry_run: bool = False):
+                 wall_clock=time.time, dry_run: bool = False, routers: RouterScraper | None = None):
         self.kube, self.source, self.http = kube, source, http
+        self.routers = routers  # None: no router in front of the services (Observation.router None)
+        self._router_view: dict[observe.ServiceKey, policy.RouterObservation] | None = None
         self.dry_run = dry_run  # observe, decide and plan; apply nothing
         self.namespace, self.period_s = namespace, period_s
         self.metrics = metrics
@@ -546,6 +617,7 @@ class Autoscaler:
     async def tick(self) -> dict[tuple[str, str], policy.Decision]:
         """One pass over every autoscaled InferenceService; returns the decisions by (namespace, name)."""
         objs = await asyncio.to_thread(self.kube.list_isvcs, self.namespace)
+        self._router_view = await self._observe_routers()
         todo = [o for o in objs if ((o.get("spec") or {}).get("autoscaling") or {}).get("enabled")
                 and not o["metadata"].get("deletionTimestamp")]
         results = await asyncio.gather(*(self.reconcile(o) for o in todo), return_exceptions=True)
@@ -579,6 +651,15 @@ class Autoscaler:
             self.metrics.record(ns, name, dataclasses.replace(decision, limits=plan.limits),
                                 decision.replicas if self.dry_run else applied, len(seen.ready), len(seen.starting))
         return dataclasses.replace(decision, limits=plan.limits)
+
+    async def _observe_routers(self) -> dict[observe.ServiceKey, policy.RouterObservation] | None:
+        if self.routers is None:
+            return None
+        try:
+            return await self.routers.observe()
+        except Exception as e:  # noqa: BLE001 - e.g. listing router pods failed: no router view this pass
+            log.warning("routers not observed: %r", e)
+            return None
 
     def _inputs(self, obj: Mapping[str, Any]) -> tuple[api.InferenceServiceSpec, policy.PolicySpec,
                                                        policy.PolicyState | None] | None:
@@ -627,8 +708,11 @@ class Autoscaler:
                 if self.metrics:
                     self.metrics.scrape_errors.labels(ns, name).inc()
         self._prev[(ns, name)] = kept
+        router = None if self._router_view is None else self._router_view.get(
+            (ns, name), policy.RouterObservation(held=0, queued=0, refused=0.0))
         observation = policy.Observation(ready=tuple(observations), starting=tuple(starting),
-                                         unreachable=tuple(unreachable), current_replicas=spec.replicas)
+                                         unreachable=tuple(unreachable), current_replicas=spec.replicas,
+                                         router=router)
         return Observed(tuple(ready), tuple(starting), gone, samples, observation, hits)
 
     async def apply(self, obj: Mapping[str, Any], spec: api.InferenceServiceSpec, seen: Observed,

@@ -26,7 +26,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from goodput.autoscaler.policy import HistogramDelta, PodObservation
+from goodput.autoscaler.policy import HistogramDelta, PodObservation, RouterObservation
+from goodput.router import metric_names as rm
 from goodput.worker import metric_names as m
 
 
@@ -231,3 +232,45 @@ def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float 
     values.update(d.histograms)
     values = {k: v for k, v in values.items() if k in _OBS_FIELDS}
     return PodObservation(name=name, interval_s=d.interval_s, age_s=age_s, **values)
+
+
+# ------------------------------------------------------------------------------------------- router
+# What the autoscaler reads of a router (docs/router-autoscaler-contract.md, "Router -> autoscaler"),
+# per (namespace, inferenceservice): RouterObservation field -> metric (and label values summed).
+ROUTER_GAUGES: dict[str, str] = {"held": rm.HELD_REQUESTS, "queued": rm.QUEUED_REQUESTS}
+ROUTER_COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "refused": (rm.REQUESTS, {"outcome": ("refused",)}),
+}
+ServiceKey = tuple[str, str]  # (namespace, inferenceservice)
+
+
+def parse_router(text: str, time: float) -> dict[ServiceKey, PodSample]:
+    """One router's ``/metrics`` text -> a sample per service it reports (gauges held and queued,
+    the counter refused: cumulative). Raises :class:`MetricsParseError` when the text does not
+    parse; a router that reports no service gives {}."""
+    idx = _index(text)
+    keys = {(lab.get("namespace", ""), lab.get("inferenceservice", ""))
+            for name in list(ROUTER_GAUGES.values()) + [c[0] + "_total" for c in ROUTER_COUNTERS.values()]
+            for lab, _ in idx.get(name, ())}
+    out: dict[ServiceKey, PodSample] = {}
+    for ns, svc in sorted(keys):
+        miss: list[str] = []
+        sel = {"namespace": ns, "inferenceservice": svc}
+        gauges = {f: _sum(idx, metric, miss, **sel) if metric in idx else 0.0 for f, metric in ROUTER_GAUGES.items()}
+        counters = {}
+        for f, (metric, labels) in ROUTER_COUNTERS.items():
+            [(label, values)] = labels.items()
+            counters[f] = sum(_sum(idx, metric + "_total", miss, **sel, **{label: v}) for v in values) \
+                if metric + "_total" in idx else 0.0
+        out[(ns, svc)] = PodSample(time=time, gauges=gauges, counters=counters, histograms={})
+    return out
+
+
+def router_observation(pairs: list[tuple[PodSample | None, PodSample]]) -> RouterObservation:
+    """One service's view summed over router replicas: ``pairs`` = (previous, current) sample of
+    each router that reports it. held and queued: the current gauges' sum; refused: the sum of each
+    router's :func:`delta` (a restarted router counts from zero; a first sample adds nothing)."""
+    held = sum(cur.gauges.get("held", 0.0) for _, cur in pairs)
+    queued = sum(cur.gauges.get("queued", 0.0) for _, cur in pairs)
+    refused = sum(delta(prev, cur).counters.get("refused", 0.0) for prev, cur in pairs)
+    return RouterObservation(held=int(held), queued=int(queued), refused=refused)
