@@ -47,7 +47,7 @@ log = logging.getLogger("goodput.autoscaler")
 
 COMPONENT = "goodput-autoscaler"
 CONDITION_TYPES = ("MetricsAvailable", "ScalingActive", "AbleToScale")
-DRAINING_ANNOTATION = f"{api.GROUP}/draining"
+DRAINING_ANNOTATION = api.DRAINING_ANNOTATION
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 DRAIN_DELETION_COST = "-1000"
 # status.autoscaler MetricsAvailable reason while no pod has a rate yet but none failed its scrape

@@ -38,6 +38,9 @@ BUNDLED_MODELS = ("smollm2",)
 # context length (GGUF ``llama.context_length``) of each bundled model: a longer maxModelLen is refused
 BUNDLED_MODEL_CONTEXT = {"smollm2": 8192}
 WORKER_PORT = 8000
+# Pod annotation the autoscaler sets before a scale-in; the router sends a pod so marked no new
+# request (docs/router-autoscaler-contract.md, "Scale-in").
+DRAINING_ANNOTATION = f"{GROUP}/draining"
 DEFAULT_IMAGE = "goodput/worker:0.1.0"
 
 # Kubernetes resource quantity (e.g. "500m", "2", "1.5Gi", "512Mi")
