@@ -37,7 +37,8 @@ def test_classify_pods():
             _pod("c-draining", deleting=True), _pod("d-failed", ready=False, phase="Failed"),
             _pod("e-no-ip", ip=None, created=NOW - 3), _pod("f-future", ready=False, created=NOW + 5)]
     ready, starting = loop.classify_pods(pods, NOW)
-    assert ready == [loop.ReadyPod("b-ready", "uid-b-ready", "10.244.0.7", 40.0, 8000, "/metrics")]
+    # ready 40 s ago, created 100 s ago: its model load took 60 s
+    assert ready == [loop.ReadyPod("b-ready", "uid-b-ready", "10.244.0.7", 40.0, 8000, "/metrics", load_s=60.0)]
     annotated = _pod("g")
     annotated["metadata"]["annotations"] = {"prometheus.io/port": "9100", "prometheus.io/path": "stats"}
     [g], _ = loop.classify_pods([annotated], NOW)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from goodput.autoscaler import observe
 from goodput.autoscaler.observe import MetricsParseError, observation, parse_sample
 from goodput.worker.metric_names import TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
 from goodput.worker.engine.scheduler import SchedulerStats
@@ -176,3 +177,19 @@ def test_not_a_goodput_worker_names_the_missing_metrics():
 def test_garbage_is_a_parse_error():
     with pytest.raises(MetricsParseError):
         parse_sample("<html>502 Bad Gateway</html>\n", 0.0)
+
+
+def test_simulator_builds_its_observations_from_the_same_table_and_delta():
+    """The simulator (goodput.bench.simulate) reads its replicas as the loop reads a scrape: the
+    fields of observe's table, turned into a PodObservation by observe.observation."""
+    from goodput.bench.simulate import Replica
+    from goodput.worker.engine.config import EngineConfig
+
+    r = Replica("r0", created=0.0, ready_at=30.0, cfg=EngineConfig(num_blocks=64, max_model_len=256), slos=[(1.0, 0.1)])
+    s = r.sample(31.0)
+    assert set(s.gauges) == set(observe.GAUGES) and set(s.counters) == set(observe.COUNTERS)
+    assert set(s.histograms) == set(observe.HISTOGRAMS)
+    first = r.observe(35.0)
+    assert (first.interval_s, first.admitted, first.ttft, first.load_s, first.age_s) == (0.0, 0.0, None, 30.0, 5.0)
+    second = r.observe(40.0)
+    assert second.interval_s == 5.0 and second.ttft is not None and second.ttft.count == 0

@@ -65,6 +65,7 @@ class ReadyPod:
     age_s: float  # since its Ready condition turned True
     metrics_port: int = api.WORKER_PORT  # from the pod's prometheus.io/port annotation
     metrics_path: str = "/metrics"       # from prometheus.io/path
+    load_s: float | None = None          # creationTimestamp -> Ready (its model load; None: unknown)
 
 
 def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
@@ -90,6 +91,8 @@ def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[R
     Running but not ready — the model is loading); age from creationTimestamp. Terminating pods
     (deletionTimestamp set), draining ones (annotation ``serving.goodput.dev/draining: "true"``) and
     finished ones (Succeeded/Failed) are neither: they are capacity that is going away. Ages in seconds, never negative. Sorted by name.
+    A ready pod's ``load_s`` is creationTimestamp -> the Ready condition's lastTransitionTime (its
+    model load, or more if its readiness flapped since).
     """
     ready: list[ReadyPod] = []
     starting: list[policy.StartingPod] = []
@@ -100,8 +103,10 @@ def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[R
         cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
         if cond and cond.get("status") == "True" and st.get("podIP"):
             since = parse_time(cond.get("lastTransitionTime")) or now
+            created = parse_time(meta.get("creationTimestamp"))
             ready.append(ReadyPod(meta["name"], meta.get("uid", ""), st["podIP"], max(0.0, now - since),
-                                  *_metrics_endpoint(meta)))
+                                  *_metrics_endpoint(meta),
+                                  load_s=max(0.0, since - created) if created is not None else None))
         else:
             created = parse_time(meta.get("creationTimestamp")) or now
             starting.append(policy.StartingPod(name=meta["name"], age_s=max(0.0, now - created)))
@@ -697,7 +702,7 @@ class Autoscaler:
         for p in ready:
             s = samples.get(p.name)
             if isinstance(s, observe.PodSample):
-                observations.append(observe.observation(p.name, prev.get(p.uid), s, p.age_s))
+                observations.append(observe.observation(p.name, prev.get(p.uid), s, p.age_s, load_s=p.load_s))
                 hits[p.name] = observe.delta(prev.get(p.uid), s).counters.get("prefix_cache_hits", 0.0)
                 kept[p.uid] = s
             else:

@@ -222,16 +222,18 @@ def delta(prev: PodSample | None, cur: PodSample) -> Delta:
 _OBS_FIELDS = frozenset(f.name for f in dataclasses.fields(PodObservation))
 
 
-def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float = 0.0) -> PodObservation:
+def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float = 0.0,
+                load_s: float | None = None) -> PodObservation:
     """The policy's view of one ready pod: ``cur``'s gauges and the increases since ``prev``
-    (:func:`delta`). ``age_s``: seconds since the pod became ready. Table fields that
-    ``PodObservation`` does not have are left out."""
+    (:func:`delta`). ``age_s``: seconds since the pod became ready; ``load_s``: seconds from its
+    creation to ready (None: unknown). Table fields that ``PodObservation`` does not have are left
+    out."""
     d = delta(prev, cur)
     values: dict[str, Any] = {k: int(v) if k in _INT_GAUGES else v for k, v in cur.gauges.items()}
     values.update(d.counters)
     values.update(d.histograms)
     values = {k: v for k, v in values.items() if k in _OBS_FIELDS}
-    return PodObservation(name=name, interval_s=d.interval_s, age_s=age_s, **values)
+    return PodObservation(name=name, interval_s=d.interval_s, age_s=age_s, load_s=load_s, **values)
 
 
 # ------------------------------------------------------------------------------------------- router

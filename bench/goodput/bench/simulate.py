@@ -46,8 +46,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from goodput.autoscaler import observe
 from goodput.autoscaler.policy import (
-    HistogramDelta,
     Observation,
     PodObservation,
     PolicySpec,
@@ -260,14 +260,9 @@ class _Hist:
                 break
         self.sum += x
 
-    def snapshot(self) -> tuple[tuple[int, ...], float]:
-        return tuple(itertools.accumulate(self.counts)), self.sum
-
-
-def _hist_delta(bounds: tuple[float, ...], now: tuple[tuple[int, ...], float],
-                prev: tuple[tuple[int, ...], float]) -> HistogramDelta:
-    counts = tuple(a - b for a, b in zip(now[0], prev[0]))
-    return HistogramDelta(bounds, counts, counts[-1], now[1] - prev[1])
+    def snapshot(self) -> observe.Histogram:
+        cum = tuple(float(c) for c in itertools.accumulate(self.counts))
+        return observe.Histogram(self.bounds, cum, cum[-1], self.sum)
 
 
 class Replica:
@@ -289,39 +284,33 @@ class Replica:
         self.tpot = _Hist(TOKEN_LATENCY_BUCKETS)
         self.queue = _Hist(TTFT_BUCKETS)    # arrival -> first scheduled, as the worker exports it
         self.cls: dict[str, int] = {}
-        self.prev: dict | None = None     # counters at the previous policy tick
-        self.prev_t = 0.0
+        self.prev: observe.PodSample | None = None     # the sample at the previous policy tick
 
-    def counters(self) -> dict:
+    def sample(self, now: float) -> observe.PodSample:
+        """What a scrape of this replica would read now: the fields of the loop's table
+        (``observe.GAUGES``, ``COUNTERS``, ``HISTOGRAMS``), from the scheduler's counters."""
         s = self.sched
         rej = s.rejected_total
-        return {"admitted": s.admitted_total, "finished": sum(s.finished_total.values()),
-                "slo_met": self.slo_met, "r429": rej["queue_full"],
-                "r400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
-                "gen": s.generation_tokens_total, "prompt": s.prompt_tokens_total, "ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(),
-                "queue": self.queue.snapshot()}
+        fin = s.finished_total
+        return observe.PodSample(
+            time=now,
+            gauges={"running": len(s.running), "waiting": len(s.waiting), "kv_usage": s.block_manager.usage,
+                    "max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
+            counters={"admitted": s.admitted_total, "finished": fin.get("stop", 0) + fin.get("length", 0),
+                      "slo_met": self.slo_met, "rejected_429": rej["queue_full"],
+                      "rejected_400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
+                      "generation_tokens": s.generation_tokens_total, "prompt_tokens": s.prompt_tokens_total,
+                      "prefix_cache_hits": s.prefix_cache_hits_total},
+            histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot()})
 
     def observe(self, now: float) -> PodObservation:
-        """The PodObservation the real loop would build from two scrapes (this tick's and the
-        previous one); the first one has interval 0."""
-        cur = self.counters()
-        prev, interval = self.prev, now - self.prev_t
-        self.prev, self.prev_t = cur, now
-        s = self.sched
-        if prev is None:
-            prev, interval = cur, 0.0
-        return PodObservation(
-            name=self.name, running=len(s.running), waiting=len(s.waiting),
-            kv_usage=s.block_manager.usage, max_num_seqs=s.max_num_seqs, max_waiting=s.max_waiting,
-            interval_s=interval, admitted=cur["admitted"] - prev["admitted"],
-            finished=cur["finished"] - prev["finished"], slo_met=cur["slo_met"] - prev["slo_met"],
-            rejected_429=cur["r429"] - prev["r429"], rejected_400=cur["r400"] - prev["r400"],
-            preempted=cur["preempted"] - prev["preempted"], generation_tokens=cur["gen"] - prev["gen"],
-            ttft=_hist_delta(self.ttft.bounds, cur["ttft"], prev["ttft"]),
-            tpot=_hist_delta(self.tpot.bounds, cur["tpot"], prev["tpot"]),
-            queue=_hist_delta(self.queue.bounds, cur["queue"], prev["queue"]),
-            age_s=max(0.0, now - self.ready_at), prompt_tokens=cur["prompt"] - prev["prompt"],
-            load_s=self.ready_at - self.created if self.ready_at > self.created else None)
+        """The PodObservation the real loop builds from two scrapes (this tick's and the previous
+        one), with the loop's own delta function (``observe.observation``); the first one has
+        interval 0."""
+        cur = self.sample(now)
+        prev, self.prev = self.prev, cur
+        return observe.observation(self.name, prev, cur, age_s=max(0.0, now - self.ready_at),
+                                   load_s=self.ready_at - self.created if self.ready_at > self.created else None)
 
 
 # ---------------------------------------------------------------------------------- our policy
