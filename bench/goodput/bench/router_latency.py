@@ -167,11 +167,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(rows, a, load_before, load_after) -> str:
+    import importlib.util
+    stack = ("uvicorn with httptools + uvloop" if importlib.util.find_spec("httptools") and
+             importlib.util.find_spec("uvloop") else "uvicorn with h11 + asyncio (no httptools/uvloop installed)")
     lines = [
-        f"# Router added latency ({datetime.date.today()})",
+        f"# Router added latency ({datetime.date.today()}; {stack})",
         "",
         f"Command: `python -m goodput.bench.router_latency --rates {a.rates} --duration {a.duration:g}`",
         "",
+        f"Servers (stub and router): {stack}. "
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f}. The stub, the router and the "
         "load generator share these cores with whatever else runs: on a busy machine the load generator's "

@@ -23,6 +23,7 @@ import heapq
 import itertools
 import math
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from goodput.router.errors import APIError
@@ -198,6 +199,13 @@ class Admission:
         """Fleet listener: wake held requests when a pod is routable; refill from the queue; fail
         the waiters of a removed service with 404; drop removed pods from the prefix index."""
         svc = self.fleet.service(key)
+        if svc is not None:  # export 0, not nothing, for every known service
+            self.metrics.held.labels(*key)
+            self.metrics.queued.labels(*key)
+        elif key in self._pods:
+            for g in (self.metrics.held, self.metrics.queued):
+                with suppress(KeyError):
+                    g.remove(*key)
         names = set(svc.pods) if svc is not None else set()
         for gone in self._pods.get(key, set()) - names:
             self.index.forget(gone)

@@ -26,16 +26,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from goodput.router.admission import Admission
@@ -150,24 +148,58 @@ def _resp_headers(resp: httpx.Response | aiohttp.ClientResponse, pod: Pod | None
     return h
 
 
+async def _asgi_body(scope, receive, limit: int) -> bytes:
+    """The request body from ASGI ``receive``; 413 beyond ``limit`` bytes (declared or read)."""
+    too_big = APIError(413, f"the request body is larger than the router's limit of {limit} bytes "
+                            "(--max-body-bytes)")
+    for k, v in scope["headers"]:
+        if k == b"content-length" and v.isdigit() and int(v) > limit:
+            raise too_big
+    chunks, n, more = [], 0, True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _Disconnected()
+        chunk = msg.get("body", b"")
+        n += len(chunk)
+        if n > limit:
+            raise too_big
+        chunks.append(chunk)
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(receive) -> None:
+    """Return when the client goes away (ASGI ``http.disconnect``, after the body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_json(send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+_FORWARD_REQ_B = tuple(h.encode() for h in _FORWARD_REQ)
+
+
+def _asgi_req_headers(scope) -> dict[str, str]:
+    h = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _FORWARD_REQ_B}
+    h.setdefault("content-type", "application/json")
+    return h
+
+
+def _asgi_resp_headers(resp: aiohttp.ClientResponse, pod: Pod) -> list[tuple[bytes, bytes]]:
+    out = [(k.encode(), v.encode("latin-1")) for k in _FORWARD_RESP if (v := resp.headers.get(k)) is not None]
+    out.append((POD_HEADER.encode(), pod.name.encode()))
+    return out
+
+
 def _sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(error_body(message, "internal_error", code="upstream_error")).encode() + b"\n\n"
-
-
-class _Passthrough(StreamingResponse):
-    """A StreamingResponse whose ``on_close`` always runs, shielded, however the stream ends
-    (finished, upstream error, client gone: Starlette cancels the sending task)."""
-
-    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kw):
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.on_close()
 
 
 class Router:
@@ -237,67 +269,68 @@ class Router:
         if current is not None and current.pods.get(pod.name) is pod and not pod.info.draining:
             self.fleet.set_pod(svc.key[0], svc.key[1], replace(pod.info, draining=True))
 
-    async def _until_disconnect(self, request: Request) -> None:
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
+    # ------------------------------------------------------------------------- generate (raw ASGI)
 
-    async def _race_disconnect(self, request: Request, coro: Awaitable[Any]) -> Any:
-        """Run ``coro``; if the client goes away first, cancel it and raise ``_Disconnected``."""
-        work = asyncio.ensure_future(coro)
-        watch = asyncio.ensure_future(self._until_disconnect(request))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with suppress(asyncio.CancelledError, Exception):
-            await work
-        raise _Disconnected()
-
-    # ------------------------------------------------------------------------- generate
-
-    async def generate(self, request: Request, path: str) -> Response:
+    async def generate(self, scope, receive, send) -> None:
+        """``POST /v1/completions`` and ``/v1/chat/completions`` as a plain ASGI handler (no
+        Starlette request/response objects, middleware or task groups on the hot path)."""
         t0 = time.perf_counter()
-        raw = await _read_body(request, self.settings.max_body_bytes)
-        body = _parse(raw)
-        model = _model(body)
-        svc = self.fleet.for_model(model)
-        if svc is None:
-            raise _unknown_model(model, self.fleet)
-        key = request_key(svc, path, body, self.pick_cfg)
+        path = scope["path"]
+        svc: Service | None = None
         state: dict[str, Any] = {}
         try:
-            return await self._race_disconnect(
-                request, self._forward(request, svc, key, _priority(body), path, raw, t0, state))
+            raw = await _asgi_body(scope, receive, self.settings.max_body_bytes)
+            body = _parse(raw)
+            model = _model(body)
+            svc = self.fleet.for_model(model)
+            if svc is None:
+                raise _unknown_model(model, self.fleet)
+            key = request_key(svc, path, body, self.pick_cfg)
+            work = asyncio.ensure_future(self._forward(scope, send, svc, key, _priority(body), path, raw, t0, state))
+            watch = asyncio.ensure_future(_until_disconnect(receive))
+            watch.add_done_callback(lambda w: (not w.cancelled()) and work.cancel())
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if not watch.done() or watch.cancelled():  # this handler was cancelled (shutdown)
+                    work.cancel()
+                    raise
+                with suppress(asyncio.CancelledError, Exception):
+                    await work
+                state.setdefault("outcome", "client_abort")
+            finally:
+                watch.cancel()
         except _Disconnected:
-            self._count(svc, state.get("pod"), "client_abort")
-            return Response(status_code=499)
+            state.setdefault("outcome", "client_abort")
         except APIError as e:
-            self._count(svc, None, _OUTCOMES.get(e.code or "", "error"))
-            raise
+            state.setdefault("outcome", _OUTCOMES.get(e.code or "", "error"))
+            state["pod"] = None
+            if not state.get("started"):
+                await _send_json(send, e.status, e.body(), e.headers)
+        finally:
+            if svc is not None:
+                self._count(svc, state.get("pod"), state.get("outcome", "client_abort"))
 
-    async def _send(self, request: Request, pod: Pod, path: str, raw: bytes) -> aiohttp.ClientResponse:
+    async def _send(self, scope, pod: Pod, path: str, raw: bytes) -> aiohttp.ClientResponse:
         assert self.session is not None
-        return await self.session.post(pod.url + path, data=raw, headers=_req_headers(request))
+        return await self.session.post(pod.url + path, data=raw, headers=_asgi_req_headers(scope))
 
-    async def _forward(self, request: Request, svc: Service, key, priority: int, path: str, raw: bytes,
-                       t0: float, state: dict[str, Any]) -> Response:
+    async def _forward(self, scope, send, svc: Service, key, priority: int, path: str, raw: bytes,
+                       t0: float, state: dict[str, Any]) -> None:
+        """Acquire a pod, send, retry once before the first byte, answer the client."""
         adm = self.admission
         pod, _, waited = await adm.acquire(svc, key, priority)
         state["pod"] = pod
         labels = svc.key
         tried = {pod.name}
         resp: aiohttp.ClientResponse | None = None
+        outcome: str | None = None
         try:
             while True:
                 sent = time.perf_counter()
                 self.metrics.overhead.observe(max(0.0, sent - t0 - waited))
                 try:
-                    resp = await self._send(request, pod, path, raw)
+                    resp = await self._send(scope, pod, path, raw)
                     failure: str | None = None
                     if resp.status == 503:
                         err = await resp.read()
@@ -312,7 +345,7 @@ class Router:
                 # before the first byte: one other pod
                 other = adm.try_pick(svc, key, exclude=frozenset(tried)) if len(tried) == 1 else None
                 if other is None:
-                    if resp is not None:  # the pod's own 503 draining answer
+                    if resp is not None:  # the pod's own 503 draining answer goes to the client
                         break
                     raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed before answering "
                                         f"({failure}) and no other pod could take the request")
@@ -324,64 +357,59 @@ class Router:
                 pod = other[0]
                 state["pod"] = pod
                 tried.add(pod.name)
-            if resp.status < 400:
+            status = resp.status
+            if status < 400:
                 self.index.record(key, pod.name)
+            headers = _asgi_resp_headers(resp, pod)
             if not resp.headers.get("content-type", "").startswith("text/event-stream"):
-                content = await resp.read()
+                try:
+                    content = await resp.read()
+                except aiohttp.ClientError as e:
+                    raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed while answering "
+                                        f"({type(e).__name__}: {e})") from None
                 self.metrics.upstream_ttft.labels(*labels).observe(time.perf_counter() - sent)
-                resp.release()
-                self._count(svc, pod, "success" if resp.status < 400 else "error")
-                adm.release(svc, pod)
-                return Response(content, status_code=resp.status, headers=_resp_headers(resp, pod))
-        except aiohttp.ClientError as e:  # e.g. died while sending a non-stream answer's body
-            if resp is not None:
-                resp.close()
-            adm.release(svc, pod)
-            raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed while answering "
-                                f"({type(e).__name__}: {e})") from None
-        except BaseException:
-            if resp is not None:
-                resp.close()  # not released to the pool: closing the connection aborts the request
-            adm.release(svc, pod)
-            raise
-        return self._stream(svc, pod, resp, sent)
-
-    def _stream(self, svc: Service, pod: Pod, resp: aiohttp.ClientResponse, sent: float) -> Response:
-        ended: dict[str, str] = {}
-
-        async def events():
+                outcome = "success" if status < 400 else "error"
+                headers.append((b"content-length", str(len(content)).encode()))
+                state["started"] = True
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": content, "more_body": False})
+                return
+            state["started"] = True
+            await send({"type": "http.response.start", "status": status, "headers": headers})
             tail = b""
             first = True
             try:
                 async for chunk in resp.content.iter_any():
                     if first:
-                        self.metrics.upstream_ttft.labels(*svc.key).observe(time.perf_counter() - sent)
+                        self.metrics.upstream_ttft.labels(*labels).observe(time.perf_counter() - sent)
                         first = False
-                    data = tail + chunk
-                    cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
-                    tail = data[cut:]
-                    if cut:
-                        yield data[:cut]
+                    data = tail + chunk if tail else chunk
+                    cut = data.rfind(b"\n\n") + 2
+                    if cut >= 2:
+                        tail = data[cut:]
+                        await send({"type": "http.response.body", "body": data[:cut], "more_body": True})
+                    else:
+                        tail = data
             except aiohttp.ClientError as e:
-                ended["outcome"] = "error"
+                outcome = "error"
                 log.warning("pod %s died mid-stream: %r", pod.name, e)
-                yield _sse_error(f"the pod {pod.name} serving this stream failed mid-stream "
-                                 f"({type(e).__name__}); the response is incomplete")
-                return
-            if tail.strip():
-                yield tail + b"\n\n"
-            ended["outcome"] = "success" if resp.status < 400 else "error"
-
-        async def close() -> None:
-            if ended.get("outcome") == "success":
-                resp.release()
+                await send({"type": "http.response.body", "more_body": True, "body": _sse_error(
+                    f"the pod {pod.name} serving this stream failed mid-stream ({type(e).__name__}); "
+                    "the response is incomplete")})
             else:
-                resp.close()  # client gone or pod failed: closing the connection aborts the request
-            self.admission.release(svc, pod)
-            self._count(svc, pod, ended.get("outcome", "client_abort"))
-
-        return _Passthrough(events(), on_close=close, status_code=resp.status,
-                            headers=_resp_headers(resp, pod), media_type="text/event-stream")
+                if tail.strip():
+                    await send({"type": "http.response.body", "body": tail + b"\n\n", "more_body": True})
+                outcome = "success" if status < 400 else "error"
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if resp is not None:
+                if outcome == "success":
+                    resp.release()
+                else:
+                    resp.close()  # client gone or pod failed: closing the connection aborts the request
+            adm.release(svc, pod)
+            if outcome is not None:
+                state["outcome"] = outcome
 
     # ------------------------------------------------------------------------- others
 
@@ -424,8 +452,25 @@ class Router:
         return fallback
 
 
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class RouterApp:
+    """The ASGI app: ``POST`` to a generate route goes to :meth:`Router.generate` (raw ASGI);
+    everything else (other routes, 405 on the generate paths, lifespan) to the FastAPI app."""
+
+    def __init__(self, api: FastAPI, router: Router):
+        self.api, self.router, self.state = api, router, api.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATE_PATHS:
+            await self.router.generate(scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+
 def create_app(discovery: Discovery, settings: RouterSettings | None = None, fleet: Fleet | None = None,
-               pick_cfg: PickConfig | None = None) -> FastAPI:
+               pick_cfg: PickConfig | None = None) -> RouterApp:
     """The router app; ``discovery`` fills ``fleet`` (new if None) once the app starts;
     ``pick_cfg``: the picker's knobs (default ``PickConfig()``)."""
     router = Router(discovery, settings or RouterSettings(), fleet, pick_cfg)
@@ -441,14 +486,6 @@ def create_app(discovery: Discovery, settings: RouterSettings | None = None, fle
     app = FastAPI(title="goodput router", lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.generate(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.generate(request, "/v1/chat/completions")
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -484,4 +521,4 @@ def create_app(discovery: Discovery, settings: RouterSettings | None = None, fle
     async def metrics():
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return RouterApp(app, router)

@@ -2,9 +2,12 @@
 docs/router-autoscaler-contract.md, "Router metrics"), on a registry of its own."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from goodput.router import metric_names as mn
+
+# "_created" series only add noise to scrapes and dashboards (as the worker).
+disable_created_metrics()
 
 # Buckets (seconds): overhead is sub-millisecond to a few ms; waits and TTFT span ms to minutes.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

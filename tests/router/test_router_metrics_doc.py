@@ -1,0 +1,52 @@
+"""The router's /metrics against the table users read (docs/router-autoscaler-contract.md,
+"Router metrics"): every family there is exported with its type and labels, and nothing else
+named goodput_router_*; metric_names.py spells the same names."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from goodput.router import metric_names as mn
+from goodput.router.app import create_app
+from goodput.router.discovery_static import StaticDiscovery
+from prometheus_client.parser import text_string_to_metric_families
+from router_stub import ServerThread, StubState, make_stub
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "router-autoscaler-contract.md"
+
+
+def doc_table() -> dict[str, tuple[str, set[str]]]:
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`goodput_router_"):
+            continue
+        name, typ, labels, _meaning = cells
+        name = name.strip("`")
+        if typ == "counter":
+            name = name.removesuffix("_total")
+        rows[name] = (typ, {x.strip() for x in labels.replace("—", "").split(",") if x.strip()})
+    assert len(rows) >= 7, "the router metrics table was not found"
+    return rows
+
+
+def test_router_metrics_match_the_contract_table():
+    table = doc_table()
+    names = {mn.HELD_REQUESTS, mn.QUEUED_REQUESTS, mn.REQUESTS, mn.DECISIONS, mn.QUEUE_WAIT, mn.OVERHEAD,
+             mn.UPSTREAM_TTFT}
+    assert set(table) == names
+    st = StubState("m1", "A")
+    with ServerThread(make_stub(st)) as stub:
+        with ServerThread(create_app(StaticDiscovery([f"m1={stub.url}"], period_s=0.05))) as r:
+            while httpx.get(r.url + "/ready").status_code != 200:
+                pass
+            # one request so every labelled family has a sample
+            assert httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": "x"}).status_code == 200
+            fams = {f.name: f for f in text_string_to_metric_families(httpx.get(r.url + "/metrics").text)
+                    if f.name.startswith("goodput_router_")}
+    assert set(fams) == set(table)
+    for name, (typ, labels) in table.items():
+        fam = fams[name]
+        assert fam.type == typ, name
+        seen = set().union(*(set(s.labels) - {"le"} for s in fam.samples)) if fam.samples else set()
+        assert seen == labels, name
