@@ -185,3 +185,17 @@ def test_router_url_flag_refuses_what_is_not_an_http_url(argv):
     from goodput.operator.__main__ import split_router_url
     with pytest.raises(ValueError, match="--router-url"):
         split_router_url(argv)
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], None),
+    (["--all-namespaces"], None),
+    (["--namespace", "ml"], ("ml",)),
+    (["-n", "a", "--namespace=b", "--verbose", "-n", "a"], ("a", "b")),
+    (["--namespace=team-*"], None),        # a glob: kopf must list namespaces to match it
+    (["--namespace=!kube-system"], None),  # a negation: likewise
+    (["-n", "a", "-A"], None),
+])
+def test_exact_namespaces_switch_off_namespace_listing_and_claim_leases(argv, want):
+    from goodput.operator.__main__ import exact_namespaces
+    assert exact_namespaces(argv) == want

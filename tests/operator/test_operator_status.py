@@ -173,13 +173,13 @@ def pending(name="w-1", reason="Unschedulable", message=None, deleting=False):
 
 
 GPU_MSG = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
-SELECTOR_MSG = "0/1 nodes are available: 1 node(s) didn't match node selector."
+SELECTOR_MSG = "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity."  # 1.20, a nodeSelector
 POD_CASES.update({
     "unschedulable-gpus": (pending(message=GPU_MSG), (
         "Unschedulable", "0/1 nodes are available: 1 Insufficient nvidia.com/gpu. "
                          "(worker in pod w-1: PodScheduled=False, Unschedulable)")),
     "unschedulable-node-selector": (pending(message=SELECTOR_MSG), (
-        "Unschedulable", "0/1 nodes are available: 1 node(s) didn't match node selector. "
+        "Unschedulable", "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity. "
                          "(worker in pod w-1: PodScheduled=False, Unschedulable)")),
     "unschedulable-without-message": (pending(), (
         "Unschedulable", "no node fits the pod (worker in pod w-1: PodScheduled=False, Unschedulable)")),

@@ -11,6 +11,9 @@ Ownership: ``spec.replicas`` of the InferenceService (also written through its s
 scaled by hand is set back. Children carry a controller owner reference, so deleting the
 InferenceService garbage-collects them.
 
+Overlapping releases: a namespaced operator reconciles only the namespaces whose Lease it holds, an
+all-namespaces one skips namespaces whose Lease has a live holder (``claims``: the rule and why).
+
 Env: GOODPUT_OPERATOR_RESYNC_SECONDS (resync period, default 60), GOODPUT_OPERATOR_WORKERS (threads
 for the synchronous handlers, default 16: reconciles mostly wait on the API server),
 GOODPUT_OPERATOR_ROUTER_URL (set by ``--router-url``: ``status.url`` is the router's URL).
@@ -19,10 +22,12 @@ GOODPUT_OPERATOR_ROUTER_URL (set by ``--router-url``: ``status.url`` is the rout
 from __future__ import annotations
 
 import collections
+import datetime
 import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from typing import Any
@@ -35,7 +40,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
-from goodput.operator import api, kube, resources, status as status_mod
+from goodput.operator import api, claims, kube, resources, status as status_mod
 
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
@@ -151,6 +156,117 @@ def _workers() -> int:
 
 cluster = _Cluster()
 state = OperatorState()
+# Set by ``python -m goodput.operator`` from its command line: the exact namespaces it watches, or None
+# (all namespaces, or namespace globs). Exact names: kopf does not list namespaces (no cluster-wide
+# permission needed) and this operator claims each of them with a Lease (``claims``).
+WATCHED_NAMESPACES: tuple[str, ...] | None = None
+
+
+class _Claims:
+    """The Lease I/O of ``claims``: claim/renew the watched namespaces, or read others' claims."""
+
+    CACHE_SECONDS = 5.0
+
+    def __init__(self) -> None:
+        # the pod's name (Kubernetes sets HOSTNAME to it) and the process: unique per operator process
+        self.identity = f"{os.environ.get('HOSTNAME') or socket.gethostname()}/{os.getpid()}"
+        self._lock = threading.Lock()
+        self.held: set[str] = set()
+        self._standing_by: dict[str, str] = {}
+        self._seen: dict[str, tuple[float, str | None]] = {}  # namespace -> (read at, live holder)
+        self._warned: set[str] = set()
+
+    def _read(self, namespace: str) -> dict[str, Any] | None:
+        return _get("coordination.k8s.io/v1", "Lease", namespace, claims.LEASE_NAME)
+
+    def renew(self, namespaces: tuple[str, ...]) -> list[str]:
+        """One claim pass over ``namespaces``; returns the namespaces newly held."""
+        gained = []
+        res = cluster.resource("coordination.k8s.io/v1", "Lease")
+        for ns in namespaces:
+            now = datetime.datetime.now(datetime.timezone.utc)
+            lease = None
+            try:
+                lease = self._read(ns)
+                spec = claims.claim(lease, self.identity, now)
+                if spec is not None:
+                    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
+                            "metadata": {"name": claims.LEASE_NAME, "namespace": ns}}
+                    if lease is None:
+                        res.create(body=body, namespace=ns)
+                    else:
+                        body["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
+                        res.replace(body=body, namespace=ns)
+            except ApiException as e:  # 409: someone else wrote it first; the next pass reads it again
+                log.warning("Lease %s/%s: %s %s", ns, claims.LEASE_NAME, e.status, e.reason)
+                spec = None
+                if e.status != 409:
+                    continue  # keep what we had until the Lease can be read again
+            with self._lock:
+                if spec is not None and ns not in self.held:
+                    self.held.add(ns)
+                    self._standing_by.pop(ns, None)
+                    gained.append(ns)
+                    log.info("namespace %s claimed (Lease %s, holder %s)", ns, claims.LEASE_NAME, self.identity)
+                elif spec is None:
+                    holder = claims.live_holder(lease, now) or "?"
+                    if ns in self.held:
+                        self.held.discard(ns)
+                        log.warning("namespace %s lost to %s (Lease %s): not reconciling there", ns, holder,
+                                    claims.LEASE_NAME)
+                    if self._standing_by.get(ns) != holder:
+                        self._standing_by[ns] = holder
+                        log.warning("namespace %s is claimed by another goodput operator (%s, Lease %s/%s): "
+                                    "standing by until it lapses", ns, holder, ns, claims.LEASE_NAME)
+        return gained
+
+    def release_all(self) -> None:
+        with self._lock:
+            held, self.held = set(self.held), set()
+        for ns in held:
+            try:
+                lease = self._read(ns)
+                spec = claims.release(lease, self.identity)
+                if spec is not None and lease is not None:
+                    cluster.resource("coordination.k8s.io/v1", "Lease").replace(namespace=ns, body={
+                        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
+                        "metadata": {"name": claims.LEASE_NAME, "namespace": ns,
+                                     "resourceVersion": lease["metadata"]["resourceVersion"]}})
+                    log.info("namespace %s released (Lease %s)", ns, claims.LEASE_NAME)
+            except ApiException as e:
+                log.warning("releasing Lease %s/%s: %s %s", ns, claims.LEASE_NAME, e.status, e.reason)
+
+    def other_holder(self, namespace: str) -> str | None:
+        """The live holder of ``namespace``'s Lease if it is not us (read at most every CACHE_SECONDS)."""
+        t = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(namespace)
+        if seen is None or t - seen[0] > self.CACHE_SECONDS:
+            try:
+                holder = claims.live_holder(self._read(namespace), datetime.datetime.now(datetime.timezone.utc))
+            except ApiException as e:  # e.g. 403 from an install whose RBAC predates Leases: no partition
+                holder = None
+                if namespace not in self._warned:
+                    self._warned.add(namespace)
+                    log.warning("cannot read Lease %s/%s (%s %s): reconciling the namespace", namespace,
+                                claims.LEASE_NAME, e.status, e.reason)
+            seen = (t, None if holder == self.identity else holder)
+            with self._lock:
+                before = self._seen.get(namespace)
+                self._seen[namespace] = seen
+            if seen[1] is not None and (before is None or before[1] != seen[1]):
+                log.warning("namespace %s is claimed by a namespaced goodput operator (%s, Lease %s/%s): "
+                            "not reconciling there", namespace, seen[1], namespace, claims.LEASE_NAME)
+        return seen[1]
+
+    def owns(self, namespace: str) -> bool:
+        if WATCHED_NAMESPACES is not None:
+            with self._lock:
+                return claims.owns(namespace, namespaced=True, claimed=frozenset(self.held), other_holder=None)
+        return claims.owns(namespace, namespaced=False, claimed=frozenset(), other_holder=self.other_holder(namespace))
+
+
+_claims = _Claims()
 
 
 def _worker_problem(namespace: str, name: str) -> api.Problem | None:
@@ -264,12 +380,15 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
     ``observed_deployment``: the child Deployment as a watch event delivered it. When it already
     matches the desired one (and the children were complete at the last full pass), only the status
     is refreshed from it: one GET instead of one per child, which matters in event storms.
-    Returns the new status dict, or None when the object is gone or being deleted.
+    Returns the new status dict, or None when the object is gone or being deleted, or its namespace
+    belongs to another operator (``claims``: then nothing is read or written).
     A 4xx answer to a child write (invalid, forbidden) becomes Degraded (reason ChildRefused, the API
     server's message) and a Warning Event; the other children are still written.
     Raises ApiException for other API errors (5xx, throttling; kopf retries the handler).
     """
     logger = logger or log
+    if not _claims.owns(namespace):
+        return None
     with cluster.lock_for(namespace, name):
         body = _get(api.API_VERSION, api.KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -385,7 +504,36 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     cluster.dyn()
     state.resync_stop.clear()
+    if WATCHED_NAMESPACES is not None:
+        # exact namespaces: kopf serves them without listing or watching Namespaces (and CRDs), which a
+        # namespaced install has no permission for (kopf would retry the 403 for ~55 s first)
+        settings.scanning.disabled = True
+        try:
+            cluster.resource(api.API_VERSION, api.KIND)
+        except ResourceNotFoundError:
+            raise kopf.PermanentError(f"the {api.KIND} CRD ({api.PLURAL}.{api.GROUP}) is not installed: apply "
+                                      "crds/ first (a namespaced operator does not watch for it)") from None
+        _claims.renew(WATCHED_NAMESPACES)  # before the first handlers run: they reconcile only what is held
+        threading.Thread(target=_claim_loop, args=(state.resync_stop, WATCHED_NAMESPACES), name="claims",
+                         daemon=True).start()
     threading.Thread(target=_resync_loop, args=(state.resync_stop,), name="resync", daemon=True).start()
+
+
+def _claim_loop(stop: threading.Event, namespaces: tuple[str, ...]) -> None:
+    """Renew the namespaces' Leases every RENEW_SECONDS; a namespace newly held is reconciled at once."""
+    while not stop.wait(claims.RENEW_SECONDS):
+        try:
+            gained = _claims.renew(namespaces)
+        except Exception as e:  # noqa: BLE001 - keep renewing
+            log.warning("claim pass failed: %s", e)
+            continue
+        with state.known_lock:
+            todo = sorted(k for k in state.known if k[0] in gained)
+        for namespace, name in todo:
+            try:
+                reconcile(namespace, name)
+            except Exception as e:  # noqa: BLE001
+                log.warning("reconcile of %s/%s after claiming its namespace failed: %s", namespace, name, e)
 
 
 @kopf.on.resume(*RESOURCE)
@@ -440,6 +588,7 @@ def _resync_loop(stop: threading.Event) -> None:
 @kopf.on.cleanup()
 def _stop_resync(**_: Any) -> None:
     state.resync_stop.set()
+    _claims.release_all()  # the next operator for these namespaces takes over at once
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})

@@ -1,0 +1,77 @@
+"""Overlapping releases: the Lease rule of goodput.operator.claims, case by case (times by hand)."""
+
+import datetime
+
+import pytest
+
+from goodput.operator import claims
+
+UTC = datetime.timezone.utc
+T = datetime.datetime(2026, 12, 1, 15, 0, 0, tzinfo=UTC)
+
+
+def lease(holder="op-a/1", renew="2026-12-01T14:59:50.000000Z", duration=15, acquire="2026-12-01T14:00:00.000000Z",
+          transitions=2):
+    return {"metadata": {"name": "goodput-operator", "resourceVersion": "7"},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration, "renewTime": renew,
+                     "acquireTime": acquire, "leaseTransitions": transitions}}
+
+
+LIVE = {
+    "absent": (None, None),
+    "renewed-10s-ago-for-15s": (lease(), "op-a/1"),                                # 14:59:50 + 15 s > 15:00:00
+    "expired-exactly-now": (lease(renew="2026-12-01T14:59:45.000000Z"), None),   # 14:59:45 + 15 s = now
+    "expired": (lease(renew="2026-12-01T14:58:00.000000Z"), None),
+    "released": (lease(holder=None), None),
+    "time-without-fraction": (lease(renew="2026-12-01T14:59:59Z"), "op-a/1"),
+    "no-renew-time": ({"spec": {"holderIdentity": "x", "leaseDurationSeconds": 15}}, None),
+}
+
+
+@pytest.mark.parametrize("case", LIVE)
+def test_live_holder(case):
+    obj, want = LIVE[case]
+    assert claims.live_holder(obj, T) == want
+
+
+def test_claim_a_new_namespace():
+    assert claims.claim(None, "me/1", T) == {
+        "holderIdentity": "me/1", "leaseDurationSeconds": 15, "acquireTime": "2026-12-01T15:00:00.000000Z",
+        "renewTime": "2026-12-01T15:00:00.000000Z", "leaseTransitions": 0}
+
+
+def test_renew_keeps_acquire_time_and_transitions():
+    got = claims.claim(lease(holder="me/1"), "me/1", T)
+    assert got["acquireTime"] == "2026-12-01T14:00:00.000000Z" and got["leaseTransitions"] == 2
+    assert got["renewTime"] == "2026-12-01T15:00:00.000000Z"
+
+
+def test_a_live_holder_keeps_it_and_an_expired_one_is_taken_over():
+    assert claims.claim(lease(), "me/1", T) is None
+    got = claims.claim(lease(renew="2026-12-01T14:58:00.000000Z"), "me/1", T)
+    assert got["holderIdentity"] == "me/1" and got["leaseTransitions"] == 3
+    assert got["acquireTime"] == "2026-12-01T15:00:00.000000Z"
+    got = claims.claim(lease(holder=None), "me/1", T)  # released by a stopping operator: taken at once
+    assert got["holderIdentity"] == "me/1" and got["leaseTransitions"] == 3
+
+
+def test_release_only_what_we_hold():
+    assert claims.release(lease(holder="other/2"), "me/1") is None
+    assert claims.release(None, "me/1") is None
+    got = claims.release(lease(holder="me/1"), "me/1")
+    assert got["holderIdentity"] is None and claims.live_holder({"spec": got}, T) is None
+
+
+OWNS = {
+    # name: (namespaced, claimed, other live holder, owns)
+    "namespaced-holds-it": (True, {"ml"}, None, True),
+    "namespaced-standing-by": (True, set(), None, False),
+    "all-namespaces-unclaimed": (False, set(), None, True),
+    "all-namespaces-yields-to-a-namespaced-release": (False, set(), "op-ns/1", False),
+}
+
+
+@pytest.mark.parametrize("case", OWNS)
+def test_who_reconciles_a_namespace(case):
+    namespaced, held, other, want = OWNS[case]
+    assert claims.owns("ml", namespaced=namespaced, claimed=frozenset(held), other_holder=other) is want
