@@ -27,9 +27,11 @@
 # Env: K8S_HOME (binaries cache; default ${XDG_CACHE_HOME:-~/.cache}/goodput-k8s), K8S_RUN (state of a
 #      running cluster; default $K8S_HOME/run), GOODPUT_E2E_LOGS (logs; default $K8S_RUN/log, removed by
 #      `down`), PYTHON (runs the kubelet; default the repository's .venv), API_PORT (6443), ETCD_PORT (2379),
-#      ETCD_PEER_PORT (2380).
+#      ETCD_PEER_PORT (2380), KUBELET_PORT (10250; the test kubelet's log endpoint).
 # Network: everything listens on 127.0.0.1 (the kubelet also forwards 10.244.0.1:6443 to the API server
-# for pods). Service ClusterIPs (10.0.0.0/24) are routed nowhere here, so `start` blackholes that range
+# for pods). The API server reaches the kubelet's log endpoint (127.0.0.1:$KUBELET_PORT, for `kubectl logs`)
+# at the node's only address, InternalIP 127.0.0.1 (--kubelet-preferred-address-types=InternalIP: it never
+# resolves the node's name), verifying its certificate with the cluster CA. Service ClusterIPs (10.0.0.0/24) are routed nowhere here, so `start` blackholes that range
 # (a packet to it fails at once instead of leaving the machine).
 set -euo pipefail
 
@@ -43,6 +45,7 @@ NET_PREFIX=gpe2e
 API_PORT=${API_PORT:-6443}
 ETCD_PORT=${ETCD_PORT:-2379}
 ETCD_PEER_PORT=${ETCD_PEER_PORT:-2380}
+KUBELET_PORT=${KUBELET_PORT:-10250}
 SERVICE_CIDR=10.0.0.0/24
 K8S_VERSION=v1.20.2
 export PATH=$BIN:$PATH
@@ -153,6 +156,15 @@ gen_pki() {
     openssl req -newkey rsa:2048 -nodes -subj "/O=system:masters/CN=goodput-e2e-admin" -keyout admin.key -out admin.csr 2>/dev/null
     openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile client.ext \
       -out admin.crt 2>/dev/null
+    # the test kubelet's log endpoint (serving, on 127.0.0.1 only) and the API server's client certificate for it
+    printf '%s\n' "subjectAltName=IP:127.0.0.1" "extendedKeyUsage=serverAuth" >kubelet.ext
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=goodput-e2e-node" -keyout kubelet.key -out kubelet.csr 2>/dev/null
+    openssl x509 -req -in kubelet.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile kubelet.ext \
+      -out kubelet.crt 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/O=system:masters/CN=kube-apiserver-kubelet-client" \
+      -keyout apiserver-kubelet-client.key -out apiserver-kubelet-client.csr 2>/dev/null
+    openssl x509 -req -in apiserver-kubelet-client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile client.ext -out apiserver-kubelet-client.crt 2>/dev/null
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
   )
@@ -214,6 +226,9 @@ cmd_start() {
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --authorization-mode=RBAC --allow-privileged=true \
+    --kubelet-preferred-address-types=InternalIP --kubelet-certificate-authority="$PKI/ca.crt" \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --enable-priority-and-fairness=false --profiling=false
   wait_for kube-apiserver 120 "$BIN/kubectl" --kubeconfig "$RUN/kubeconfig" get --raw /readyz
   # nodeipam/nodelifecycle would evict pods of a node without real heartbeats; service/route need a cloud
@@ -269,7 +284,8 @@ cmd_up() {
     || { say "$py lacks the kubernetes client or httpx: run 'bash scripts/setup.sh' (or set PYTHON)"; exit 1; }
   mkdir -p "$LOG/pods"
   bg kubelet env KUBECONFIG="$RUN/kubeconfig" PYTHONUNBUFFERED=1 "$py" "$ROOT/e2e/kubelet.py" \
-    --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT"
+    --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT" \
+    --serve "127.0.0.1:$KUBELET_PORT" --tls-cert "$PKI/kubelet.crt" --tls-key "$PKI/kubelet.key" --client-ca "$PKI/ca.crt"
   wait_for "node goodput-e2e-node" 60 node_ready
   say "up. logs: $LOG. Stop with: bash $0 down"
   echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"

@@ -2,6 +2,7 @@
 
     python e2e/kubelet.py [--node goodput-e2e-node] [--log-dir DIR] [--gpus 8]
                           [--api-forward 10.244.0.1:6443=127.0.0.1:6443]
+                          [--serve 127.0.0.1:10250 --tls-cert F --tls-key F --client-ca F]
 
 Per pod it makes a network namespace with a veth into a host bridge (10.244.0.1/24), gives the pod
 the next free address from 10.244.0.0/24, and runs each container's command + args inside it with
@@ -24,6 +25,17 @@ gives them: their ServiceAccount token Secret volume bind-mounted at its mountPa
 KUBERNETES_SERVICE_HOST/PORT pointing at ``--api-forward``'s listen address, a TCP forwarder on the host
 bridge to the API server on 127.0.0.1 (pods cannot reach the host's loopback, and no ClusterIP routes).
 Other volume kinds (emptyDir, configMap...) are not materialized: the process sees the host's files.
+Pods get the kubelet's PYTHONPATH when it has one (e2e/run.sh from a git worktree: the pods run that tree's
+code, as an image built from it would).
+
+Pod logs: each container's output goes to ``<log-dir>/<namespace>_<pod>_<container>.log`` (every run
+after a ``--- <time> start #N: <command>`` line). With ``--serve`` the kubelet's log endpoint answers
+the API server there (HTTPS, client certificates of ``--client-ca`` only), so ``kubectl logs`` (also
+``-f``, ``--tail``, ``--limit-bytes``, ``--previous``) works: ``GET /containerLogs/{ns}/{pod}/{container}``
+with the query parameters of the kubelet's API (``follow``, ``tailLines``, ``limitBytes``,
+``previous``). The node reports that port as its kubelet endpoint and one address, InternalIP
+127.0.0.1, and ``cluster.sh`` starts the API server with ``--kubelet-preferred-address-types=InternalIP``:
+it reaches the kubelet on loopback and never resolves the node's name.
 
 The namespaces have no default route: a pod can talk only to 10.244.0.0/24 and the host bridge.
 Needs root (ip netns), the `ip` tool, and KUBECONFIG (or ~/.kube/config).
@@ -35,15 +47,19 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import http.server
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +155,159 @@ class ApiForwarder:
     def stop(self) -> None:
         self.stopping.set()
         self.sock.close()
+
+
+# the kubelet's own line before each run of a container (see Container.start)
+START_LINE = re.compile(rb"^--- \S+ start #\d+: ", re.M)
+
+
+def split_runs(data: bytes) -> list[bytes]:
+    """A container log file's runs, oldest first, without the kubelet's ``--- <time> start #N`` lines.
+
+    Text before the first start line (none in files this kubelet writes) counts as a run of its own.
+    """
+    runs: list[bytes] = []
+    cur: list[bytes] | None = None
+    for line in data.splitlines(keepends=True):
+        if START_LINE.match(line):
+            if cur is not None:
+                runs.append(b"".join(cur))
+            cur = []
+        else:
+            cur = cur if cur is not None else []
+            cur.append(line)
+    if cur is not None:
+        runs.append(b"".join(cur))
+    return runs
+
+
+def tail_lines(text: bytes, n: int | None) -> bytes:
+    """The last ``n`` lines of ``text`` (all of it for None; nothing for 0)."""
+    if n is None:
+        return text
+    if n <= 0:
+        return b""
+    return b"".join(text.splitlines(keepends=True)[-n:])
+
+
+class LogServer:
+    """The kubelet's container-log endpoint over HTTPS for the API server (``kubectl logs [-f]``).
+
+    ``GET /containerLogs/{namespace}/{pod}/{container}?follow=&tailLines=&limitBytes=&previous=``
+    (kubelet API, pkg/kubelet/server/server.go): the current run's output (``previous``: the run
+    before it); ``follow`` then streams what the running container writes until it exits or restarts,
+    its pod stops, or the client goes. 404 for an unknown container, 400 for a bad parameter.
+    Only clients with a certificate signed by ``client_ca`` (the API server's kubelet client) connect.
+    """
+
+    def __init__(self, kubelet: Kubelet, listen: tuple[str, int], cert: Path, key: Path, client_ca: Path):
+        self.kubelet = kubelet
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        ctx.load_verify_locations(str(client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.info("log server: " + fmt, *args)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                server.handle(self)
+
+        self.httpd = http.server.ThreadingHTTPServer(listen, Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.listen = listen
+
+    def start(self) -> None:
+        threading.Thread(target=self.httpd.serve_forever, name="log-server", daemon=True).start()
+        log.info("container logs served on https://%s:%d/containerLogs/", *self.listen)
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    @staticmethod
+    def _reply(h: http.server.BaseHTTPRequestHandler, code: int, text: str) -> None:
+        body = text.encode()
+        h.send_response(code)
+        h.send_header("Content-Type", "text/plain")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    def handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        url = urllib.parse.urlsplit(h.path)
+        parts = url.path.strip("/").split("/")
+        if len(parts) != 4 or parts[0] != "containerLogs":
+            return self._reply(h, 404, f"not found: {url.path}")
+        _, ns, pod, container = parts
+        q = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
+        try:
+            tail = int(q["tailLines"]) if "tailLines" in q else None
+            limit = int(q["limitBytes"]) if "limitBytes" in q else None
+        except ValueError:
+            return self._reply(h, 400, "tailLines and limitBytes must be integers")
+        follow = q.get("follow", "false").lower() in ("true", "1")
+        previous = q.get("previous", "false").lower() in ("true", "1")
+        path = self.kubelet.log_dir / f"{ns}_{pod}_{container}.log"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return self._reply(h, 404, f'container "{container}" in pod "{pod}" in namespace "{ns}" has no logs '
+                                       "on this node")
+        runs = split_runs(data)
+        if previous:
+            if len(runs) < 2:
+                return self._reply(h, 400, f'previous terminated container "{container}" in pod "{pod}" not found')
+            out, follow = runs[-2], False
+        else:
+            out = runs[-1] if runs else b""
+        out = tail_lines(out, tail)
+        if limit is not None:
+            out = out[:limit]
+        h.send_response(200)
+        h.send_header("Content-Type", "text/plain")
+        if not follow:
+            h.send_header("Content-Length", str(len(out)))
+            h.end_headers()
+            h.wfile.write(out)
+            return
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        sent = len(out)
+        try:
+            self._chunk(h, out)
+            offset = len(data)
+            while not self.kubelet.stopping.is_set() and (limit is None or sent < limit):
+                runner = self.kubelet.runner(ns, pod)
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    new = f.read()
+                m = START_LINE.search(new)  # the container restarted: its run ended there
+                cut = m.start() if m else -1
+                if cut >= 0:
+                    new = new[:cut]
+                if new:
+                    if limit is not None:
+                        new = new[:limit - sent]
+                    self._chunk(h, new)
+                    sent += len(new)
+                    offset += len(new)
+                if cut >= 0 or runner is None or not runner.running(container):
+                    break
+                time.sleep(0.2)
+            self._chunk(h, b"")
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
+            pass  # the client went away (kubectl logs -f interrupted)
+
+    @staticmethod
+    def _chunk(h: http.server.BaseHTTPRequestHandler, data: bytes) -> None:
+        h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        h.wfile.flush()
 
 
 class PodNetwork:
@@ -258,9 +427,16 @@ class PodRunner:
     def log_path(self, container: str) -> Path:
         return self.kubelet.log_dir / f"{self.namespace}_{self.name}_{container}.log"
 
+    def running(self, container: str) -> bool:
+        """Whether ``container``'s process runs now."""
+        return not self.stopping.is_set() and any(
+            c.spec.name == container and c.proc is not None and c.proc.poll() is None for c in self.containers)
+
     # -- env, ports, probes
     def _env(self, c: Any) -> dict[str, str]:
         env = {"PATH": self.kubelet.path_env, "HOME": "/root", "HOSTNAME": self.name}
+        if os.environ.get("PYTHONPATH"):  # the checkout under test is the "image": a worktree's code, not the venv's
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         if self.kubelet.api_forward is not None:
             host, port = self.kubelet.api_forward.listen
             env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=str(port))
@@ -435,10 +611,13 @@ class PodRunner:
 
 class Kubelet:
     def __init__(self, node: str, log_dir: Path, gpus: int, probe_period: float,
-                 api_forward: tuple[tuple[str, int], tuple[str, int]] | None = None):
+                 api_forward: tuple[tuple[str, int], tuple[str, int]] | None = None,
+                 serve: tuple[tuple[str, int], Path, Path, Path] | None = None):
         kubernetes.config.load_kube_config()
         self.api_forward_addrs = api_forward
         self.api_forward: ApiForwarder | None = None
+        self.serve = serve  # ((host, port), cert, key, client CA) of the log endpoint
+        self.log_server: LogServer | None = None
         self.v1 = kubernetes.client.CoreV1Api()
         self.node = node
         self.log_dir = log_dir
@@ -467,12 +646,25 @@ class Kubelet:
         self.v1.patch_node(self.node, {"spec": {"taints": None}})
         self.heartbeat()
 
+    def runner(self, namespace: str, name: str) -> PodRunner | None:
+        """The running pod ``namespace/name``, or None."""
+        with self.lock:
+            for r in self.pods.values():
+                if r.namespace == namespace and r.name == name:
+                    return r
+        return None
+
     def heartbeat(self) -> None:
         res = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": str(self.gpus)}
         ts = now()
+        extra: dict[str, Any] = {}
+        if self.serve is not None:
+            extra["daemonEndpoints"] = {"kubeletEndpoint": {"Port": self.serve[0][1]}}
+        # one address, on loopback: the API server (--kubelet-preferred-address-types=InternalIP) connects
+        # there; a Hostname address would make it resolve the node's name through the host's resolver
         self.v1.patch_node_status(self.node, {"status": {
-            "capacity": res, "allocatable": res,
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node}],
+            "capacity": res, "allocatable": res, **extra,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                             "message": "goodput e2e test kubelet", "lastHeartbeatTime": ts,
                             "lastTransitionTime": ts}],
@@ -528,6 +720,9 @@ class Kubelet:
         if self.api_forward_addrs is not None:
             self.api_forward = ApiForwarder(*self.api_forward_addrs)
             self.api_forward.start()
+        if self.serve is not None:
+            self.log_server = LogServer(self, *self.serve)
+            self.log_server.start()
         self.register_node()
         log.info("node %s registered (nvidia.com/gpu: %d)", self.node, self.gpus)
         threading.Thread(target=self._heartbeats, daemon=True).start()
@@ -567,6 +762,8 @@ class Kubelet:
             t.join(timeout=30)
         if self.api_forward is not None:
             self.api_forward.stop()
+        if self.log_server is not None:
+            self.log_server.stop()
         remove_bridge()
         shutil.rmtree(SECRETS_ROOT, ignore_errors=True)
         for first, target in reversed(self.made_dirs):
@@ -591,6 +788,14 @@ def _forward_spec(text: str) -> tuple[tuple[str, int], tuple[str, int]]:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT=HOST:PORT, got {text!r}") from None
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    try:
+        host, port = text.rsplit(":", 1)
+        return host, int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--node", default="goodput-e2e-node")
@@ -599,11 +804,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-period", type=float, default=1.0, help="seconds between probe rounds")
     ap.add_argument("--api-forward", type=_forward_spec, default=None, metavar="HOST:PORT=HOST:PORT",
                     help="listen on the first address (on the pod bridge) and forward to the API server")
+    ap.add_argument("--serve", type=_host_port, default=None, metavar="HOST:PORT",
+                    help="serve the container-log endpoint (HTTPS) for the API server there")
+    ap.add_argument("--tls-cert", type=Path, help="the log endpoint's certificate (with --serve)")
+    ap.add_argument("--tls-key", type=Path, help="its key")
+    ap.add_argument("--client-ca", type=Path, help="CA of the client certificates accepted (the API server's)")
     a = ap.parse_args(argv)
+    if a.serve is not None and not (a.tls_cert and a.tls_key and a.client_ca):
+        ap.error("--serve needs --tls-cert, --tls-key and --client-ca")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kubelet %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     a.log_dir.mkdir(parents=True, exist_ok=True)
-    k = Kubelet(a.node, a.log_dir, a.gpus, a.probe_period, a.api_forward)
+    k = Kubelet(a.node, a.log_dir, a.gpus, a.probe_period, a.api_forward,
+                (a.serve, a.tls_cert, a.tls_key, a.client_ca) if a.serve else None)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)

@@ -379,6 +379,35 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(kubectl: Kube
     assert not failures, failures
 
 
+_rspec = importlib.util.spec_from_file_location("render_dashboards", ROOT / "scripts" / "render_dashboards.py")
+render_dashboards = importlib.util.module_from_spec(_rspec)  # scripts/render_dashboards.py: panels to PNG
+_rspec.loader.exec_module(render_dashboards)
+
+
+@pytest.mark.timeout(300)
+def test_dashboards_render_to_png_from_the_real_prometheus(ns: str, prometheus: str, logs_dir: Path):
+    """Every panel of both dashboards drawn from this Prometheus with the dashboards' own queries (after
+    the load of the previous test). Written to $GOODPUT_E2E_LOGS/dashboards, and to
+    $GOODPUT_DASHBOARD_PNG_DIR when set: `GOODPUT_DASHBOARD_PNG_DIR=docs/dashboards bash e2e/run.sh
+    e2e/test_helm_e2e.py` regenerates the pictures in docs/ (README, "Dashboards as pictures")."""
+    outs = [logs_dir / "dashboards"]
+    if os.environ.get("GOODPUT_DASHBOARD_PNG_DIR"):
+        outs.append(Path(os.environ["GOODPUT_DASHBOARD_PNG_DIR"]).resolve())
+    boards = {f.stem: json.loads(f.read_text()) for f in (CHART / "dashboards").glob("*.json")}
+    want = {name: {p["title"] for p in dash.panels(b) if p.get("targets")} for name, b in boards.items()}
+    for out in outs:
+        # the run so far (install, load, scrapes) at 2 s steps; $__rate_interval as Grafana sets it for a 2 s
+        # scrape and step: max(4 x scrape, step + scrape) = 8 s
+        report = render_dashboards.render(prometheus, out, namespace=ns, inferenceservice=NAME, minutes=12,
+                                          step=2, rate_interval="8s")
+        for name in boards:
+            png = out / f"{name}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+            drawn = {t.split(" (")[0] for t, n in report[name].items() if n > 0}
+            missing = want[name] - drawn - set(MAY_BE_EMPTY)
+            assert not missing, f"{name}: panels without a series: {sorted(missing)}"
+
+
 @pytest.mark.timeout(300)
 def test_chart_rules_pass_promtool_load_and_evaluate(release: str, ns: str, prometheus: str, rules_file: Path,
                                                      logs_dir: Path):
@@ -435,6 +464,23 @@ def test_helm_upgrade_rolls_the_operator_with_the_new_value(kubectl: Kubectl, re
 
 
 @pytest.mark.timeout(300)
+def test_a_kubectl_applied_crd_moves_under_the_chart(kubectl: Kubectl, release: str, ns: str, diag):
+    """README: `cluster.sh up` applied the CRD with kubectl; Helm 4 takes it over with server-side apply."""
+    crd = "inferenceservices.serving.goodput.dev"
+    before = kubectl.json("get", "crd", crd)["metadata"]
+    assert "meta.helm.sh/release-name" not in (before.get("annotations") or {})
+    helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values", "--set", "crds.install=true",
+         "--take-ownership", "--server-side=true", "--force-conflicts")
+    meta = kubectl.json("get", "crd", crd)["metadata"]
+    assert meta["uid"] == before["uid"]  # the same object, not a new one (that would have deleted every gisvc)
+    assert meta["annotations"]["meta.helm.sh/release-name"] == RELEASE
+    assert meta["annotations"]["meta.helm.sh/release-namespace"] == RELEASE_NS
+    assert meta["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert meta["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert kubectl.run("-n", ns, "get", "gisvc", NAME, check=False).returncode == 0
+
+
+@pytest.mark.timeout(300)
 def test_helm_uninstall_leaves_no_operator_objects(kubectl: Kubectl, release: str, ns: str, diag):
     pods = release_pods(kubectl, "operator") + release_pods(kubectl, "autoscaler")
     helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait")
@@ -451,6 +497,11 @@ def test_helm_uninstall_leaves_no_operator_objects(kubectl: Kubectl, release: st
              on_timeout=lambda: "\n".join(leftovers()) + diag())
     wait_for(lambda: not any(processes_of(p["metadata"]["name"]) for p in pods), 60,
              "the operator and autoscaler processes stopped")
-    # what the user made stays: the CRD (never the release's here) and the InferenceService with its workers
+    # what stays: the CRD (the release's since the move above, kept by helm.sh/resource-policy) and the
+    # InferenceService with its workers
     assert kubectl.run("get", "crd", "inferenceservices.serving.goodput.dev", check=False).returncode == 0
     assert kubectl.run("-n", ns, "get", "gisvc", NAME, check=False).returncode == 0
+    # ... with its workers still running (README: delete the InferenceServices first to stop them)
+    workers = [p for p in kubectl.json("-n", ns, "get", "pods", "-l",
+                                       f"serving.goodput.dev/inferenceservice={NAME}")["items"] if ready(p)]
+    assert workers and all(processes_of(p["metadata"]["name"]) for p in workers)

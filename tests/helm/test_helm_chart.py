@@ -182,7 +182,6 @@ def test_non_default_values(helm: str):
         ("ServiceAccount", "goodput-system", "op-sa"),
         ("Role", "team-a", "rel-goodput-operator"), ("Role", "team-b", "rel-goodput-operator"),
         ("RoleBinding", "team-a", "rel-goodput-operator"), ("RoleBinding", "team-b", "rel-goodput-operator"),
-        ("ClusterRole", "", "rel-goodput-operator-crds"), ("ClusterRoleBinding", "", "rel-goodput-operator-crds"),
         ("Deployment", "goodput-system", "rel-goodput-operator"),
         ("PodMonitor", "goodput-system", "rel-goodput-workers"),
         ("PrometheusRule", "goodput-system", "rel-goodput"),
@@ -194,17 +193,20 @@ def test_non_default_values(helm: str):
     assert c["args"] == ["--namespace=team-a", "--namespace=team-b", "--liveness=http://0.0.0.0:8080/healthz",
                          "--verbose"]
     assert {"name": "GOODPUT_OPERATOR_RESYNC_SECONDS", "value": "15"} in c["env"]
-    # namespaced mode: the namespaced rules in Roles; cluster-wide only the CRD watch
+    # namespaced mode: the namespaced rules in Roles, nothing cluster-wide (no CRD or Namespace watch: the
+    # operator gets exact namespaces); instead of reading others' Leases it claims its namespaces' Lease
     (e2e,) = [d for d in yaml.safe_load_all((ROOT / "e2e" / "operator-rbac.yaml").read_text())
               if d and d["kind"] == "ClusterRole"]
-    crd_rule = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    cluster_only = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
+        ("coordination.k8s.io", "leases", "get")}
+    claim = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
     for ns in ("team-a", "team-b"):
-        assert rules_set(k[("Role", ns, "rel-goodput-operator")]["rules"]) == rules_set(e2e["rules"]) - crd_rule
+        assert rules_set(k[("Role", ns, "rel-goodput-operator")]["rules"]) == \
+            rules_set(e2e["rules"]) - cluster_only | claim
         rb = k[("RoleBinding", ns, "rel-goodput-operator")]
         assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "op-sa", "namespace": "goodput-system"}]
         assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                  "name": "rel-goodput-operator"}
-    assert rules_set(k[("ClusterRole", "", "rel-goodput-operator-crds")]["rules"]) == crd_rule
     pm = k[("PodMonitor", "goodput-system", "rel-goodput-workers")]
     assert pm["metadata"]["labels"]["release"] == "kps"
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
@@ -307,3 +309,26 @@ def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
             "    assert e.name.startswith('goodput.autoscaler'), e\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def notes(helm: str, *args: str) -> str:
+    r = subprocess.run([helm, "install", "rel", str(CHART), "--namespace", "goodput-system", "--dry-run=client",
+                        *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("NOTES:", 1)[1]
+
+
+def test_notes_give_commands_that_work_on_the_local_cluster_and_say_what_uninstall_leaves(helm: str):
+    """No `kubectl port-forward` (the local cluster's test kubelet has no port-forward endpoint and there
+    is no kube-proxy): the pod IP, which the local cluster's host routes to; logs through `kubectl logs`."""
+    text = notes(helm, "--set", "watchNamespaces={team-a}", "--set", "autoscaler.enabled=false")
+    assert "kubectl port-forward" not in text and "-n team-a port-forward" not in text
+    assert ("kubectl -n team-a get pod -l serving.goodput.dev/inferenceservice=smollm2 "
+            "-o jsonpath='{.items[0].status.podIP}'") in text
+    assert "curl -s http://$IP:8000/v1/completions" in text
+    assert "kubectl -n team-a logs -l serving.goodput.dev/inferenceservice=smollm2" in text
+    assert "helm uninstall rel -n goodput-system removes the operator and the autoscaler. The CRD stays" in text
+    assert "kubectl delete gisvc --all -A" in text
+    text = notes(helm, "--set", "crds.keep=false")
+    assert "port-forward svc" not in text and "kubectl -n default get pod" in text
+    assert "removes the operator, the autoscaler and the CRD" in text
