@@ -103,9 +103,14 @@ def _offered(by: str, sel: str) -> str:
             f" + sum by ({by}) (rate({W.REQUESTS_REJECTED}_total{{{sel}}}[{RATE}]))")
 
 
+ATTAINMENT_RULE = "goodput:slo_attainment:ratio_rate5m"
+
+
 def _attainment(by: str, sel: str) -> str:
-    return (f"sum by ({by}) (rate({W.REQUESTS_SLO_MET}_total{{{sel}}}[{RATE}]))"
-            f" / sum by ({by}) (rate({W.REQUESTS_FINISHED}_total{{{sel}, finished_reason=~\"stop|length\"}}[{RATE}]))")
+    """THE attainment: the chart's recording rule (slo_met / (finished + refused), the autoscaler's
+    definition, goodput.autoscaler.policy.attainment), per InferenceService; needs the chart's
+    PrometheusRule (metrics.prometheusRule.enabled)."""
+    return f"sum by ({by}) ({ATTAINMENT_RULE}{{{ISVC}}})"
 
 
 def serving() -> dashboard.Dashboard:
@@ -129,7 +134,7 @@ def serving() -> dashboard.Dashboard:
                             _offered(by, POD), 0, y))
          .with_panel(_stat("Goodput", "Requests per second that finished within both the TTFT and the TPOT SLO.",
                            "reqps", f"sum by ({by}) (rate({W.REQUESTS_SLO_MET}_total{{{POD}}}[{RATE}]))", 6, y))
-         .with_panel(_stat("SLO attainment", "Finished requests (stop or length) meeting both SLOs / all of them.",
+         .with_panel(_stat("SLO attainment", "Requests meeting both SLOs / (finished + refused): the recording rule goodput:slo_attainment:ratio_rate5m.",
                            "percentunit", _attainment(by, POD), 12, y, thresholds=att_thr))
          .with_panel(_stat("Ready workers", "Worker pods exporting metrics.", "short",
                            f"count by ({by}) ({W.REQUESTS_RUNNING}{{{POD}}})", 18, y)))
@@ -152,8 +157,9 @@ def serving() -> dashboard.Dashboard:
                             "goodput {{inferenceservice}}"),
                            (f"sum by ({by}) (rate({W.REQUESTS_FINISHED}_total{{{POD}, finished_reason=~\"stop|length\"}}[{RATE}]))",
                             "finished {{inferenceservice}}")], 0, y))
-         .with_panel(_ts("SLO attainment", "Fraction of finished requests meeting both SLOs; the red line is "
-                         "the chart's default attainment target 0.9.", "percentunit",
+         .with_panel(_ts("SLO attainment", "Requests meeting both SLOs / (finished + refused) (recording rule "
+                         "goodput:slo_attainment:ratio_rate5m); the red line is the chart's default "
+                         "attainment target 0.9.", "percentunit",
                          [(_attainment(by, POD), "{{inferenceservice}}")], 12, y,
                          thresholds=att_thr, style="dashed", max_val=1)))
     y += 8

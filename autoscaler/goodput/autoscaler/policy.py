@@ -4,6 +4,13 @@
 the fleet. It does no I/O and keeps everything it remembers in ``PolicyState`` (JSON-safe, so a
 restarted autoscaler resumes with the same history and does not flap).
 
+``decide`` is a sequence of named pure phases, each returning a small frozen value (table-tested
+one by one): :func:`tune_batch_caps` (rules 2, 4) -> :func:`aggregate` (the fleet: rules 1, 3)
+-> :func:`size` (replicas wanted now: 3, 4) -> :func:`forecast` (Holt over one model load: 11)
+-> :func:`proven_work` and :func:`fewest_carrying` (what the fleet carries: 7) ->
+:func:`windows` (7, 8, 10) -> :func:`choose_replicas` (7-10, 12) -> :func:`queue_limits` (5,
+12) -> :func:`conditions` -> :func:`next_state`.
+
 Terms: TTFT (time to first token), TPOT (time per output token after the first), a request
 *meets the SLO* when TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s``; *goodput* is the rate of
 such requests (DistServe, Zhong et al., OSDI 2024). *Attainment* is SLO-meeting requests over
@@ -90,36 +97,41 @@ How each rule follows from the ideas it rests on:
    cut the batch (rule 2) and block any scale-down.
 
 7. Scale down only after the stabilization window, and only to a fleet predicted to carry the
-   load with margin. The scale-down target is the LARGEST recommendation of the last
-   ``stabilization_window_s`` (Kubernetes HPA's scale-down stabilization), over a history at
-   least that long (a fresh or lost state waits a window); it applies only when there were no
-   refusals and no preemptions in the interval, attainment met the target, nothing is starting,
-   and the smaller fleet of m replicas *carries* the load (:func:`carries`):
-   (a) Little's law: L (and L forecast over the horizon, rule 11) fits m replicas at
-   ``target_utilization``; and (b) the work per replica it would get (offered tokens per second,
-   prompt + output, smoothed and forecast) is at most ``explore_ratio`` times the most work per
-   replica seen while the SLO held (``PolicyState.proven_work``), or the fleet is nearly idle
-   (L at most ``idle_utilization`` of m replicas' capacity); and (c) it stays below the work per
-   replica at which a smaller fleet already failed (below). Why (b): Little's law counts
-   sequences, but a replica saturates on its step's token budget (prefill chunks) well before its
-   batch is full — a steady 5 req/s that 2 H200s carry at 1.000 gets 0.63 on one, whose batch is
-   only half full — and that knee depends on the hardware and the length mix, which the policy
-   cannot see. What a fleet has served within its SLO it can serve again; a step of at most
-   ``explore_ratio`` past it is a bounded experiment.
+   load with margin. The scale-down target is the LARGEST, over the last
+   ``stabilization_window_s`` (Kubernetes HPA's scale-down stabilization), of each call's
+   recommendation and of the fewest replicas that carried that call's load (``keep``,
+   :func:`fewest_carrying`), over a history at least that long (a fresh or lost state waits a
+   window); it applies only when there were no refusals and no preemptions in the interval,
+   attainment met the target and nothing is starting. m replicas *carry* the load
+   (:func:`carries`) when (a) Little's law: L, and L at the forecast (rule 11), fit m replicas at
+   ``target_utilization``; (b) the work per replica they would get (offered tokens per second,
+   prompt + output, at the larger of the smoothed and the forecast load) is at most
+   ``explore_ratio`` times the work per replica the fleet has *proven* (:func:`proven_work`: the
+   least work per replica over a run of calls lasting a whole model-load time in which metrics
+   were complete, nothing loaded, nothing saturated and attainment held), or the fleet is nearly
+   idle (L at most ``idle_utilization`` of m replicas' capacity); and (c) below a learned floor,
+   that work is under ``floor_release`` times the work that already failed there. Why (b):
+   Little's law counts sequences, but a replica saturates on its step's token budget (prefill
+   chunks) well before its batch is full: a steady 5 req/s that 2 H200s carry at 1.000 gets 0.63
+   on one, whose batch is half empty; that knee depends on the hardware and the length mix, which
+   the policy does not see. What the fleet has served within its SLO it can serve again, and a
+   step of at most ``explore_ratio`` past it is a bounded experiment (3 -> 2 replicas raises the
+   work per replica 1.5x; 2 -> 1, 2x, so a fleet of 2 goes to 1 only at a load one replica has
+   carried, or nearly idle). Why the window keeps ``keep``: a lull shorter than the window (a
+   Poisson dip) must not open a scale-down that the rest of the window's load forbids.
    Learning from an undone scale-down: a scale-up within ``stabilization_window_s`` of a
-   scale-down records the work per replica that failed (``fail_work``) and a floor (the replicas
-   after the scale-up); no scale-down below the floor while the work per replica there would be
-   within ``tolerance`` of ``fail_work``. The floor decays one replica per ``floor_quiet_s``
-   without a new failure, so an N <-> N-1 flip-flop happens at most once.
+   scale-down records the work per replica that failed (``fail_work``; the proven work is cut
+   below it) and a floor (the replicas after the scale-up). The floor decays one replica per
+   ``floor_quiet_s`` without a new failure, so an N <-> N-1 flip-flop happens at most once.
    Successive scale-downs are at least one model-load time apart, and no scale-down comes within
-   a model-load time of a scale-up or of the last pod becoming ready: undoing a wrong one costs a
-   model load, and a scale-up's new pods are watched that long before any replica goes.
+   a model-load time of a scale-up or of a call that saw pods loading: undoing a wrong one costs
+   a model load, and a scale-up's new pods are watched that long before any replica goes.
 
 8. Scale up on evidence. The scale-up target is the SMALLEST recommendation of the last
    ``scale_up_window_s`` (a spike shorter than the window moves nothing), except that a
-   recommendation of at least ``panic_ratio`` times the current replicas (Knative's panic mode),
-   or one made while SLOs are being missed on a saturated fleet (the evidence is in), acts at
-   once.
+   recommendation from the load seen (not a forecast) of at least ``panic_ratio`` times the
+   current replicas (Knative's panic mode), or one made while SLOs are being missed on a
+   saturated fleet (the evidence is in), acts at once.
 
 9. Bounded steps and a tolerance band. One decision adds at most ``max(max_scale_up_step,
    current)`` replicas and removes at most ``max_scale_down_step``; ``|w / current - 1| <=
