@@ -310,3 +310,68 @@ def _limits_seen(r) -> bool:
     """The router read the pod's limits: ``/ready`` does not say, so ask the app object."""
     pods = [p for s in r.server.config.app.state.router.fleet.services() for p in s.pods.values()]
     return all(p.max_num_seqs is not None and p.max_waiting is not None for p in pods)
+
+
+class _DropFirstPost:
+    """A raw HTTP/1.1 server on 127.0.0.1: GET /ready → 200; the first POST's connection is closed
+    without an answer (what a pod closing a pooled keep-alive connection looks like), later POSTs
+    get a JSON completion."""
+
+    def __init__(self):
+        self.posts = 0
+        self.loop = None
+        self.port = None
+        self.started = threading.Event()
+
+    async def _handle(self, reader, writer):
+        import asyncio
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                length = next((int(h.split(":")[1]) for h in lines if h.lower().startswith("content-length:")), 0)
+                if length:
+                    await reader.readexactly(length)
+                if lines[0].startswith("POST"):
+                    self.posts += 1
+                    if self.posts == 1:
+                        writer.close()
+                        return
+                    body = json.dumps({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]}).encode()
+                elif lines[0].startswith("GET /ready"):
+                    body = b'{"status": "ready"}'
+                else:
+                    body = b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def run(self):
+        import asyncio
+
+        async def main():
+            server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            self.loop = asyncio.get_running_loop()
+            self.stop = asyncio.Event()
+            self.started.set()
+            async with server:
+                await self.stop.wait()
+        asyncio.run(main())
+
+
+def test_closed_connection_before_first_byte_retried_on_the_same_pod_once():
+    srv = _DropFirstPost()
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    assert srv.started.wait(HANG_GUARD_S)
+    try:
+        with fleet({}, extra_urls={"m1": [f"http://127.0.0.1:{srv.port}"]}) as r:
+            resp = httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": "x"}, timeout=HANG_GUARD_S)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "ok"
+            assert srv.posts == 2  # the dropped one, then the retry on a new connection
+    finally:
+        srv.loop.call_soon_threadsafe(srv.stop.set)
+        t.join(HANG_GUARD_S)

@@ -75,3 +75,14 @@ def test_parse_static():
     assert (svc.key, svc.info.startup_timeout_s, sorted(svc.pods)) == (
         ("", "m"), 5, ["127.0.0.1:1", "127.0.0.1:2"])
     assert svc.routable_pods() == []  # not Ready until the first /ready probe
+
+
+def test_for_model_follows_renames_and_removals():
+    f = Fleet()
+    f.set_service(ServiceInfo("ns", "b", "m"))
+    f.set_service(ServiceInfo("ns", "a", "m"))  # two services claim one name: the first by key wins
+    assert f.for_model("m").key == ("ns", "a")
+    f.set_service(ServiceInfo("ns", "a", "other"))
+    assert (f.for_model("m").key, f.for_model("other").key) == (("ns", "b"), ("ns", "a"))
+    f.remove_service("ns", "b")
+    assert f.for_model("m") is None

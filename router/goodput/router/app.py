@@ -218,7 +218,7 @@ class Router:
                                    retry_after_s=settings.retry_after_s)
         self.client: httpx.AsyncClient | None = None
         self.session: aiohttp.ClientSession | None = None
-        self.cards: dict[str, dict[str, Any]] = {}  # pod URL -> its /v1/models card
+        self.cards: dict[tuple[str, str], dict[str, Any]] = {}  # (pod URL, model) -> the pod's card
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------------- lifecycle
@@ -325,11 +325,14 @@ class Router:
         tried = {pod.name}
         resp: aiohttp.ClientResponse | None = None
         outcome: str | None = None
+        stale = stale_retried = False
+        self.metrics.overhead.observe(max(0.0, time.perf_counter() - t0 - waited))
         try:
             while True:
                 sent = time.perf_counter()
-                self.metrics.overhead.observe(max(0.0, sent - t0 - waited))
                 try:
+                    resp = None
+                    stale = False
                     resp = await self._send(scope, pod, path, raw)
                     failure: str | None = None
                     if resp.status == 503:
@@ -340,10 +343,17 @@ class Router:
                                 self._mark_draining(svc, pod)
                 except _RETRYABLE_DATA as e:
                     failure = f"{type(e).__name__}: {e}"
+                    stale = isinstance(e, aiohttp.ServerDisconnectedError) and not stale_retried
                 if failure is None:
                     break
                 # before the first byte: one other pod
                 other = adm.try_pick(svc, key, exclude=frozenset(tried)) if len(tried) == 1 else None
+                if other is None and stale and resp is None:
+                    # a pooled keep-alive connection the pod closed as it was reused: the same pod,
+                    # on a new connection, once
+                    stale_retried = True
+                    log.info("retrying on %s: closed keep-alive connection (%s)", pod.name, failure)
+                    continue
                 if other is None:
                     if resp is not None:  # the pod's own 503 draining answer goes to the client
                         break
@@ -438,14 +448,14 @@ class Router:
         """The model card: a routable pod's own (cached per pod), else one built from the fleet."""
         fallback = {"id": svc.info.model, "object": "model", "created": 0, "owned_by": "goodput"}
         for pod in svc.routable_pods():
-            if pod.url in self.cards:
-                return self.cards[pod.url]
+            if (pod.url, svc.info.model) in self.cards:
+                return self.cards[(pod.url, svc.info.model)]
             try:
                 assert self.client is not None
                 r = await self.client.get(pod.url + "/v1/models", timeout=2.0)
                 for card in r.json().get("data", []):
                     if card.get("id") == svc.info.model:
-                        self.cards[pod.url] = card
+                        self.cards[(pod.url, svc.info.model)] = card
                         return card
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue

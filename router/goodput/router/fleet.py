@@ -145,6 +145,7 @@ class Fleet:
         self._services: dict[ServiceKey, Service] = {}
         self._listeners: list[Callable[[ServiceKey], None]] = []
         self.synced = False  # discovery filled the fleet once (the router's /ready)
+        self._by_model: dict[str, ServiceKey] = {}
 
     # ------------------------------------------------------------------ reads (the router)
 
@@ -158,10 +159,8 @@ class Fleet:
     def for_model(self, model: str) -> Service | None:
         """The service serving ``model`` (None = unknown model). Two services claiming one name:
         the first by key wins (discovery should refuse such a spec)."""
-        for s in self.services():
-            if s.info.model == model:
-                return s
-        return None
+        key = self._by_model.get(model)
+        return self._services.get(key) if key is not None else None
 
     def add_listener(self, fn: Callable[[ServiceKey], None]) -> None:
         """``fn(key)`` after every change to the service ``key`` or its pods (on the loop)."""
@@ -181,11 +180,13 @@ class Fleet:
             self._services[info.key] = Service(info)
         else:
             svc.info = info
+        self._reindex()
         self._changed(info.key)
 
     def remove_service(self, namespace: str, name: str) -> None:
         """Forget the service and its pods (no-op if unknown)."""
         if self._services.pop((namespace, name), None) is not None:
+            self._reindex()
             self._changed((namespace, name))
 
     def set_pod(self, namespace: str, service: str, info: PodInfo) -> None:
@@ -222,6 +223,12 @@ class Fleet:
             svc.pods[info.name] = Pod(info)
         else:
             pod.info = info
+
+    def _reindex(self) -> None:
+        by_model: dict[str, ServiceKey] = {}
+        for k, svc in sorted(self._services.items()):
+            by_model.setdefault(svc.info.model, k)
+        self._by_model = by_model
 
     def _changed(self, key: ServiceKey) -> None:
         for fn in list(self._listeners):
