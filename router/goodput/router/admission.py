@@ -125,15 +125,20 @@ class Admission:
         heapq.heappush(gate.queue, waiter)
         self._set_queued(svc.key, gate)
         self.dispatch(svc)
+        # asyncio.wait, not wait_for: wait_for (before 3.12) may return a result that arrived with a
+        # cancellation and lose the cancellation; _drop gives back a pod handed over meanwhile.
         try:
-            pod, choice = await asyncio.wait_for(waiter.fut, self.queue_timeout_s)
-        except BaseException as e:
+            done, _ = await asyncio.wait({waiter.fut}, timeout=self.queue_timeout_s)
+        except BaseException:
             self._drop(svc.key, gate, waiter)
-            if isinstance(e, TimeoutError):
-                raise APIError(429, f"every pod of {svc.info.model!r} stayed at its admission limits for "
-                                    f"{self.queue_timeout_s:g} s; retry later", code="queue_timeout",
-                               headers=self._retry_after()) from None
             raise
+        if not done:
+            self._drop(svc.key, gate, waiter)
+            raise APIError(429, f"every pod of {svc.info.model!r} stayed at its admission limits for "
+                                f"{self.queue_timeout_s:g} s; retry later", code="queue_timeout",
+                           headers=self._retry_after())
+        self._drop_done(svc.key, gate, waiter)
+        pod, choice = waiter.fut.result()  # raises the 404 of a removed service
         return pod, choice, self._waited(labels, t0)
 
     def _waited(self, labels: ServiceKey, t0: float) -> float:
@@ -148,11 +153,12 @@ class Admission:
         gate.held.append(fut)
         self.metrics.held.labels(*svc.key).inc()
         try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise APIError(503, f"no Ready pod serves {svc.info.model!r} after waiting {timeout:g} s "
-                                "(scaling from zero or starting); retry later", code="no_ready_pod",
-                           headers=self._retry_after()) from None
+            done, _ = await asyncio.wait({fut}, timeout=timeout)
+            if not done:
+                raise APIError(503, f"no Ready pod serves {svc.info.model!r} after waiting {timeout:g} s "
+                                    "(scaling from zero or starting); retry later", code="no_ready_pod",
+                               headers=self._retry_after())
+            fut.result()  # raises the 404 of a removed service
         finally:
             if fut in gate.held:
                 gate.held.remove(fut)
@@ -168,6 +174,13 @@ class Admission:
                 self.release(svc, pod)
             else:
                 pod.in_flight -= 1
+        if waiter in gate.queue:
+            gate.queue.remove(waiter)
+            heapq.heapify(gate.queue)
+        self._set_queued(key, gate)
+
+    def _drop_done(self, key: ServiceKey, gate: _Gate, waiter: _Waiter) -> None:
+        """A waiter got its answer: make sure it left the queue."""
         if waiter in gate.queue:
             gate.queue.remove(waiter)
             heapq.heapify(gate.queue)
