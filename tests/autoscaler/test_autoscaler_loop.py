@@ -196,7 +196,8 @@ def rig(monkeypatch):
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     src = TextSource(wm)
-    scaler = loop.Autoscaler(kube, src, http, wall_clock=lambda: NOW)
+    # the fake pods never turn unready by themselves: a scale-in does not wait for them
+    scaler = loop.Autoscaler(kube, src, http, wall_clock=lambda: NOW, drain_unready_wait_s=0.0)
     return dataclasses.make_dataclass("Rig", ["kube", "scaler", "calls", "script", "puts", "src", "stats"])(
         kube, scaler, calls, script, puts, src, stats)
 
@@ -373,6 +374,38 @@ def test_scale_in_annotates_and_drains_the_pod_before_lowering_replicas(rig):
                             "controller.kubernetes.io/pod-deletion-cost": "-1000"}),
         ("POST", "10.244.0.7", "/admin/drain", "Bearer tok"),
         ("scale", 1)]
+
+
+def test_scale_in_lowers_replicas_only_once_the_drained_pod_is_unready(rig):
+    """The ReplicaSet deletes unready pods first (Kubernetes < 1.22 has no pod-deletion-cost): the
+    replicas go down only after the API reports the drained pod unready (here: 2 lists later)."""
+    order = []
+    rig.kube.pods = [_pod("p1", ip="10.244.0.7"), _pod("p2", ip="10.244.0.8")]
+    rig.kube.obj["spec"]["replicas"] = 2
+    rig.kube.annotate_pod = lambda ns, name, ann: order.append(("annotate", name))
+    lists = {"n": 0}
+    list_pods = rig.kube.list_pods
+
+    def listed(ns, selector):
+        if ("POST", "/admin/drain") in order:
+            lists["n"] += 1
+            if lists["n"] == 2:  # the kubelet's readiness probe saw /ready 503
+                rig.kube.pods[0] = _pod("p1", ready=False, ip="10.244.0.7")
+        return list_pods(ns, selector)
+    rig.kube.list_pods = listed
+    scale = rig.kube.scale
+    rig.kube.scale = lambda ns, name, n: (order.append(("scale", n, rig.kube.pods[0]["status"]["conditions"][0]
+                                                         ["status"])), scale(ns, name, n))
+
+    def handler(request: httpx.Request):
+        order.append((request.method, request.url.path))
+        return httpx.Response(200, json={})
+    rig.scaler.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    rig.scaler.drain_unready_wait_s = 60.0
+    rig.script.append(_decision(1, "ScaleDown", {"p1": policy.Limits(8, 4), "p2": policy.Limits(8, 4)}))
+    asyncio.run(rig.scaler.tick())
+    assert order == [("annotate", "p1"), ("POST", "/admin/drain"), ("scale", 1, "False")]
+    assert lists["n"] == 2
 
 
 def test_refused_scale_in_undoes_the_drain(rig):

@@ -16,7 +16,8 @@ InferenceService with ``spec.autoscaling.enabled``, :meth:`Autoscaler.reconcile`
    ``engine.maxNumSeqs`` / ``engine.maxWaiting``: :func:`engine_bounds`), the JSON merge patch of
    ``status.autoscaler`` and ``status.admission`` (only what changed; the operator never writes these
    keys), and the Events (:func:`plan_events`);
-4. **apply** (I/O, skipped by ``--dry-run``): drain (annotate the pod, ``POST /admin/drain``), write
+4. **apply** (I/O, skipped by ``--dry-run``): drain (annotate the pod, ``POST /admin/drain``, wait
+   until the API reports it unready: the ReplicaSet removes unready pods first), write
    replicas through the InferenceService's **scale subresource** (the operator copies them to the
    Deployment), push limits (bearer token from the ``<name>-admin`` Secret), patch status, post
    Events. A refused scale write is planned again with the error (AbleToScale False,
@@ -585,8 +586,11 @@ class Autoscaler:
 
     def __init__(self, kube: Any, source: MetricsSource, http: httpx.AsyncClient, *,
                  namespace: str | None = None, period_s: float = 5.0, metrics: AutoscalerMetrics | None = None,
-                 wall_clock=time.time, dry_run: bool = False, routers: RouterScraper | None = None):
+                 wall_clock=time.time, dry_run: bool = False, routers: RouterScraper | None = None,
+                 drain_unready_wait_s: float = 30.0):
         self.kube, self.source, self.http = kube, source, http
+        # a scale-in waits up to this long for its drained pods to be reported unready (see apply)
+        self.drain_unready_wait_s = drain_unready_wait_s
         self.routers = routers  # None: no router in front of the services (Observation.router None)
         self._router_view: dict[observe.ServiceKey, policy.RouterObservation] | None = None
         self.dry_run = dry_run  # observe, decide and plan; apply nothing
@@ -727,6 +731,12 @@ class Autoscaler:
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         await asyncio.gather(*(self._drain(ns, name, p.name, p.ip, True) for p in plan.drain))
         await asyncio.gather(*(self._drain(ns, name, pod, ip, False) for pod, ip in plan.undrain))
+        if plan.drain and plan.scale_to is not None:
+            still = await self._await_unready(ns, name, {p.name for p in plan.drain})
+            if still:
+                log.warning("%s/%s: drained pod(s) %s still Ready after %.0f s; lowering replicas anyway "
+                            "(the ReplicaSet may remove another pod)", ns, name, ", ".join(sorted(still)),
+                            self.drain_unready_wait_s)
         if plan.scale_to is not None:
             try:
                 await asyncio.to_thread(self.kube.scale, ns, name, plan.scale_to)
@@ -745,6 +755,24 @@ class Autoscaler:
             except Exception as e:  # noqa: BLE001 - an Event is best effort; status already says it
                 log.warning("%s/%s: could not post an Event: %r", ns, name, e)
         return plan
+
+    async def _await_unready(self, ns: str, name: str, pods: set[str]) -> set[str]:
+        """Poll the service's pods (every 0.5 s, at most ``drain_unready_wait_s``) until none of
+        ``pods`` is Ready in the API; returns the ones still Ready. Why: the ReplicaSet picks the pod
+        to delete from the API's view, and before Kubernetes 1.22 (no pod-deletion-cost) it removes
+        unready pods first; the drained worker's ``/ready`` answers 503 at once, but the pod turns
+        unready only at the kubelet's next readiness probe. Lowering replicas before that removes
+        another, possibly busy, pod (k8s.io/kubernetes pkg/controller/replicaset, getPodsToDelete)."""
+        deadline = time.monotonic() + self.drain_unready_wait_s
+        while True:
+            listed = await asyncio.to_thread(self.kube.list_pods, ns, resources.selector_string(name))
+            still = {p["metadata"]["name"] for p in listed if p["metadata"]["name"] in pods
+                     and not p["metadata"].get("deletionTimestamp") and any(
+                         c.get("type") == "Ready" and c.get("status") == "True"
+                         for c in (p.get("status") or {}).get("conditions") or [])}
+            if not still or time.monotonic() >= deadline:
+                return still
+            await asyncio.sleep(0.5)
 
     async def _token(self, ns: str, name: str, refresh: bool = False) -> str | None:
         key = (ns, name)
