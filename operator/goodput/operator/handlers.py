@@ -172,6 +172,7 @@ class _Claims:
         self.identity = f"{os.environ.get('HOSTNAME') or socket.gethostname()}/{os.getpid()}"
         self._lock = threading.Lock()
         self.held: set[str] = set()
+        self.renewed: dict[str, float] = {}  # namespace -> monotonic time of the last successful claim write
         self._standing_by: dict[str, str] = {}
         self._seen: dict[str, tuple[float, str | None]] = {}  # namespace -> (read at, live holder)
         self._warned: set[str] = set()
@@ -203,6 +204,8 @@ class _Claims:
                 if e.status != 409:
                     continue  # keep what we had until the Lease can be read again
             with self._lock:
+                if spec is not None:
+                    self.renewed[ns] = time.monotonic()
                 if spec is not None and ns not in self.held:
                     self.held.add(ns)
                     self._standing_by.pop(ns, None)
@@ -261,8 +264,10 @@ class _Claims:
 
     def owns(self, namespace: str) -> bool:
         if WATCHED_NAMESPACES is not None:
-            with self._lock:
-                return claims.owns(namespace, namespaced=True, claimed=frozenset(self.held), other_holder=None)
+            t = time.monotonic()
+            with self._lock:  # a claim not renewed for a Lease duration may be someone else's by now
+                held = frozenset(ns for ns in self.held if t - self.renewed.get(ns, -1e9) < claims.LEASE_SECONDS)
+            return claims.owns(namespace, namespaced=True, claimed=held, other_holder=None)
         return claims.owns(namespace, namespaced=False, claimed=frozenset(), other_holder=self.other_holder(namespace))
 
 
