@@ -133,16 +133,20 @@ def test_chart_crd_template_is_accepted_by_the_server(kubectl: Kubectl):
 
 @pytest.mark.timeout(240)
 def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl: Kubectl, release: str, diag):
-    for component, module in (("operator", "goodput.operator"), ("autoscaler", "goodput.autoscaler")):
-        pods = wait_for(lambda: [p for p in release_pods(kubectl, component) if ready(p)], 180,
-                        f"the {component} pod Ready", on_timeout=diag)
-        (pod,) = pods
-        assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-goodput-{component}"
-        procs = wait_for(lambda: [p for p in processes_of(pod["metadata"]["name"]) if module in p[1]], 30,
-                         f"the {component} process", on_timeout=diag)
-        _, argv, env = procs[0]
-        assert argv[argv.index("-m") + 1] == module
-        assert env["KUBERNETES_SERVICE_HOST"] == "10.244.0.1"  # in-cluster config, through the kubelet's forward
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # one operator; the autoscaler's replicas (one leads through a Lease, the others stand by)
+    for component, module, count in (("operator", "goodput.operator", 1),
+                                     ("autoscaler", "goodput.autoscaler", values["autoscaler"]["replicas"])):
+        pods = wait_for(lambda: (lambda ps: ps if len(ps) == count else None)(
+            [p for p in release_pods(kubectl, component) if ready(p)]), 180,
+            f"{count} {component} pod(s) Ready", on_timeout=diag)
+        for pod in pods:
+            assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-goodput-{component}"
+            procs = wait_for(lambda: [p for p in processes_of(pod["metadata"]["name"]) if module in p[1]], 30,
+                             f"the {component} process", on_timeout=diag)
+            _, argv, env = procs[0]
+            assert argv[argv.index("-m") + 1] == module
+            assert env["KUBERNETES_SERVICE_HOST"] == "10.244.0.1"  # in-cluster config, through the kubelet's forward
     # Ready came from the readiness probe on kopf's health endpoint, which answers at the pod IP
     (op,) = release_pods(kubectl, "operator")
     assert httpx.get(f"http://{pod_ip(op)}:8080/healthz", timeout=10).status_code == 200
