@@ -3,6 +3,7 @@ and through the router, at several request rates.
 
     python -m goodput.bench.router_latency                       # 100, 500, 1000 req/s, 10 s each
     python -m goodput.bench.router_latency --rates 100,500 --duration 5 --out /tmp/r.md
+    python -m goodput.bench.router_latency --rates 100 --sequential 5000   # one at a time too
 
 Processes (each on its own free 127.0.0.1 port): the stub (``goodput.bench.fake_server``, zero
 model time: TTFT 0, one token, so what is measured is HTTP and the router), the router
@@ -105,6 +106,21 @@ async def _run(url: str, rate: float, duration_s: float) -> dict:
     return {"lat": lat, "errors": errors, "achieved": n / sent_s, "late": late, "n": n}
 
 
+async def _sequential(url: str, n: int) -> list[float]:
+    """``n`` requests one after another (no queueing anywhere): latency of each."""
+    import aiohttp
+    body = {"model": "fake", "prompt": "hello", "max_tokens": 1, "stream": True}
+    lat = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n + 20):
+            t = time.perf_counter()
+            async with session.post(url + "/v1/completions", json=body) as r:
+                await r.read()
+            if i >= 20:  # after a warm-up
+                lat.append(time.perf_counter() - t)
+    return lat
+
+
 def _overhead(url: str) -> tuple[float, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -123,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100,500,1000", help="request rates (req/s), comma-separated")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    p.add_argument("--sequential", type=int, default=2000,
+                   help="also send this many requests one at a time, direct and routed (0: skip)")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/<date>-router-latency.md)")
     a = p.parse_args(argv)
     rates = [float(x) for x in a.rates.split(",")]
@@ -135,8 +153,14 @@ def main(argv: list[str] | None = None) -> None:
                      "--static", f"fake={stub_url}"], router_url)
     load_before = os.getloadavg()
     rows = []
+    seq = None
     try:
         rp = psutil.Process(router.pid)
+        if a.sequential:
+            seq = (asyncio.run(_sequential(stub_url, a.sequential)), asyncio.run(_sequential(router_url, a.sequential)))
+            d50, d99, r50, r99 = (1e3 * percentile(x, q) for x in seq for q in (50, 99))
+            print(f"one at a time: direct p50 {d50:.2f} p99 {d99:.2f} ms | routed p50 {r50:.2f} p99 {r99:.2f} ms | "
+                  f"added p50 {r50 - d50:+.2f} p99 {r99 - d99:+.2f} ms", flush=True)
         for rate in rates:
             direct = asyncio.run(_run(stub_url, rate, a.duration))
             cpu0 = sum(rp.cpu_times()[:2])
@@ -162,11 +186,11 @@ def main(argv: list[str] | None = None) -> None:
                 proc.kill()
     load_after = os.getloadavg()
     out = Path(a.out) if a.out else REPO / "bench" / "results" / f"{datetime.date.today()}-router-latency.md"
-    out.write_text(_report(rows, a, load_before, load_after))
+    out.write_text(_report(rows, a, load_before, load_after, seq))
     print(f"wrote {out}")
 
 
-def _report(rows, a, load_before, load_after) -> str:
+def _report(rows, a, load_before, load_after, seq=None) -> str:
     import importlib.util
     stack = ("uvicorn with httptools + uvloop" if importlib.util.find_spec("httptools") and
              importlib.util.find_spec("uvloop") else "uvicorn with h11 + asyncio (no httptools/uvloop installed)")
@@ -201,6 +225,11 @@ def _report(rows, a, load_before, load_after) -> str:
                      f"{r50 - d50:+.2f} / {r99 - d99:+.2f} | {r99 / d99:.2f} | {d['errors']} / {rt['errors']} | "
                      f"{cores:.2f} | {per_core:.0f} | {r['overhead_mean_ms']:.3f} |")
     lines += ["", "Errors: direct / routed. Target (issue): added p99 ≤ 5 ms at 500 req/s.", ""]
+    if seq is not None:
+        d50, d99, r50, r99 = (1e3 * percentile(x, q) for x in seq for q in (50, 99))
+        lines += [f"One request at a time ({a.sequential} each, after 20 warm-up; no queueing anywhere): direct "
+                  f"p50 {d50:.2f} / p99 {d99:.2f} ms, routed p50 {r50:.2f} / p99 {r99:.2f} ms, added "
+                  f"p50 {r50 - d50:+.2f} / p99 {r99 - d99:+.2f} ms.", ""]
     return "\n".join(lines)
 
 

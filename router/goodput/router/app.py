@@ -304,9 +304,15 @@ class Router:
             state.setdefault("outcome", "client_abort")
         except APIError as e:
             state.setdefault("outcome", _OUTCOMES.get(e.code or "", "error"))
-            state["pod"] = None
+            if e.code in _OUTCOMES:  # the router's own refusal: no pod was chosen
+                state["pod"] = None
             if not state.get("started"):
                 await _send_json(send, e.status, e.body(), e.headers)
+        except Exception as e:  # a bug: answer 500 in the error body, count it, keep serving
+            log.exception("request failed")
+            state.setdefault("outcome", "error")
+            if not state.get("started"):
+                await _send_json(send, 500, error_body(f"router error: {type(e).__name__}", "internal_error"))
         finally:
             if svc is not None:
                 self._count(svc, state.get("pod"), state.get("outcome", "client_abort"))
