@@ -182,7 +182,7 @@ class KubernetesFileSD:
     PodMonitor/ServiceMonitor relabelings then apply unchanged.
     """
 
-    def __init__(self, kubectl: Kubectl, directory: Path, pod_ns: str, endpoints_ns: str):
+    def __init__(self, kubectl: Kubectl, directory: Path, pod_ns: tuple[str, ...], endpoints_ns: str):
         self.kubectl, self.dir, self.pod_ns, self.endpoints_ns = kubectl, directory, pod_ns, endpoints_ns
         self.stop_ev = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -195,16 +195,17 @@ class KubernetesFileSD:
 
     def refresh(self) -> None:
         pods = []
-        for p in self.kubectl.json("-n", self.pod_ns, "get", "pods")["items"]:
-            ip = p["status"].get("podIP")
-            if not ip or p["metadata"].get("deletionTimestamp"):
-                continue
-            for c in p["spec"]["containers"]:
-                for port in c.get("ports") or []:
-                    pods.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": {
-                        "__meta_kubernetes_namespace": self.pod_ns, "__meta_kubernetes_pod_name": p["metadata"]["name"],
-                        "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
-                        **_meta("__meta_kubernetes_pod_label", p["metadata"].get("labels"))}})
+        for pod_ns in self.pod_ns:
+            for p in self.kubectl.json("-n", pod_ns, "get", "pods")["items"]:
+                ip = p["status"].get("podIP")
+                if not ip or p["metadata"].get("deletionTimestamp"):
+                    continue
+                for c in p["spec"]["containers"]:
+                    for port in c.get("ports") or []:
+                        pods.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": {
+                            "__meta_kubernetes_namespace": pod_ns, "__meta_kubernetes_pod_name": p["metadata"]["name"],
+                            "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                            **_meta("__meta_kubernetes_pod_label", p["metadata"].get("labels"))}})
         self._write("pods.json", pods)
         eps = []
         services = {s["metadata"]["name"]: s for s in
@@ -237,10 +238,12 @@ class KubernetesFileSD:
 
 
 def _scrape_configs(sd_dir: Path) -> list[dict[str, Any]]:
-    """Prometheus scrape configs equivalent to the chart's PodMonitor and ServiceMonitor."""
-    objs = {o["kind"]: o for o in rendered("--set", "metrics.podMonitor.enabled=true",
-                                           "--set", "metrics.serviceMonitor.enabled=true")}
-    pm, sm = objs["PodMonitor"]["spec"], objs["ServiceMonitor"]["spec"]
+    """Prometheus scrape configs equivalent to the chart's PodMonitors (workers, router) and ServiceMonitor."""
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in rendered("--set", "metrics.podMonitor.enabled=true",
+                                                                    "--set", "metrics.serviceMonitor.enabled=true")}
+    pm = objs[("PodMonitor", f"{RELEASE}-goodput-workers")]["spec"]
+    sm = objs[("ServiceMonitor", f"{RELEASE}-goodput-autoscaler")]["spec"]
+    rpm = objs[("PodMonitor", f"{RELEASE}-goodput-router")]["spec"]
     ep = pm["podMetricsEndpoints"][0]
 
     def keep(prefix: str, labels: dict[str, str]) -> list[dict[str, Any]]:
@@ -260,7 +263,17 @@ def _scrape_configs(sd_dir: Path) -> list[dict[str, Any]]:
         "relabel_configs": keep("__meta_kubernetes_service_label", sm["selector"]["matchLabels"]) + [
             {"source_labels": ["__meta_kubernetes_endpoint_port_name"], "regex": sep["port"], "action": "keep"}],
     }
-    return [workers, autoscaler]
+    rep = rpm["podMetricsEndpoints"][0]
+    router = {
+        "job_name": "goodput-router", "metrics_path": rep["path"], "honor_labels": rep["honorLabels"],
+        "file_sd_configs": [{"files": [str(sd_dir / "pods.json")], "refresh_interval": "2s"}],
+        "relabel_configs": keep("__meta_kubernetes_pod_label", rpm["selector"]["matchLabels"]) + [
+            {"source_labels": ["__meta_kubernetes_namespace"], "regex": "|".join(rpm["namespaceSelector"]["matchNames"]),
+             "action": "keep"},
+            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": rep["port"], "action": "keep"}] + [
+            {"source_labels": r["sourceLabels"], "target_label": r["targetLabel"]} for r in rep["relabelings"]],
+    }
+    return [workers, autoscaler, router]
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +289,7 @@ def prometheus(kubectl: Kubectl, release: str, ns: str, rules_file: Path, logs_d
     prom = shutil.which("prometheus")
     assert prom, "no prometheus binary: run `bash e2e/cluster.sh install`"
     d = tmp_path_factory.mktemp("prometheus")
-    sd = KubernetesFileSD(kubectl, d, ns, RELEASE_NS).start()
+    sd = KubernetesFileSD(kubectl, d, (ns, RELEASE_NS), RELEASE_NS).start()
     cfg = {"global": {"scrape_interval": "2s", "evaluation_interval": "2s", "scrape_timeout": "2s"},
            "rule_files": [str(rules_file)], "scrape_configs": _scrape_configs(d)}
     (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
@@ -310,16 +323,17 @@ def substitute(expr: str, ns: str) -> str:
             .replace("$inferenceservice", NAME).replace("$pod", ".*"))
 
 
-def drive_load(ip: str) -> dict[str, int]:
-    """Shared-prefix requests (prefix-cache hits), a concurrent burst (queueing, maybe 429s), one request
-    that can never fit (400). Returns status code counts."""
+def drive_load(ip: str, router_ip: str) -> dict[str, int]:
+    """Shared-prefix requests through the chart's router (prefix-cache hits, the router's series), a
+    concurrent burst (queueing, maybe 429s), one request that can never fit (400), both straight to
+    the worker. Returns status code counts."""
     codes: dict[int, int] = {}
     lock = threading.Lock()
     prefix = "You are a helpful assistant. Answer briefly and precisely. " * 4
 
-    def one(prompt: str, max_tokens: int) -> None:
+    def one(prompt: str, max_tokens: int, base: str = f"http://{ip}:8000") -> None:
         try:
-            r = httpx.post(f"http://{ip}:8000/v1/completions", timeout=300, json={
+            r = httpx.post(f"{base}/v1/completions", timeout=300, json={
                 "model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
             code = r.status_code
         except httpx.HTTPError:
@@ -327,7 +341,7 @@ def drive_load(ip: str) -> dict[str, int]:
         with lock:
             codes[code] = codes.get(code, 0) + 1
 
-    for wave in ([(prefix + f"Question {i}: name a colour.", 8) for i in range(4)],
+    for wave in ([(prefix + f"Question {i}: name a colour.", 8, f"http://{router_ip}:8080") for i in range(4)],
                  [(f"Burst request {i}: count to ten.", 12) for i in range(14)],
                  [("x " * 600, 16)]):
         threads = [threading.Thread(target=one, args=a) for a in wave]
@@ -345,7 +359,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(kubectl: Kube
                                       f"serving.goodput.dev/inferenceservice={NAME}")["items"] if ready(p)]
     wait_for(lambda: query(prometheus, f'up{{namespace="{ns}", inferenceservice="{NAME}"}} == 1')["result"], 60,
              "Prometheus scraping the worker", on_timeout=diag)
-    codes = drive_load(pod_ip(pod))
+    routers = wait_for(lambda: [p for p in release_pods(kubectl, "router") if ready(p)], 120,
+                       "a Ready router pod", on_timeout=diag)
+    wait_for(lambda: query(prometheus, 'up{job="goodput-router"} == 1')["result"], 60,
+             "Prometheus scraping the routers", on_timeout=diag)
+    codes = drive_load(pod_ip(pod), pod_ip(routers[0]))
     assert codes.get(200, 0) >= 5 and codes.get(400, 0) == 1, codes
     # the load is in Prometheus (no sleeps: wait for the counters), and the autoscaler has decided
     def finished() -> float:

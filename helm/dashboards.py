@@ -4,9 +4,12 @@
     python helm/dashboards.py --check    # exit 1 when a committed JSON differs from this code
 
 The committed JSON is what the chart ships (ConfigMaps for the Grafana sidecar). Every metric name
-comes from ``goodput.worker.metric_names`` or ``goodput.autoscaler.metric_names``; series labels are
-the ones the chart's PodMonitor adds (``namespace``, ``pod``, ``inferenceservice``) plus the worker's
-``model_name``, ``reason``, ``finished_reason``, ``state``. ``queries()`` lists every PromQL
+comes from ``goodput.worker.metric_names``, ``goodput.autoscaler.metric_names`` or
+``goodput.router.metric_names``; series labels are the ones the chart's PodMonitor adds
+(``namespace``, ``pod``, ``inferenceservice``) plus the worker's ``model_name``, ``reason``,
+``finished_reason``, ``state``; the router's own series carry ``namespace`` and ``inferenceservice``
+(the service a request went to; its PodMonitor honours them), ``pod`` (the worker it picked),
+``outcome`` and ``reason`` (docs/router-autoscaler-contract.md, "Router metrics"). ``queries()`` lists every PromQL
 expression with its panel, for the tests (metric names exist; a real Prometheus evaluates each).
 """
 
@@ -25,6 +28,7 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 
 from goodput.autoscaler import metric_names as A
+from goodput.router import metric_names as R
 from goodput.worker import metric_names as W
 
 OUT = Path(__file__).resolve().parent / "goodput" / "dashboards"
@@ -219,6 +223,44 @@ def serving() -> dashboard.Dashboard:
          .with_panel(_ts("Engine state", "1 for the state each pod's engine is in (running, waiting, "
                          "rejecting, blocked).", "short",
                          [(f"{W.ENGINE_STATE}{{{POD}}} == 1", "{{pod}} {{state}}")], 16, y, w=8, max_val=1)))
+    y += 8
+    return _router_row(d, y, by)
+
+
+# panels of the router row that are about the router itself, not one InferenceService
+ROUTER_WIDE = ("Routing decisions", "Router added latency")
+
+
+def _router_row(d: dashboard.Dashboard, y: int, by: str) -> dashboard.Dashboard:
+    """The router (goodput.router): requests by outcome and by picked pod, held/queued requests,
+    routing decisions by reason, fleet-queue wait, the router's added latency, upstream TTFT."""
+    d = d.with_row(dashboard.Row("Router").grid_pos(dm.GridPos(h=1, w=24, x=0, y=y)))
+    y += 1
+    d = (d.with_panel(_ts("Router requests by outcome", "Requests through the router: success, error, refused "
+                          "(router 429: fleet queue full), timeout (held or queued too long), client_abort.",
+                          "reqps", [(f"sum by ({by}, outcome) (rate({R.REQUESTS_TOTAL}{{{ISVC}}}[{RATE}]))",
+                                     "{{outcome}} {{inferenceservice}}")], 0, y, w=8))
+         .with_panel(_ts("Router requests by pod", "Where the router sent requests: with prefix affinity a "
+                         "conversation stays on one pod.", "reqps",
+                         [(f"sum by (pod) (rate({R.REQUESTS_TOTAL}{{{POD}}}[{RATE}]))", "{{pod}}")], 8, y, w=8))
+         .with_panel(_ts("Held and queued", "Requests the router holds (the service has no Ready pod: scale "
+                         "from zero) or queues (every pod at its admission limits).", "short",
+                         [(f"sum by ({by}) ({R.HELD_REQUESTS}{{{ISVC}}})", "held {{inferenceservice}}"),
+                          (f"sum by ({by}) ({R.QUEUED_REQUESTS}{{{ISVC}}})", "queued {{inferenceservice}}")],
+                         16, y, w=8)))
+    y += 8
+    d = (d.with_panel(_ts("Routing decisions", "Decisions per second by reason: affinity (longest prefix "
+                          "match), rendezvous (no match), load_bound_fallback, queued, held, refused. All "
+                          "services.", "ops",
+                          [(f"sum by (reason) (rate({R.DECISIONS_TOTAL}[{RATE}]))", "{{reason}}")], 0, y, w=6))
+         .with_panel(_ts("Router queue wait", "Time a request spent held or in the fleet queue, p50/p90/p99.",
+                         "s", _quantiles(R.QUEUE_WAIT, by, ISVC), 6, y, w=6))
+         .with_panel(_ts("Router added latency", "Router time before the upstream request is sent (parse, "
+                         "hash, pick), p50/p99, every router replica. All services.", "s",
+                         [(f"histogram_quantile({q}, sum by (le) (rate({R.OVERHEAD}_bucket[{RATE}])))",
+                           f"p{round(q * 100)}") for q in (0.5, 0.99)], 12, y, w=6))
+         .with_panel(_ts("Upstream TTFT", "First byte from the picked pod after the router sent the request, "
+                         "p50/p90/p99.", "s", _quantiles(R.UPSTREAM_TTFT, by, ISVC), 18, y, w=6)))
     return d
 
 

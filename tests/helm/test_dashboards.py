@@ -1,6 +1,6 @@
 """The Grafana dashboards of the chart: the committed JSON is what helm/dashboards.py builds, and every
-metric a query names is one of goodput.worker.metric_names / goodput.autoscaler.metric_names (with
-the suffix Prometheus gives its type). That each query parses and returns data is checked against a
+metric a query names is one of goodput.worker.metric_names / goodput.autoscaler.metric_names /
+goodput.router.metric_names (with the suffix Prometheus gives its type). That each query parses and returns data is checked against a
 real Prometheus in e2e/test_prometheus_e2e.py.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 import pytest
 
 from goodput.autoscaler import metric_names as A
+from goodput.router import metric_names as R
 from goodput.worker import metric_names as W
 
 from conftest import REPO as ROOT
@@ -26,7 +27,7 @@ spec.loader.exec_module(gen)
 PROMQL_WORDS = {
     "sum", "by", "without", "rate", "increase", "histogram_quantile", "max", "min", "avg", "count",
     "label_values", "on", "ignoring", "and", "or", "unless", "bool", "avg_over_time", "vector",
-    "le", "namespace", "inferenceservice", "pod", "reason", "finished_reason", "state", "model_name",
+    "le", "namespace", "inferenceservice", "pod", "reason", "finished_reason", "state", "model_name", "outcome",
 }
 
 
@@ -37,7 +38,7 @@ def names(module) -> set[str]:
 def exported_series() -> set[str]:
     """Every series name the two modules' metrics can produce (counters _total, histograms' parts)."""
     out = set()
-    for n in names(W) | names(A):
+    for n in names(W) | names(A) | names(R):
         out |= {n, f"{n}_total", f"{n}_bucket", f"{n}_sum", f"{n}_count"}
     return out
 
@@ -113,10 +114,28 @@ def test_serving_dashboard_covers_the_brief():
     # thresholds: KV usage warns at 80 % and is red at 95 %
     steps = by_title["KV cache usage"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [(s["value"], s["color"]) for s in steps] == [(None, "green"), (0.8, "orange"), (0.95, "red")]
-    # every panel query is scoped by the dashboard's variables
+    # every panel query is scoped by the dashboard's variables (but the router-wide ones: decisions and
+    # added latency have no service label)
     for title, expr in gen.queries(d):
-        if not title.startswith("variable"):
+        if not title.startswith("variable") and title not in gen.ROUTER_WIDE:
             assert '$namespace' in expr and '$inferenceservice' in expr, (title, expr)
+
+
+def test_serving_dashboard_has_a_router_row():
+    d = load("serving.json")
+    rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
+    assert rows[-1] == "Router"
+    row_y = next(p["gridPos"]["y"] for p in d["panels"] if p["type"] == "row" and p["title"] == "Router")
+    below = {p["title"]: p for p in gen.panels(d) if p["type"] != "row" and p["gridPos"]["y"] > row_y}
+    assert set(below) == {"Router requests by outcome", "Router requests by pod", "Held and queued",
+                          "Routing decisions", "Router queue wait", "Router added latency", "Upstream TTFT"}
+    q = {t: "\n".join(x["expr"] for x in p["targets"]) for t, p in below.items()}
+    for n in (R.REQUESTS_TOTAL, R.HELD_REQUESTS, R.QUEUED_REQUESTS, R.DECISIONS_TOTAL, R.QUEUE_WAIT, R.OVERHEAD,
+              R.UPSTREAM_TTFT):
+        assert any(n in e for e in q.values()), n
+    assert "by (pod)" in q["Router requests by pod"] and "outcome" in q["Router requests by outcome"]
+    assert set(gen.ROUTER_WIDE) <= set(below)
+    assert below["Router added latency"]["fieldConfig"]["defaults"]["unit"] == "s"
 
 
 def test_autoscaler_dashboard_covers_the_brief():

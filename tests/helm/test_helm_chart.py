@@ -74,13 +74,17 @@ def test_default_render(helm: str):
         ("Role", "rel-goodput-autoscaler-own"), ("RoleBinding", "rel-goodput-autoscaler-own"),
         ("CustomResourceDefinition", "inferenceservices.serving.goodput.dev"),
         ("ConfigMap", "rel-goodput-dashboard-serving"), ("ConfigMap", "rel-goodput-dashboard-autoscaler"),
+        ("ServiceAccount", "rel-goodput-router"), ("ClusterRole", "rel-goodput-router"),
+        ("ClusterRoleBinding", "rel-goodput-router"), ("Deployment", "rel-goodput-router"),
+        ("Service", "goodput-router"), ("PodDisruptionBudget", "rel-goodput-router"),
     ])
     k = by_kind(objs)
     op = k[("Deployment", "goodput-system", "rel-goodput-operator")]
     c = container(op)
     assert c["image"] == "goodput/control-plane:0.1.0"
     assert c["command"] == ["python", "-m", "goodput.operator"]
-    assert c["args"] == ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert c["args"] == ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz",
+                         "--router-url=http://goodput-router.goodput-system.svc:8080"]
     assert {e["name"]: e["value"] for e in c["env"]} == {"GOODPUT_OPERATOR_RESYNC_SECONDS": "60",
                                                          "GOODPUT_OPERATOR_WORKERS": "16"}
     assert c["livenessProbe"]["httpGet"] == c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -99,8 +103,8 @@ def test_default_render(helm: str):
     svc = k[("Service", "goodput-system", "rel-goodput-autoscaler")]
     assert svc["spec"]["selector"] == au["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["ports"][0]["port"] == 9091
-    # pod security on both
-    for d in (op, au):
+    # pod security on all three
+    for d in (op, au, k[("Deployment", "goodput-system", "rel-goodput-router")]):
         pod = d["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 65532
         sc = container(d)["securityContext"]
@@ -111,7 +115,7 @@ def test_default_render(helm: str):
         assert {"name": "tmp", "mountPath": "/tmp"} in container(d)["volumeMounts"]
         # the selector matches the pod template
         assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
-    for name in ("operator", "autoscaler"):
+    for name in ("operator", "autoscaler", "router"):
         crb = k[("ClusterRoleBinding", "", f"rel-goodput-{name}")]
         assert crb["subjects"] == [{"kind": "ServiceAccount", "name": f"rel-goodput-{name}",
                                     "namespace": "goodput-system"}]
@@ -187,11 +191,21 @@ def test_non_default_values(helm: str):
         ("PrometheusRule", "goodput-system", "rel-goodput"),
         ("ConfigMap", "monitoring", "rel-goodput-dashboard-serving"),
         ("ConfigMap", "monitoring", "rel-goodput-dashboard-autoscaler"),
+        ("ServiceAccount", "goodput-system", "rel-goodput-router"),
+        ("Role", "team-a", "rel-goodput-router"), ("Role", "team-b", "rel-goodput-router"),
+        ("RoleBinding", "team-a", "rel-goodput-router"), ("RoleBinding", "team-b", "rel-goodput-router"),
+        ("Deployment", "goodput-system", "rel-goodput-router"), ("Service", "goodput-system", "goodput-router"),
+        ("PodDisruptionBudget", "goodput-system", "rel-goodput-router"),
+        ("PodMonitor", "goodput-system", "rel-goodput-router"),
     ])  # no autoscaler objects (its ServiceMonitor included), no CRD
     c = container(k[("Deployment", "goodput-system", "rel-goodput-operator")])
     assert c["image"] == "r.io/cp:1.2.3"
     assert c["args"] == ["--namespace=team-a", "--namespace=team-b", "--liveness=http://0.0.0.0:8080/healthz",
-                         "--verbose"]
+                         "--router-url=http://goodput-router.goodput-system.svc:8080", "--verbose"]
+    assert container(k[("Deployment", "goodput-system", "rel-goodput-router")])["args"][:3] == [
+        "--kubernetes", "--namespace=team-a", "--namespace=team-b"]
+    for ns in ("team-a", "team-b"):
+        assert rules_set(k[("Role", ns, "rel-goodput-router")]["rules"]) == ROUTER_RULES
     assert {"name": "GOODPUT_OPERATOR_RESYNC_SECONDS", "value": "15"} in c["env"]
     # namespaced mode: the namespaced rules in Roles, nothing cluster-wide (no CRD or Namespace watch: the
     # operator gets exact namespaces); instead of reading others' Leases it claims its namespaces' Lease
@@ -249,6 +263,72 @@ def test_service_monitor_scrapes_the_autoscaler_service_with_its_labels(helm: st
     assert "--metrics-port=9300" in container(k[("Deployment", "goodput-system", "rel-goodput-autoscaler")])["args"]
 
 
+# list + watch of InferenceServices and pods: everything the router reads (docs/router-autoscaler-contract.md)
+ROUTER_RULES = {("serving.goodput.dev", "inferenceservices", "list"), ("serving.goodput.dev", "inferenceservices", "watch"),
+                ("", "pods", "list"), ("", "pods", "watch")}
+
+
+def test_router_deployment_service_pdb_rbac_and_the_operators_router_url(helm: str):
+    k = by_kind(template(helm, "--set", "router.port=9000", "--set", "router.service.name=llm"))
+    d = k[("Deployment", "goodput-system", "rel-goodput-router")]
+    c = container(d)
+    assert d["spec"]["replicas"] == 2
+    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert c["command"] == ["python", "-m", "goodput.router"]
+    assert c["args"] == ["--kubernetes", "--all-namespaces", "--host=0.0.0.0", "--port=9000", "--log-level=info"]
+    assert c["image"] == container(k[("Deployment", "goodput-system", "rel-goodput-operator")])["image"]
+    assert c["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    pod = d["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == "rel-goodput-router"
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+    # the autoscaler finds the routers by this label in the release namespace, and their port here
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9000"
+    svc = k[("Service", "goodput-system", "llm")]
+    assert svc["spec"]["selector"] == d["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+    # the operator's status.url is that Service's in-cluster URL
+    url = f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}"
+    assert f"--router-url={url}" in container(k[("Deployment", "goodput-system", "rel-goodput-operator")])["args"]
+    assert "--router-namespace=goodput-system" in container(
+        k[("Deployment", "goodput-system", "rel-goodput-autoscaler")])["args"]
+    pdb = k[("PodDisruptionBudget", "goodput-system", "rel-goodput-router")]
+    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+    assert rules_set(k[("ClusterRole", "", "rel-goodput-router")]["rules"]) == ROUTER_RULES
+    assert k[("ClusterRoleBinding", "", "rel-goodput-router")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-goodput-router", "namespace": "goodput-system"}]
+
+
+def test_router_pdb_on_kubernetes_1_20_and_one_replica(helm: str):
+    (pdb,) = [o for o in template(helm, "--kube-version", "1.20.2") if o["kind"] == "PodDisruptionBudget"]
+    assert pdb["apiVersion"] == "policy/v1beta1"
+    assert not [o for o in template(helm, "--set", "router.replicas=1") if o["kind"] == "PodDisruptionBudget"]
+
+
+def test_router_pod_monitor_keeps_the_routers_labels(helm: str):
+    k = by_kind(template(helm, "--set", "metrics.podMonitor.enabled=true"))
+    pm = k[("PodMonitor", "goodput-system", "rel-goodput-router")]
+    d = k[("Deployment", "goodput-system", "rel-goodput-router")]
+    assert pm["spec"]["selector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["goodput-system"]}
+    ep = pm["spec"]["podMetricsEndpoints"][0]
+    assert (ep["port"], ep["path"], ep["honorLabels"]) == ("http", "/metrics", True)
+    assert ep["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "router_pod"}]
+
+
+def test_router_disabled_leaves_no_router_object_and_no_router_url(helm: str):
+    objs = template(helm, "--set", "router.enabled=false", "--set", "metrics.podMonitor.enabled=true")
+    assert not [o for o in objs if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "router"]
+    k = by_kind(objs)
+    assert not any(a.startswith("--router-") for a in container(k[("Deployment", "goodput-system",
+                                                                   "rel-goodput-operator")])["args"])
+    assert not any(a.startswith("--router-") for a in container(k[("Deployment", "goodput-system",
+                                                                   "rel-goodput-autoscaler")])["args"])
+
+
 @pytest.mark.parametrize("setting,message", [
     ("operator.resyncSeconds=-1", "/operator/resyncSeconds"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
@@ -258,6 +338,10 @@ def test_service_monitor_scrapes_the_autoscaler_service_with_its_labels(helm: st
     ("metrics.prometheusRule.sloAttainmentTarget=1.5", "/metrics/prometheusRule/sloAttainmentTarget"),
     ("operator.resources.requests=null", "/operator/resources"),
     ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
+    ("router.port=0", "/router/port"),
+    ("router.service.type=Ingress", "/router/service/type"),
+    ("router.service.name=Goodput_Router", "/router/service/name"),
+    ("router.replicas=0", "/router/replicas"),
 ])
 def test_schema_refuses_bad_values_naming_the_field(helm: str, setting: str, message: str):
     r = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting], capture_output=True, text=True,
@@ -309,6 +393,14 @@ def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
             "    assert e.name.startswith('goodput.autoscaler'), e\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    # the router (same image): its server and discovery import without torch or triton
+    code = ("import sys\nclass Block:\n    def find_spec(self, name, *a):\n"
+            "        if name.split('.')[0] in ('torch', 'triton', 'tokenizers', 'gguf', 'numpy'):\n"
+            "            raise ImportError('blocked ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import goodput.router.__main__, goodput.router.app, goodput.router.discovery_k8s\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def notes(helm: str, *args: str) -> str:
@@ -332,3 +424,8 @@ def test_notes_give_commands_that_work_on_the_local_cluster_and_say_what_uninsta
     text = notes(helm, "--set", "crds.keep=false")
     assert "port-forward svc" not in text and "kubectl -n default get pod" in text
     assert "removes the operator, the autoscaler and the CRD" in text
+    # with the router (the default): its pod IP first, the worker's as the direct way
+    assert ("RIP=$(kubectl -n goodput-system get pod -l app.kubernetes.io/instance=rel,"
+            "app.kubernetes.io/component=router -o jsonpath='{.items[0].status.podIP}')") in text
+    assert "curl -s http://$RIP:8080/v1/completions" in text and "http://goodput-router.goodput-system.svc:8080/v1" in text
+    assert "RIP=" not in notes(helm, "--set", "router.enabled=false")

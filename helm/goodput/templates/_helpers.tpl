@@ -46,6 +46,15 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- default (printf "%s-autoscaler" (include "goodput.fullname" .)) .Values.serviceAccount.autoscalerName -}}
 {{- end -}}
 
+{{- define "goodput.routerServiceAccount" -}}
+{{- default (printf "%s-router" (include "goodput.fullname" .)) .Values.serviceAccount.routerName -}}
+{{- end -}}
+
+{{/* The router's in-cluster URL (its Service): the operator's --router-url, so status.url. */}}
+{{- define "goodput.routerURL" -}}
+{{- printf "http://%s.%s.svc:%v" .Values.router.service.name .Release.Namespace .Values.router.port -}}
+{{- end -}}
+
 {{/* --all-namespaces, or one --namespace per watched namespace (YAML list items). */}}
 {{- define "goodput.watchArgs" -}}
 {{- if .Values.watchNamespaces }}
