@@ -275,7 +275,7 @@ def test_router_deployment_service_pdb_rbac_and_the_operators_router_url(helm: s
     assert d["spec"]["replicas"] == 2
     assert d["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     assert c["command"] == ["python", "-m", "goodput.router"]
-    assert c["args"] == ["--kubernetes", "--all-namespaces", "--host=0.0.0.0", "--port=9000", "--log-level=info"]
+    assert c["args"] == ["--kubernetes", "--all-namespaces", "--host=0.0.0.0", "--port=9000", "--log-level=warning"]
     assert c["image"] == container(k[("Deployment", "goodput-system", "rel-goodput-operator")])["image"]
     assert c["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -380,7 +380,8 @@ def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
 
     pinned = re.findall(r'"([a-zA-Z0-9_.-]+[<>=!~][^"]*)"', text)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    allowed = set(project["dependencies"]) | set(project["optional-dependencies"]["operator"])
+    allowed = (set(project["dependencies"]) | set(project["optional-dependencies"]["operator"])
+               | set(project["optional-dependencies"]["router"]))
     assert pinned and set(pinned) <= allowed, set(pinned) - allowed
     # the modules the image runs import without torch, triton or fastapi installed
     code = ("import sys\nclass Block:\n    def find_spec(self, name, *a):\n"
