@@ -158,14 +158,20 @@ def test_example_is_reconciled_by_the_chart_operator_ready_and_serves(kubectl: K
     # README: `kubectl wait --for=condition=Ready gisvc/...`; in slices, the Kubectl helper allows 60 s a call
     wait_for(lambda: kubectl.run("-n", ns, "wait", "--for=condition=Ready", f"gisvc/{NAME}", "--timeout=30s",
                                  check=False).returncode == 0, POD_READY_S, f"gisvc/{NAME} Ready", on_timeout=diag)
-    table = kubectl.run("-n", ns, "get", "gisvc").stdout
-    assert re.search(rf"^{NAME}\s+True\s+1\s+1\s+smollm2\s", table, re.M), table
+    # the URL column is the chart's router (the operator's --router-url)
+    wait_for(lambda: re.search(rf"^{NAME}\s+True\s+1\s+1\s+smollm2\s+http://goodput-router\.{RELEASE_NS}\.svc:8080\s",
+                               kubectl.run("-n", ns, "get", "gisvc").stdout, re.M), 60,
+             "the router's URL in kubectl get gisvc", on_timeout=diag)
     (pod,) = [p for p in kubectl.json("-n", ns, "get", "pods", "-l",
                                       f"serving.goodput.dev/inferenceservice={NAME}")["items"] if ready(p)]
-    r = httpx.post(f"http://{pod_ip(pod)}:8000/v1/completions", timeout=120, json={
-        "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"].strip()
+    routers = wait_for(lambda: [p for p in release_pods(kubectl, "router") if ready(p)], 120, "a Ready router pod",
+                       on_timeout=diag)
+    # README: through the router (its pod IP: no kube-proxy here), then one pod directly
+    for url in (f"http://{pod_ip(routers[0])}:8080", f"http://{pod_ip(pod)}:8000"):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].strip()
 
 
 # --------------------------------------------------------------------------------------- Prometheus
