@@ -75,7 +75,7 @@ def test_chat_completion_shape(server_main):
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"top_p": 0}, "top_p"),
     ("/v1/completions", {"stop": [""]}, "stop"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),  # legacy: send them as tools
     ("/v1/chat/completions", {"response_format": {"type": "grammar"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {

@@ -189,7 +189,9 @@ def test_non_generation_fields_are_accepted_and_ignored(server_main):
 @pytest.mark.parametrize("more,param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2, "tool_choice": "auto"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
     ({"service_tier": "fastest"}, "service_tier"),
     ({"metadata": {"a": 1}}, "metadata.a"),
 ])

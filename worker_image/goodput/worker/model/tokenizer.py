@@ -28,6 +28,17 @@ from goodput.worker.model.config import UnsupportedModelError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 _CONTROL, _USER_DEFINED = 3, 4
+# Longer inputs go through ``encode_batch`` / ``decode_batch``, which release the GIL while the
+# Rust code runs (``encode`` / ``decode`` hold it: a 1 MB text would stall every other thread,
+# the server's event loop included, for a second).
+_GIL_FREE_CHARS, _GIL_FREE_IDS = 4096, 1024
+
+
+def _encode_ids(backend: Tokenizer, text: str) -> list[int]:
+    """``backend``'s ids of ``text`` (no special tokens added), the GIL released for long texts."""
+    if len(text) > _GIL_FREE_CHARS:
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    return backend.encode(text, add_special_tokens=False).ids
 
 # Pre-tokenizer split regexes by ``tokenizer.ggml.pre`` (the rules llama.cpp applies).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -170,7 +181,7 @@ class GGUFTokenizer:
         (``tokenizer.ggml.add_bos_token``). TypeError for non-str input."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = _encode_ids(self.backend, text)
         if add_special_tokens and self.add_bos_token:
             ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
         return ids
@@ -184,6 +195,8 @@ class GGUFTokenizer:
         for i in ids:
             if not 0 <= int(i) < self.vocab_size:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > _GIL_FREE_IDS:
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
@@ -326,9 +339,9 @@ class GGUFTokenizer:
         pos = 0
         for m in pattern.finditer(reference):
             if m.start() > pos:
-                ids += (first if pos == 0 else later).encode(text[pos:m.start()], add_special_tokens=False).ids
+                ids += _encode_ids(first if pos == 0 else later, text[pos:m.start()])
             ids.append(self.backend.token_to_id(m.group(0)))
             pos = m.end()
         if pos < len(text):
-            ids += (first if pos == 0 else later).encode(text[pos:], add_special_tokens=False).ids
+            ids += _encode_ids(first if pos == 0 else later, text[pos:])
         return ids

@@ -39,6 +39,12 @@ from goodput.worker.server.logprobs import (
     merge_completion_logprobs,
 )
 from goodput.worker.server.errors import APIError
+from goodput.worker.server.tool_calls import (
+    ToolCallParser,
+    parameters_schema,
+    required_schema,
+    template_messages,
+)
 from goodput.worker.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -50,7 +56,9 @@ from goodput.worker.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     FunctionCall,
     ToolCall,
@@ -114,8 +122,12 @@ def _invalid(st, err: APIError) -> APIError:
     return err
 
 
-def _chat_messages(body_messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in body_messages]
+def _chat_input(st, body_messages, functions: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict]:
+    """The messages and extra variables the chat template gets: roles mapped (developer ->
+    system), tools and earlier calls written as the template expects (server/tool_calls.py)."""
+    template = getattr(st.llm.tokenizer, "chat_template", None) or ""
+    return template_messages([m.template_dict() for m in body_messages], functions,
+                             native="tools" in template)
 
 
 def _max_token_bytes(st) -> int | None:
@@ -131,20 +143,31 @@ def _max_token_bytes(st) -> int | None:
     return st._max_token_bytes
 
 
-def _refuse_if_surely_too_long(st, nbytes: int) -> None:
+def _refuse_if_surely_too_long(st, nbytes: int, for_generation: bool = True) -> None:
     """Refuse a prompt that cannot fit before tokenizing it: it has at least
     ceil(bytes / max bytes per token) tokens. Tokenizing megabytes would hold the GIL (and so
-    the event loop) for seconds only to say 400."""
+    the event loop) for seconds only to say 400. A generate request needs room for one token
+    more (and is counted as rejected, never_fits); ``/tokenize`` takes at most max_model_len."""
     per_token = _max_token_bytes(st)
     if not per_token:
         return
     min_tokens = -(-nbytes // per_token)
     limit = st.max_model_len
-    if min_tokens + 1 > limit:
-        st.llm.count_rejected("never_fits")
+    if min_tokens + (1 if for_generation else 0) > limit:
+        if for_generation:
+            st.llm.count_rejected("never_fits")
+        what = "prompt + max_tokens" if for_generation else "a prompt to tokenize"
         raise APIError(400, f"the prompt is {nbytes} bytes, so at least {min_tokens} tokens (at most "
-                            f"{per_token} bytes per token); prompt + max_tokens must fit max_model_len "
+                            f"{per_token} bytes per token); {what} must fit max_model_len "
                             f"({limit})", param="prompt", code="never_fits")
+
+
+def _refuse_over_max_model_len(st, n_tokens: int, param: str) -> None:
+    """``/tokenize`` and ``/detokenize`` take what a prompt may be: at most max_model_len tokens."""
+    limit = st.max_model_len
+    if n_tokens > limit:
+        raise APIError(400, f"{n_tokens} tokens; at most max_model_len ({limit}) are allowed, as for a "
+                            f"completion's prompt", param=param, code="never_fits")
 
 
 async def _encode(st, text: str) -> list[int]:
@@ -153,13 +176,16 @@ async def _encode(st, text: str) -> list[int]:
 
 
 async def _render_chat(st, messages, for_generation: bool = True,
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True,
+                       functions: list[dict[str, Any]] | None = None) -> list[int]:
     from goodput.worker.model.tokenizer import ChatTemplateError
-    if for_generation:
-        _refuse_if_surely_too_long(st, sum(len(m.text().encode("utf-8")) for m in messages))
+    msgs, extra = _chat_input(st, messages, functions)
+    _refuse_if_surely_too_long(st, sum(len(str(m.get("content") or "").encode("utf-8")) for m in msgs),
+                               for_generation)
     try:
-        return list(await asyncio.to_thread(st.llm.tokenizer.apply_chat_template, _chat_messages(messages),
-                                            add_generation_prompt=add_generation_prompt, tokenize=True))
+        return list(await asyncio.to_thread(st.llm.tokenizer.apply_chat_template, msgs,
+                                            add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **extra))
     except ChatTemplateError as e:
         raise _invalid(st, APIError(400, str(e), param="messages"))
 
@@ -398,17 +424,20 @@ def _check_engine_fields(st, body: CompletionRequest | ChatCompletionRequest) ->
         raise _invalid(st, APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
                                          f"[0, {vocab})", param="logit_bias"))
     fmt = getattr(body, "response_format", None)
-    tool = body.named_tool() if isinstance(body, ChatCompletionRequest) else None
+    mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None
+    tool = body.named_tool() if mode == "named" else None
+    forced = mode in ("named", "required")
     guided = body.guided_schema()
-    if sum(x is not None for x in (fmt, tool, guided)) > 1:
-        raise _invalid(st, APIError(400, "give one of response_format, a named tool_choice and "
-                                         "structured_outputs/guided_json", param="response_format"))
-    if fmt is None and tool is None and guided is None:
+    if sum(x for x in (fmt is not None, forced, guided is not None)) > 1:
+        raise _invalid(st, APIError(400, "give one of response_format, a tool_choice that forces a call "
+                                         "and structured_outputs/guided_json", param="response_format"))
+    if fmt is None and not forced and guided is None:
         return None
     try:
-        if tool is not None:
+        if forced:
             import json
-            schema = json.dumps(tool.get("parameters") or {"type": "object"})
+            schema = json.dumps(parameters_schema(tool) if tool is not None else required_schema(
+                body.functions_for_prompt(), parallel=body.parallel_tool_calls is not False))
         elif guided is not None:
             schema = guided
         else:
@@ -417,7 +446,7 @@ def _check_engine_fields(st, body: CompletionRequest | ChatCompletionRequest) ->
             from goodput.worker.model.structured import schema_grammar
             schema_grammar(schema)
     except ValueError as e:
-        where = "tool_choice" if tool is not None else "structured_outputs" if guided is not None \
+        where = "tool_choice" if forced else "structured_outputs" if guided is not None \
             else "response_format"
         raise _invalid(st, APIError(400, f"{where}: {e}", param=where))
     return schema
@@ -524,11 +553,16 @@ async def create_completion(body: CompletionRequest, request: Request):
              responses={**_sse_doc(ChatCompletionChunk), **_errors(400, 404, 413, 429, 500, 503)})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Chat completions: ``n`` choices (forks sharing the prompt's KV blocks); ``logprobs`` +
-    ``top_logprobs``; ``response_format`` json_object / json_schema enforced by a grammar."""
+    ``top_logprobs``; ``response_format`` json_object / json_schema enforced by a grammar;
+    ``tools`` with ``tool_choice`` auto (Hermes ``<tool_call>`` blocks parsed out of the text),
+    required (a grammar: at least one call) or named (a grammar: that function's arguments),
+    answered as ``message.tool_calls`` or streamed ``delta.tool_calls`` (server/tool_calls.py);
+    ``finish_reason`` is ``tool_calls`` when auto or required called a tool."""
     arrival = time.monotonic()
     st = _checked_state(request, body)
     schema = _check_engine_fields(st, body)
-    prompt_ids = await _render_chat(st, body.messages)
+    mode = body.tool_mode()
+    prompt_ids = await _render_chat(st, body.messages, functions=body.functions_for_prompt())
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
         # As much as the context AND the KV pool allow (prompt + output <= pool tokens);
@@ -546,13 +580,46 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     want_ids = body.return_token_ids
     text_of = TokenText(st.llm.tokenizer)
     top_k = body.top_logprobs or 0
+    named = body.named_tool()
+
+    def call_id() -> str:
+        return new_id("call")
+
+    def new_parser() -> ToolCallParser | None:
+        return ToolCallParser("hermes" if mode == "auto" else "array", call_id) \
+            if mode in ("auto", "required") else None
+
+    def finish(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" and mode in ("auto", "required") else reason
 
     if body.stream:
+        parsers = {i: new_parser() for i, _, _ in entries}
+        named_started: set[int] = set()
+
+        def delta_of(index: int, d: RequestDelta) -> tuple[DeltaMessage, bool]:
+            if named is not None:  # every generated character is argument text
+                calls = [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=d.text))]
+                if index not in named_started:
+                    named_started.add(index)
+                    calls[0] = DeltaToolCall(index=0, id=call_id(), type="function",
+                                             function=DeltaFunctionCall(name=named["name"], arguments=d.text))
+                return DeltaMessage(content=None, tool_calls=calls), True
+            parser = parsers[index]
+            if parser is None:
+                return DeltaMessage(content=d.text), False
+            p = parser.feed(d.text, final=d.finished)
+            calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                                   function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                     for c in p.calls] or None
+            return DeltaMessage(content=p.content if p.content or not calls else None,
+                                tool_calls=calls), parser.num_calls > 0
+
         def chunk(index: int, d: RequestDelta) -> ChatCompletionChunk:
+            delta, called = delta_of(index, d)
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-                index=index, delta=DeltaMessage(content=d.text),
+                index=index, delta=delta,
                 logprobs=chat_logprobs(text_of, d.logprobs or [], top_k) if body.logprobs else None,
-                finish_reason=d.finish_reason if d.finished else None,
+                finish_reason=finish(d.finish_reason, called) if d.finished else None,
                 token_ids=d.token_ids if want_ids else None)])
 
         def usage_chunk(u: UsageInfo) -> ChatCompletionChunk:
@@ -567,49 +634,67 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
     results = await _collect(request, [s for _, _, s in entries])
-    tool = body.named_tool()
 
-    def message(r: _Result) -> ChatMessageOut:
+    def message(r: _Result) -> tuple[ChatMessageOut, bool]:
         text = "".join(r.text)
-        if tool is None:
-            return ChatMessageOut(content=text)
-        return ChatMessageOut(content=None, tool_calls=[ToolCall(
-            id=new_id("call"), function=FunctionCall(name=tool["name"], arguments=text))])
+        if named is not None:
+            return ChatMessageOut(content=None, tool_calls=[ToolCall(
+                id=call_id(), function=FunctionCall(name=named["name"], arguments=text))]), True
+        parser = new_parser()
+        if parser is None:
+            return ChatMessageOut(content=text), False
+        p = parser.parse(text)
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in p.calls]
+        if not calls:
+            return ChatMessageOut(content=p.content), False
+        # as vLLM's hermes parser: the text around the calls, or null when there is none
+        return ChatMessageOut(content=p.content.strip() or None, tool_calls=calls), True
 
-    return ChatCompletionResponse(id=rid, created=created, model=model, choices=[
-        ChatChoice(index=i, message=message(r), finish_reason=r.finish_reason,
-                   logprobs=chat_logprobs(text_of, r.logprobs, top_k) if body.logprobs else None,
-                   token_ids=r.token_ids if want_ids else None) for i, r in enumerate(results)],
-        usage=UsageInfo.of(n_prompt, sum(len(r.token_ids) for r in results)),
-        prompt_token_ids=prompt_ids if want_ids else None)
+    choices = []
+    for i, r in enumerate(results):
+        msg, called = message(r)
+        choices.append(ChatChoice(index=i, message=msg, finish_reason=finish(r.finish_reason, called),
+                                  logprobs=chat_logprobs(text_of, r.logprobs, top_k) if body.logprobs else None,
+                                  token_ids=r.token_ids if want_ids else None))
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=UsageInfo.of(n_prompt, sum(len(r.token_ids) for r in results)),
+                                  prompt_token_ids=prompt_ids if want_ids else None)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 413, 503))
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """Token ids of a prompt, or of a chat rendered exactly as ``/v1/chat/completions`` renders
-    it (``add_generation_prompt`` true) — ``count`` then equals that request's
-    ``usage.prompt_tokens``."""
+    it (``add_generation_prompt`` true; ``tools`` presented as a chat request with them) —
+    ``count`` then equals that request's ``usage.prompt_tokens``. The completions' limits hold:
+    the body size (413), and at most max_model_len tokens (400, refused before tokenizing when
+    the text's size already proves it). Tokenizing runs off the event loop (the GIL released)."""
     st = _state(request)
     _check_model(st, body.model)
     st.require_engine()
     tok = st.llm.tokenizer
     if body.messages is not None:
         gen = True if body.add_generation_prompt is None else body.add_generation_prompt
-        ids = await _render_chat(st, body.messages, for_generation=False, add_generation_prompt=gen)
+        functions = [t.function.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = await _render_chat(st, body.messages, for_generation=False, add_generation_prompt=gen,
+                                 functions=functions)
         if body.add_special_tokens and getattr(tok, "add_bos_token", False) and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]
     else:
+        _refuse_if_surely_too_long(st, len(body.prompt.encode("utf-8")), for_generation=False)
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await asyncio.to_thread(tok.encode, body.prompt, add_special_tokens=add)
+    _refuse_over_max_model_len(st, len(ids), "messages" if body.messages is not None else "prompt")
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.max_model_len)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404, 413, 503))
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    """The text of ``tokens`` (special tokens spelled out, as vLLM's ``/detokenize`` does)."""
+    """The text of ``tokens`` (special tokens spelled out, as vLLM's ``/detokenize`` does); at
+    most max_model_len of them (400), decoded off the event loop."""
     st = _state(request)
     _check_model(st, body.model)
     st.require_engine()
+    _refuse_over_max_model_len(st, len(body.tokens), "tokens")
     try:
         text = await asyncio.to_thread(st.llm.tokenizer.decode, body.tokens, skip_special_tokens=False)
     except (ValueError, IndexError, OverflowError) as e:

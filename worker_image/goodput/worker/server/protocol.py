@@ -1,17 +1,19 @@
 """Pydantic models of the OpenAI-compatible HTTP API (requests, responses, errors).
 
 Request models are strict: an unknown field, or an OpenAI parameter this server does not
-implement (``suffix``, ``tools`` with entries, ``best_of`` with ``stream`` ...), is a 400 naming
+implement (``suffix``, legacy ``functions`` with entries, ``best_of`` with ``stream`` ...), is a 400 naming
 the parameter — never silently ignored. Implemented generation parameters: ``n`` (forks sharing
 the prompt's KV blocks), ``best_of`` (non-streamed), ``logprobs`` / ``top_logprobs``, ``echo``
 (also with ``max_tokens: 0``), batched ``prompt`` lists, ``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, vLLM's ``repetition_penalty``, chat
-``response_format`` ``json_object`` / ``json_schema`` (a grammar masks the tokens). Field types are strict too (pydantic strict types): a
+``response_format`` ``json_object`` / ``json_schema`` (a grammar masks the tokens), chat
+``tools`` with ``tool_choice`` none / auto / required / named (server/tool_calls.py). Field
+types are strict too (pydantic strict types, finite numbers: a bare ``NaN`` is a 400): a
 boolean is not an integer (``"prompt": [true]``, ``"max_tokens": true`` are 400), a string is
 not a boolean (``"stream": "yes"``), a number is not a string; JSON integers are accepted where
 a number is. OpenAI parameters that do not change generation (``user``, ``store``,
 ``metadata``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
-``parallel_tool_calls``, ``stream_options.include_obfuscation``) are type-checked and ignored,
+``stream_options.include_obfuscation``) are type-checked and ignored,
 as OpenAI-compatible servers do. Extra (non-OpenAI) sampling parameters accepted as vLLM
 does: ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``cache_salt``,
 ``priority``, ``return_token_ids``, ``stream_options.continuous_usage_stats``. Field semantics follow the OpenAI API reference for ``/v1/completions`` and
@@ -26,6 +28,7 @@ from typing import Annotated, Any, Literal
 from goodput.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pydantic import (
     AfterValidator,
+    AllowInfNan,
     BaseModel,
     ConfigDict,
     Field,
@@ -51,7 +54,7 @@ def _utf8(s: str) -> str:
 # Strict field types: JSON true is not 1, "yes" is not true, 1 is not "1" (a JSON integer is a
 # number, as JSON Schema says).
 Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]  # a bare NaN / Infinity is not a number
 Bool = StrictBool
 Str = StrictStr
 Text = Annotated[StrictStr, AfterValidator(_utf8)]
@@ -86,6 +89,7 @@ class _NullMeansDefault(BaseModel):
         return schema
 
 FinishReason = Literal["stop", "length", "abort"]
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class UnsupportedParameter(ValueError):
@@ -303,11 +307,60 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
+class FunctionCallIn(BaseModel):
+    """An earlier call in the history: ``arguments`` is the JSON text the model wrote."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    name: Str
+    arguments: Text
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(BaseModel):
+    """One turn. Roles: ``system``, ``developer`` (OpenAI's newer name for system instructions:
+    rendered as ``system``, as vLLM and llama.cpp do), ``user``, ``assistant`` (``content`` may
+    be null when it has ``tool_calls``), ``tool`` (a result: ``tool_call_id`` and ``content``).
+    Any other role, or ``content: null`` anywhere else, is a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Str | None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs 'content' (a string or a list of text parts); "
+                             "null content is allowed only in an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"'tool_calls' belongs to assistant messages, not {self.role}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id' (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"'tool_call_id' belongs to tool messages, not {self.role}")
+        return self
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template sees: ``developer`` is ``system``."""
+        return "system" if self.role == "developer" else self.role
+
+    def template_dict(self) -> dict[str, Any]:
+        """This turn for the chat template (role mapped; text joined; calls and ids kept)."""
+        d: dict[str, Any] = {"role": self.template_role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -348,6 +401,36 @@ class ResponseFormat(BaseModel):
         return None
 
 
+class FunctionDef(BaseModel):
+    """A function the model may call: ``parameters`` is its arguments' JSON schema (object
+    schemas in it are closed unless they say otherwise: OpenAI's strict mode)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: Str | None = None
+    parameters: dict[Str, Any] | None = None
+    strict: Bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: the answer is a call of that function."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``; the prompt is the model's chat template over ``messages``."""
 
@@ -355,11 +438,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Tool calling: accepted only where it changes nothing (no tools, or the model told not to
-    # call any): tools [] / functions [], tool_choice / function_call "none" (or "auto" with no
-    # tools); parallel_tool_calls is ignored.
-    tools: list[dict[Str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[Str, Any] | None = None
+    # Tool calling (server/tool_calls.py): tools + tool_choice none | auto (the default with
+    # tools) | required | a named function; parallel_tool_calls false allows one call at most.
+    # The legacy functions / function_call are accepted only where they change nothing.
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict[Str, Any]] | None = None
     function_call: Literal["none", "auto"] | dict[Str, Any] | None = None
     parallel_tool_calls: Bool | None = None
@@ -376,22 +459,22 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs=true")
-        named = self.named_tool()
-        if named is not None and self.stream:
-            raise UnsupportedParameter("tool_choice", "a named tool_choice is answered only unstreamed")
-        for name in ("tools", "functions"):
-            if getattr(self, name) and not (name == "tools" and named is not None):
-                raise UnsupportedParameter(name, f"{name} is not supported without a named tool_choice "
-                                                 f"(no automatic tool calling): send an empty list, leave "
-                                                 f"it out, or name the function in tool_choice")
-        no_tools = not self.tools and not self.functions
-        for name in ("tool_choice", "function_call"):
-            if name == "tool_choice" and named is not None:
-                continue
-            choice = getattr(self, name)
-            if choice is not None and choice != "none" and not (choice == "auto" and no_tools):
-                raise UnsupportedParameter(name, f"{name}={choice!r} is not supported (no tool calling): "
-                                                 f"only 'none', or 'auto' without tools")
+        self.named_tool()  # the named function must be among tools
+        if self.tool_choice == "required" and not self.tools:
+            raise UnsupportedParameter("tool_choice", "tool_choice 'required' needs a non-empty 'tools'")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise UnsupportedParameter("tools", "two tools have the same function name")
+        if self.functions:
+            raise UnsupportedParameter("functions", "the legacy 'functions' is not supported: send the "
+                                                    "same definitions as 'tools'")
+        fc = self.function_call
+        if fc is not None and fc != "none" and not (fc == "auto" and not self.functions):
+            raise UnsupportedParameter("function_call", f"function_call={fc!r} is not supported: use "
+                                                        "tool_choice")
+        if self.response_format is not None and self.tool_mode() in ("required", "named"):
+            raise UnsupportedParameter("response_format", "give response_format or a tool_choice that "
+                                                          "forces a call, not both")
         if self.response_format is not None and \
                 self.response_format.type not in ("text", "json_object", "json_schema"):
             raise UnsupportedParameter(
@@ -400,18 +483,33 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def named_tool(self) -> dict[str, Any] | None:
         """The function named by ``tool_choice: {"type": "function", "function": {"name"}}``
-        (its entry in ``tools``: name, parameters schema), or None. The answer is a call of it,
-        its arguments generated under the parameters' JSON schema (the same grammar engine as
-        ``response_format``). UnsupportedParameter when the name is not among ``tools``."""
+        (its entry in ``tools`` as a dict: name, description, parameters), or None. The answer is
+        a call of it, its arguments generated under the parameters' closed JSON schema (the same
+        grammar engine as ``response_format``). UnsupportedParameter when the name is not among
+        ``tools``."""
         choice = self.tool_choice
-        if not isinstance(choice, dict) or choice.get("type") != "function":
+        if not isinstance(choice, NamedToolChoice):
             return None
-        name = (choice.get("function") or {}).get("name")
         for tool in self.tools or ():
-            fn = tool.get("function") or {}
-            if tool.get("type") == "function" and fn.get("name") == name:
-                return fn
-        raise UnsupportedParameter("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
+            if tool.function.name == choice.function.name:
+                return tool.function.model_dump(exclude_none=True)
+        raise UnsupportedParameter("tool_choice", f"tool_choice names function {choice.function.name!r}, "
+                                                  "which is not in tools")
+
+    def tool_mode(self) -> Literal["auto", "required", "named"] | None:
+        """How tools are used: None (no tools, or ``tool_choice: "none"``), ``"auto"`` (the
+        default when tools are given), ``"required"`` or ``"named"``."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def functions_for_prompt(self) -> list[dict[str, Any]] | None:
+        """The functions the prompt presents (as dicts), or None when tools are not in use."""
+        if self.tool_mode() is None:
+            return None
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -430,6 +528,7 @@ class TokenizeRequest(BaseModel):
     model: Str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = None  # presented as a chat request with tools presents them
     add_generation_prompt: Bool | None = None
     add_special_tokens: Bool | None = None
 
@@ -441,6 +540,8 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give 'prompt' or 'messages', not both")
         if self.add_generation_prompt is not None and self.messages is None:
             raise ValueError("'add_generation_prompt' applies to 'messages' only")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' applies to 'messages' only")
         return self
 
 
@@ -552,14 +653,14 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = _OMIT_NONE  # a named tool_choice's call
+    tool_calls: list[ToolCall] | None = _OMIT_NONE  # the calls the model made (tools)
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
@@ -573,16 +674,31 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = _OMIT_NONE  # on a call's first delta
+    arguments: str  # a piece of the arguments' JSON text ("" on the first delta)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of call ``index``: its first delta has ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = _OMIT_NONE
+    type: Literal["function"] | None = _OMIT_NONE
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = _OMIT_NONE
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = _OMIT_NONE
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     token_ids: list[int] | None = _OMIT_NONE  # only with return_token_ids
 
 
