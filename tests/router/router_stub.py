@@ -10,6 +10,7 @@ limits, 503 ``draining``) and records what reached it. Its generate routes strea
 - ``die_after``: raise after that many events (the connection drops mid-stream);
 - ``hold``: a ``threading.Event`` every request waits on before answering (keeps it in flight);
 - ``draining``: /ready 503 ``{"status": "draining"}`` and generate 503 code ``draining``;
+- ``refuse``: generate answers 429 (its queue is full);
 - ``max_num_seqs`` / ``max_waiting``: exported on /metrics when set.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ class StubState:
     die_after: int | None = None
     hold: threading.Event | None = None
     draining: bool = False
+    refuse: bool = False  # generate answers 429 queue_full
     max_num_seqs: int | None = None
     max_waiting: int | None = None
     bodies: list = field(default_factory=list)
@@ -100,6 +102,9 @@ def make_stub(st: StubState) -> FastAPI:
             return JSONResponse({"error": {"message": "draining", "type": "service_unavailable",
                                            "param": None, "code": "draining"}},
                                 status_code=503, headers={"Retry-After": "1"})
+        if st.refuse:
+            return JSONResponse({"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
+                                           "code": "queue_full"}}, status_code=429, headers={"Retry-After": "1"})
         if st.hold is not None:
             await _wait(st.hold)
         obj = "chat.completion" if chat else "text_completion"

@@ -248,6 +248,20 @@ def test_draining_pod_gets_no_new_request():
         assert a.received() <= 1 and b.received() == 8
 
 
+def test_pod_429_retried_on_another_pod_else_passed_through():
+    a, b = StubState("m1", "A", refuse=True), StubState("m1", "B")
+    with fleet({"m1": [a, b]}) as r:
+        for i in range(8):
+            resp = httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": f"r{i} " * 100},
+                              timeout=HANG_GUARD_S)
+            assert resp.status_code == 200 and resp.headers[POD_HEADER] == pod_of(r, "m1", 1)
+        assert b.received() == 8
+        b.refuse = True  # no pod with room: the pod's own 429 reaches the client
+        resp = httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": "z"}, timeout=HANG_GUARD_S)
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "queue_full"
+
+
 def test_retry_on_connection_refused_before_first_byte():
     a, b = StubState("m1", "A"), StubState("m1", "B")
     # one probe (both Ready), then none: the router keeps believing A Ready after it stops

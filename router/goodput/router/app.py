@@ -12,8 +12,10 @@ is sent as is to the pod over one pooled ``aiohttp.ClientSession`` (keep-alive; 
 httpx's pool rescans every pooled connection per request, which measured ~4 ms of CPU per request
 at a few hundred connections; bench/results/*-router-latency.md). The low-rate calls (scrape,
 models, tokenize) use an ``httpx.AsyncClient``. Before the pod's
-first byte, a connection error or a 503 with code ``draining`` is retried once on another pod
-(a draining answer also marks the pod draining); never after. An SSE answer is passed through
+first byte, a connection error, a 503 with code ``draining`` or a 429 (the pod's queue filled
+before the router's scrape saw its limits) is retried once on another pod that has room (a
+draining answer also marks the pod draining; with no other pod the pod's answer goes to the
+client); never after. An SSE answer is passed through
 as the pod sends it (whole events; nothing buffered beyond an incomplete event); a pod that
 dies mid-stream ends the client's stream with one ``data: {"error": ...}`` event and no
 ``[DONE]``. A client that goes away (while held, queued, waiting for the answer or mid-stream)
@@ -347,6 +349,9 @@ class Router:
                             if json.loads(err)["error"]["code"] == "draining":
                                 failure = "draining"
                                 self._mark_draining(svc, pod)
+                    elif resp.status == 429:  # the pod's queue is full (its scraped limits were stale)
+                        await resp.read()
+                        failure = "429 from the pod"
                 except _RETRYABLE_DATA as e:
                     failure = f"{type(e).__name__}: {e}"
                     stale = isinstance(e, aiohttp.ServerDisconnectedError) and not stale_retried
@@ -361,7 +366,7 @@ class Router:
                     log.info("retrying on %s: closed keep-alive connection (%s)", pod.name, failure)
                     continue
                 if other is None:
-                    if resp is not None:  # the pod's own 503 draining answer goes to the client
+                    if resp is not None:  # the pod's own 503 draining / 429 answer goes to the client
                         break
                     raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed before answering "
                                         f"({failure}) and no other pod could take the request")
