@@ -211,9 +211,15 @@ def autoscaler(kubeconfig: str, kubectl: Kubectl, crd: dict, logs_dir: Path, ns:
 @pytest.fixture
 def diag(kubectl: Kubectl, ns: str, operator, kubelet, autoscaler):
     def dump() -> str:
-        obj = kubectl.run("-n", ns, "get", "inferenceservice", NAME, "-o", "json", check=False).stdout
+        try:  # what the autoscaler decided, and why: its last decisions, conditions and state (no window)
+            a = (isvc(kubectl, ns, NAME).get("status") or {}).get("autoscaler") or {}
+            st = {k: v for k, v in (a.get("policyState") or {}).items() if k != "recommendations"}
+            obj = json.dumps({"decisions": a.get("decisions", [])[-4:], "conditions": a.get("conditions"),
+                              "policyState": st}, indent=1)
+        except AssertionError as e:
+            obj = str(e)
         return "\n".join([kubectl.run("-n", ns, "get", "pods,deploy", "-o", "wide", check=False).stdout,
-                          obj[-3000:], autoscaler.log(40), operator.log(15), kubelet.log(15)])
+                          obj[-6000:], autoscaler.log(40), operator.log(15), kubelet.log(15)])
     return dump
 
 

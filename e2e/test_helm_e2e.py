@@ -147,6 +147,11 @@ def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl
             _, argv, env = procs[0]
             assert argv[argv.index("-m") + 1] == module
             assert env["KUBERNETES_SERVICE_HOST"] == "10.244.0.1"  # in-cluster config, through the kubelet's forward
+    names = {p["metadata"]["name"] for p in release_pods(kubectl, "autoscaler")}
+    lease = wait_for(lambda: (kubectl.json("-n", RELEASE_NS, "get", "lease", f"{RELEASE}-goodput-autoscaler")
+                              .get("spec") or {}).get("holderIdentity"), 60, "the autoscaler's Lease held",
+                     on_timeout=diag)
+    assert lease.rsplit("_", 1)[0] in names   # held by one of the two pods (POD_NAME_<hex>)
     # Ready came from the readiness probe on kopf's health endpoint, which answers at the pod IP
     (op,) = release_pods(kubectl, "operator")
     assert httpx.get(f"http://{pod_ip(op)}:8080/healthz", timeout=10).status_code == 200
