@@ -11,6 +11,7 @@ limits, 503 ``draining``) and records what reached it. Its generate routes strea
 - ``hold``: a ``threading.Event`` every request waits on before answering (keeps it in flight);
 - ``draining``: /ready 503 ``{"status": "draining"}`` and generate 503 code ``draining``;
 - ``refuse``: generate answers 429 (its queue is full);
+- ``metrics_when_ready``: /metrics 503 while ``draining`` (limits unknown until Ready);
 - ``max_num_seqs`` / ``max_waiting``: exported on /metrics when set.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ class StubState:
     hold: threading.Event | None = None
     draining: bool = False
     refuse: bool = False  # generate answers 429 queue_full
+    metrics_when_ready: bool = False  # /metrics answers 503 while draining (a pod still loading)
     max_num_seqs: int | None = None
     max_waiting: int | None = None
     bodies: list = field(default_factory=list)
@@ -74,6 +76,8 @@ def make_stub(st: StubState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        if st.metrics_when_ready and st.draining:
+            return PlainTextResponse("loading\n", status_code=503)
         lines = [f'goodput_requests_running{{model_name="{st.model}"}} 0']
         if st.max_num_seqs is not None:
             lines.append(f'goodput_admission_max_num_seqs{{model_name="{st.model}"}} {st.max_num_seqs}')

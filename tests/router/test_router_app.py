@@ -233,6 +233,30 @@ def test_held_request_served_when_a_pod_turns_ready():
         assert sample(r.url, "goodput_router_held_requests", namespace="", inferenceservice="m1") == 0
 
 
+def test_scale_from_zero_learns_the_new_pods_limits_before_sending_held_requests():
+    hold = threading.Semaphore(0)
+    # not Ready and its limits unknown; once Ready: 1 + 1 in flight, router queue bound 1
+    st = StubState("m1", "A", draining=True, metrics_when_ready=True, hold=hold, max_num_seqs=1, max_waiting=1)
+    with fleet({"m1": [st]}, hold_timeout_s=HANG_GUARD_S) as r:
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(httpx.post(
+            r.url + "/v1/completions", json={"model": "m1", "prompt": f"h{i}"}, timeout=HANG_GUARD_S)))
+            for i in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: sample(r.url, "goodput_router_held_requests", namespace="", inferenceservice="m1") == 3,
+                   "3 held")
+        st.draining = False
+        wait_until(lambda: st.received() == 2 and sample(r.url, "goodput_router_queued_requests", namespace="",
+                                                         inferenceservice="m1") == 1, "2 sent, 1 queued")
+        assert st.received() == 2  # the third waits in the router, not in the pod's queue
+        for _ in range(3):
+            hold.release()
+        for t in threads:
+            t.join(HANG_GUARD_S)
+        assert [x.status_code for x in results] == [200, 200, 200] and st.received() == 3
+
+
 def test_draining_pod_gets_no_new_request():
     a, b = StubState("m1", "A"), StubState("m1", "B")
     with fleet({"m1": [a, b]}) as r:

@@ -5,6 +5,9 @@ For one request to a service (docs/router-autoscaler-contract.md):
 1. **hold** — the service has no routable pod (scale from zero, a rollout): wait until one turns
    Ready, at most the service's startup timeout (``ServiceInfo.startup_timeout_s``, else
    ``hold_timeout_s``); then 503 with ``Retry-After``. Counted in ``goodput_router_held_requests``.
+   When one turns Ready, ``learn_limits(service)`` (the router: scrape the pods whose limits are
+   unknown) runs before the held requests are picked, so a fresh pod is not sent more than its
+   limits.
 2. **pick** — ``picker.pick`` over the routable pods; a pod at its limits
    (``in_flight >= max_num_seqs + max_waiting``) is never chosen while another has room.
 3. **queue** — every pod at its limits (pick ``"full"``): wait in the service's fleet queue,
@@ -24,6 +27,7 @@ import itertools
 import math
 import time
 from contextlib import suppress
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from goodput.router.errors import APIError
@@ -56,8 +60,10 @@ class Admission:
     """
 
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, index: PrefixIndex, cfg: PickConfig,
-                 hold_timeout_s: float = 600.0, queue_timeout_s: float = 60.0, retry_after_s: float = 1.0):
+                 hold_timeout_s: float = 600.0, queue_timeout_s: float = 60.0, retry_after_s: float = 1.0,
+                 learn_limits: Callable[[Service], Awaitable[None]] | None = None):
         self.fleet, self.metrics, self.index, self.cfg = fleet, metrics, index, cfg
+        self.learn_limits = learn_limits
         self.hold_timeout_s, self.queue_timeout_s, self.retry_after_s = hold_timeout_s, queue_timeout_s, retry_after_s
         self._gates: dict[ServiceKey, _Gate] = {}
         self._seq = itertools.count()
@@ -110,6 +116,10 @@ class Admission:
         if not svc.routable_pods():
             await self._hold(svc, gate)
             svc = self.fleet.service(labels) or svc
+            if self.learn_limits is not None and any(p.capacity is None for p in svc.routable_pods()):
+                # a pod just turned Ready (scale from zero): learn its limits before the held
+                # requests reach it, so those beyond them wait here instead of getting its 429
+                await self.learn_limits(svc)
         if not gate.queue:
             got = self.try_pick(svc, key)
             if got is not None:

@@ -44,7 +44,7 @@ from goodput.router.fleet import Discovery, Fleet, Pod, Service
 from goodput.router.metrics import RouterMetrics
 from goodput.router.picker import PickConfig, PrefixIndex
 from goodput.router.routing import request_key
-from goodput.router.scrape import scrape_forever
+from goodput.router.scrape import scrape_forever, scrape_pod
 
 log = logging.getLogger("goodput.router")
 
@@ -59,6 +59,7 @@ _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolErro
               httpx.WriteError)
 # The data path's (aiohttp) errors before the first byte: refused, reset, closed, connect timeout.
 _RETRYABLE_DATA = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
+_POD_429 = "429 from the pod"
 
 
 def _knob(default: Any, flag: str, help: str) -> Any:
@@ -217,7 +218,9 @@ class Router:
         self.admission = Admission(self.fleet, self.metrics, self.index, self.pick_cfg,
                                    hold_timeout_s=settings.hold_timeout_s,
                                    queue_timeout_s=settings.queue_timeout_s,
-                                   retry_after_s=settings.retry_after_s)
+                                   retry_after_s=settings.retry_after_s,
+                                   learn_limits=self.learn_limits)
+        self._scrapes: dict[str, asyncio.Future] = {}  # pod URL -> the scrape in progress
         self.client: httpx.AsyncClient | None = None
         self.session: aiohttp.ClientSession | None = None
         self.cards: dict[tuple[str, str], dict[str, Any]] = {}  # (pod URL, model) -> the pod's card
@@ -261,6 +264,24 @@ class Router:
             await self.session.close()
 
     # ------------------------------------------------------------------------- helpers
+
+    async def scrape_now(self, pods: list[Pod]) -> None:
+        """Scrape ``pods`` now (concurrent callers share one scrape per pod); at most
+        ``connect_timeout_s`` of waiting."""
+        futs = []
+        for p in pods:
+            fut = self._scrapes.get(p.url)
+            if fut is None:
+                assert self.client is not None
+                fut = self._scrapes[p.url] = asyncio.ensure_future(scrape_pod(self.client, p))
+                fut.add_done_callback(lambda _, url=p.url: self._scrapes.pop(url, None))
+            futs.append(fut)
+        if futs:
+            await asyncio.wait(futs, timeout=self.settings.connect_timeout_s)
+
+    async def learn_limits(self, svc: Service) -> None:
+        """Scrape the routable pods of ``svc`` whose admission limits are unknown."""
+        await self.scrape_now([p for p in svc.routable_pods() if p.capacity is None])
 
     def _count(self, svc: Service, pod: Pod | None, outcome: str) -> None:
         self.metrics.requests.labels(svc.key[0], svc.key[1], svc.info.model, pod.name if pod else "",
@@ -328,12 +349,13 @@ class Router:
         """Acquire a pod, send, retry once before the first byte, answer the client."""
         adm = self.admission
         pod, _, waited = await adm.acquire(svc, key, priority)
+        reserved: Pod | None = pod  # the pod whose in-flight count this request holds
         state["pod"] = pod
         labels = svc.key
         tried = {pod.name}
         resp: aiohttp.ClientResponse | None = None
         outcome: str | None = None
-        stale = stale_retried = False
+        stale = stale_retried = requeued = False
         self.metrics.overhead.observe(max(0.0, time.perf_counter() - t0 - waited))
         try:
             while True:
@@ -351,7 +373,7 @@ class Router:
                                 self._mark_draining(svc, pod)
                     elif resp.status == 429:  # the pod's queue is full (its scraped limits were stale)
                         await resp.read()
-                        failure = "429 from the pod"
+                        failure = _POD_429
                 except _RETRYABLE_DATA as e:
                     failure = f"{type(e).__name__}: {e}"
                     stale = isinstance(e, aiohttp.ServerDisconnectedError) and not stale_retried
@@ -359,6 +381,19 @@ class Router:
                     break
                 # before the first byte: one other pod
                 other = adm.try_pick(svc, key, exclude=frozenset(tried)) if len(tried) == 1 else None
+                if other is None and failure == _POD_429 and not requeued:
+                    # the pod's limits were stale: learn them now and go through admission again
+                    # (this router's queue, or its 429), once
+                    requeued = True
+                    resp.release()
+                    resp = None
+                    adm.release(svc, pod)
+                    reserved = state["pod"] = None
+                    await self.scrape_now([pod])
+                    pod, _, _ = await adm.acquire(svc, key, priority)
+                    reserved = state["pod"] = pod
+                    tried = {pod.name}
+                    continue
                 if other is None and stale and resp is None:
                     # a pooled keep-alive connection the pod closed as it was reused: the same pod,
                     # on a new connection, once
@@ -375,7 +410,7 @@ class Router:
                     resp.release()
                     resp = None
                 adm.release(svc, pod)
-                pod = other[0]
+                reserved = pod = other[0]
                 state["pod"] = pod
                 tried.add(pod.name)
             status = resp.status
@@ -428,7 +463,8 @@ class Router:
                     resp.release()
                 else:
                     resp.close()  # client gone or pod failed: closing the connection aborts the request
-            adm.release(svc, pod)
+            if reserved is not None:
+                adm.release(svc, reserved)
             if outcome is not None:
                 state["outcome"] = outcome
 
