@@ -703,6 +703,7 @@ class Evaluation:
     hindsight_n: int | None
     hindsight: Result | None
     frontier: dict[str, float]
+    fixed: dict[int, Result] = field(default_factory=dict)   # every fixed fleet simulated
 
 
 def evaluate(trace: Trace, results: list[Result], hw: StepTime, load_time_s: float,
@@ -717,7 +718,7 @@ def evaluate(trace: Trace, results: list[Result], hw: StepTime, load_time_s: flo
     fleets = FixedFleets(trace, hw, load_time_s, known, routing, route_seed)
     n = fleets.hindsight(target)
     frontier = {r.policy: fleets.frontier(r.replica_hours) for r in results}
-    return Evaluation(trace, results, target, n, fleets.get(n) if n else None, frontier)
+    return Evaluation(trace, results, target, n, fleets.get(n) if n else None, frontier, fleets.results)
 
 
 def markdown_table(ev: Evaluation, hw: StepTime, load_time_s: float) -> str:
@@ -728,13 +729,11 @@ def markdown_table(ev: Evaluation, hw: StepTime, load_time_s: float) -> str:
              "| policy | goodput (req/s) | attainment | fixed-fleet frontier | rejection rate | replica-hours "
              "| direction changes |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    rows = [(r, f"{ev.frontier[r.policy]:.3f}") for r in ev.results]
-    if ev.hindsight is not None:
-        h = ev.hindsight
-        rows.append((h, "-"))
-    for r, fr in rows:
+    rows = [(r.policy, r, f"{ev.frontier[r.policy]:.3f}") for r in ev.results]
+    if ev.hindsight is not None:   # (the same run as static-peak's when that has its size)
+        rows.append((f"hindsight static ({ev.hindsight_n})", ev.hindsight, "-"))
+    for name, r, fr in rows:
         s = r.summary()
-        name = r.policy if r is not ev.hindsight else f"hindsight static ({ev.hindsight_n})"
         lines.append(f"| {name} | {s['goodput_rps']:.2f} | {s['attainment']:.3f} | {fr} | "
                      f"{s['rejection_rate']:.3f} | {s['replica_hours']:.3f} | {s['direction_changes']} |")
     if ev.hindsight is None:
@@ -786,7 +785,8 @@ def evaluation_json(ev: Evaluation, hw: StepTime, load_time_s: float) -> dict:
     return {"trace": ev.trace.name, "hardware": hw.name, "load_time_s": load_time_s, "routing": routing,
             "policies": {r.policy: {**r.summary(), "frontier_attainment": round(ev.frontier[r.policy], 4)}
                          for r in ev.results},
-            "hindsight_static": None if h is None else {"replicas": ev.hindsight_n, **h.summary()}}
+            "hindsight_static": None if h is None else {"replicas": ev.hindsight_n, **h.summary()},
+            "fixed_fleets": {str(n): r.summary() for n, r in sorted(ev.fixed.items())}}
 
 
 def plot(trace: Trace, results: list[Result], path: str) -> None:
