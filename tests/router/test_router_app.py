@@ -413,3 +413,23 @@ def test_closed_connection_before_first_byte_retried_on_the_same_pod_once():
     finally:
         srv.loop.call_soon_threadsafe(srv.stop.set)
         t.join(HANG_GUARD_S)
+
+
+def test_a_conversation_stays_on_its_pod():
+    stubs = [StubState("m1", n) for n in "ABC"]
+    system = "You are a careful assistant. " * 12  # > one 256-character chunk
+    with fleet({"m1": stubs}) as r:
+        c = client(r)
+        for conv in range(3):
+            msgs = [{"role": "system", "content": system}]
+            pods = []
+            for turn in range(4):
+                msgs.append({"role": "user", "content": f"conversation {conv}, question {turn}: " + "why? " * 20})
+                raw = c.chat.completions.with_raw_response.create(model="m1", messages=msgs)
+                pods.append(raw.headers[POD_HEADER])
+                msgs.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+            assert len(set(pods)) == 1, pods
+        # only the very first request found nothing in the index; every later one matched at least
+        # the shared system prompt's chunk (one at a time: the load bound never moved one)
+        assert sample(r.url, "goodput_router_decisions_total", reason="rendezvous") == 1
+        assert sample(r.url, "goodput_router_decisions_total", reason="affinity") == 3 * 4 - 1
