@@ -54,8 +54,11 @@ SPEC: dict[str, Any] = {
     # for a whole 24-token stream (~6 s), so an overloaded replica misses TTFT, and TPOT misses
     # under contention cut the batch (the path the no-pile-up rule must hold on).
     "slo": {"ttftMs": 2000, "tpotMs": 500, "attainmentTarget": 0.8},
+    # The trickle runs one stream per replica, so 2 -> 1 doubles the work per replica: past the
+    # policy's default exploreRatio (1.75x the proven work per replica), which would hold the
+    # fleet; 2.5 lets this test's one scale-down be the experiment the rule allows.
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
-                    "stabilizationWindowSeconds": STABILIZATION_S},
+                    "stabilizationWindowSeconds": STABILIZATION_S, "tuning": {"exploreRatio": 2.5}},
 }
 HEAVY_CLIENTS = 6   # L = 6 in flight against maxNumSeqs 4 per replica: one replica is not enough
 # then a trickle: one client per replica (one stream at a time each), which one replica carries
