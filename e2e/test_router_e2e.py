@@ -12,7 +12,8 @@ is no kube-proxy: the test reaches the routers and the workers by pod IP. In fil
    agree without shared state), then the same kind of conversations (another system prompt) sent
    to a pod picked at random per request (what kube-proxy does). For both: the workers' own
    prefix-cache counters (hit tokens / looked-up tokens, summed over the pods) and the client's
-   TTFT p50/p90. Target: hit rate >= 0.8 through the router. The table goes to
+   TTFT p50/p90. Target: hit rate >= 0.8 through the router (its own test, expected to fail while
+   the target is missed: the reason is on it). The table goes to
    ``$GOODPUT_E2E_LOGS/router-e2e.md`` (and to ``$GOODPUT_ROUTER_E2E_RESULTS`` when set).
 3. A pod annotated ``serving.goodput.dev/draining: "true"`` gets no new request from the router.
 4. Scale-in through the autoscaler (``maxReplicas`` lowered to 2) with streams on every pod (two on
