@@ -19,11 +19,12 @@ import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
+from goodput.worker.admin_api import DRAIN_PATH, LIMITS_PATH, STATE_PATH
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.protocol import AdminLimits, ErrorResponse
 from pydantic import ValidationError
 
-router = APIRouter(prefix="/admin")
+router = APIRouter()  # paths from goodput.worker.admin_api (the contract callers use)
 
 _ERR = {400: "invalid limits", 401: "missing or wrong admin bearer token",
         403: "admin writes disabled (no GOODPUT_ADMIN_TOKEN)", 409: "shutting down (SIGTERM): cannot undo",
@@ -50,14 +51,14 @@ def _limits(st) -> dict[str, int]:
     return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting}
 
 
-@router.get("/limits", responses=_errors(503))
+@router.get(LIMITS_PATH, responses=_errors(503))
 async def get_limits(request: Request) -> dict[str, int]:
     st = request.app.state.server
     st.require_engine()
     return _limits(st)
 
 
-@router.put("/limits", responses=_errors(400, 401, 403, 503), openapi_extra={"requestBody": {
+@router.put(LIMITS_PATH, responses=_errors(400, 401, 403, 503), openapi_extra={"requestBody": {
     "required": True, "content": {"application/json": {"schema": AdminLimits.model_json_schema()}}}})
 async def put_limits(request: Request) -> dict[str, int]:
     """Set ``max_num_seqs`` and/or ``max_waiting`` (omitted = unchanged); returns the limits in force.
@@ -81,14 +82,14 @@ def _drain(st) -> dict[str, bool | int]:
     return {"draining": not st.admitting, "shutting_down": st.draining, "inflight": st.inflight}
 
 
-@router.get("/drain")
+@router.get(DRAIN_PATH)
 async def get_drain(request: Request) -> dict[str, bool | int]:
     """Whether the worker admits new generate requests; ``inflight`` = generate requests whose
     response (stream included) is not finished."""
     return _drain(request.app.state.server)
 
 
-@router.post("/drain", responses=_errors(401, 403))
+@router.post(DRAIN_PATH, responses=_errors(401, 403))
 async def post_drain(request: Request) -> dict[str, bool | int]:
     """Stop admitting (``/ready`` 503 ``draining``, new generate requests 503); in-flight requests
     finish; the process stays. Idempotent; works while the model loads too."""
@@ -98,7 +99,7 @@ async def post_drain(request: Request) -> dict[str, bool | int]:
     return _drain(st)
 
 
-@router.delete("/drain", responses=_errors(401, 403, 409))
+@router.delete(DRAIN_PATH, responses=_errors(401, 403, 409))
 async def delete_drain(request: Request) -> dict[str, bool | int]:
     """Undo ``POST /admin/drain``: admit again (``/ready`` back to 200 once the engine is up).
     Idempotent; 409 after SIGTERM (the process is shutting down)."""
@@ -111,7 +112,7 @@ async def delete_drain(request: Request) -> dict[str, bool | int]:
     return _drain(st)
 
 
-@router.get("/state", responses=_errors(503))
+@router.get(STATE_PATH, responses=_errors(503))
 async def get_state(request: Request) -> dict:
     """Engine state (running | waiting | rejecting | blocked), queue sizes, KV blocks, limits, counters."""
     st = request.app.state.server
