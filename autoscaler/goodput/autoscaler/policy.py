@@ -157,11 +157,13 @@ How each rule follows from the ideas it rests on:
    most ``panic_ratio`` times the level, never below 0), sized by Little's law, is a
    recommendation like any other, so it passes the scale-up window (a single spike moves neither
    the smoothed level much nor the window's minimum) and it holds the scale-down window while
-   load rises. Why Holt and not ARIMA, a Kalman filter or Prophet (the predictors Dynamo's
-   planner offers) or a model fitted to a long history (AIBrix's predictive mode): the horizon is
-   one model load (about a minute), over which a local level and slope is what there is to
-   learn; Holt is two numbers of state that survive a restart in ``PolicyState``, needs no
-   training window, and with no trend it is the smoothed level. A seasonal model needs whole
+   load rises. Why Holt and not ARIMA or Prophet (predictors Dynamo's planner offers, fitted to a
+   window of history) or a model fitted to a long history (AIBrix's predictive mode): the horizon
+   is one model load (about a minute), over which a local level and slope is what there is to
+   learn. Dynamo's Kalman predictor models exactly that (a local linear trend); Holt's method is
+   its steady-state form with fixed gains: two numbers of state that survive a restart in
+   ``PolicyState``, no covariance to keep, no training window, and with no trend it is the
+   smoothed level. A seasonal model needs whole
    seasons (days) of history, which a per-service state in status does not keep; known daily
    peaks are better served by raising ``minReplicas`` on a schedule.
 
