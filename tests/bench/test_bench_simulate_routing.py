@@ -94,15 +94,17 @@ def test_least_loaded_and_round_robin_and_random():
     assert routing.SimRouter("goodput").route(tr, 0, []) is None
 
 
-def test_goodput_routing_refuses_when_every_pod_is_at_its_limits():
+def test_goodput_routing_when_every_pod_is_at_its_limits():
     pods = replicas(2)
     for p in pods:
         load(p, 4)
         p.sched.schedule()                            # 4 running
         load(p, 8)                                    # + 8 waiting = max_num_seqs 4 + max_waiting 8
         assert (len(p.sched.running), len(p.sched.waiting)) == (4, 8)
+    # the picker says "full"; with no router queue the pod with the fewest in flight gets it
+    # (both have 12: the first) and its admission answers 429
     r = routing.SimRouter("goodput")
-    assert r.route(two_conversations(), 0, pods) is None
+    assert r.route(two_conversations(), 0, pods) is pods[0]
     assert r.decisions == {"full": 1}
     # affinity routing ignores the limits
     assert routing.SimRouter("affinity").route(two_conversations(), 0, pods) in pods

@@ -222,18 +222,36 @@ def test_all_full_gives_no_pod():
 
 
 def test_below_bound_pod_at_limits_falls_to_least_loaded():
-    # loads 0, 4, 3 (total 7 + 1): bound ceil(1.25 * 8 / 3) = ceil(3.33) = 4; a (0) is under it
-    # but at its limits (0 >= 0 + 0), b is over it (4 + 1 > 4), c fits (3 + 1 <= 4): always c,
-    # as the preferred pod when c has the highest weight, else as the fallback
+    # no prefix match: the strict bound (eps_no_affinity 0). Loads 0, 4, 3 (total 7 + 1):
+    # bound ceil(8 / 3) = 3; a (0) is under it but at its limits (0 >= 0 + 0), b (4 + 1) and
+    # c (3 + 1) are over it -> the least-loaded pod that fits its limits: c
     eps = [ep("a", 0, max_num_seqs=0, max_waiting=0), ep("b", 4), ep("c", 3)]
-    top = max("abc", key=lambda p: weight(1, p))
-    assert pick(key(1), eps, PrefixIndex(), CFG) == Pick(
-        "c", "rendezvous" if top == "c" else "load_bound_fallback", 0)
-    # loads 0, 5, 5 (total 11): bound ceil(1.25 * 11 / 3) = 5: b and c (6 > 5) are over, a is
-    # at its limits -> the least-loaded pod that fits its limits: b or c (5 each), by weight
+    assert pick(key(1), eps, PrefixIndex(), CFG) == Pick("c", "load_bound_fallback", 0)
+    # loads 0, 5, 5 (total 11): bound ceil(11 / 3) = 4: b and c (6 > 4) are over, a is at its
+    # limits -> b or c (5 each), by weight
     eps = [ep("a", 0, max_num_seqs=0, max_waiting=0), ep("b", 5), ep("c", 5)]
     got = pick(key(1), eps, PrefixIndex(), CFG)
     assert got.reason == "load_bound_fallback" and got.pod == max("bc", key=lambda p: weight(1, p))
+
+
+def test_slack_only_for_a_prefix_no_other_pod_has():
+    # loads a 2, b 1, c 1 (total 4 + 1): with eps 0.25 the bound is ceil(1.25 * 5 / 3) = 3, with
+    # eps_no_affinity 0 it is ceil(5 / 3) = 2; a + 1 = 3 fits only the first
+    eps = [ep("a", 2), ep("b", 1, waiting=1), ep("c", 1, waiting=0)]
+    # requests (900, k): the rendezvous key is chunk 2 = k; pick a k whose top weight is a's
+    k = next(k for k in range(1, 100) if max("abc", key=lambda p: weight(k, p)) == "a")
+    # chunk 900 recorded on every pod (a shared system prompt): a is preferred by its weight but
+    # holds nothing the others lack -> strict bound -> fallback to the fewest waiting: c
+    shared = PrefixIndex()
+    for p in "abc":
+        shared.record(key(900), p)
+    assert pick(key(900, k), eps, shared, CFG) == Pick("c", "load_bound_fallback", 1)
+    # with eps_no_affinity 0.25 it stays on a
+    loose = PickConfig(chunk_size=4, eps=0.25, eps_no_affinity=0.25, rendezvous_chunks=2)
+    assert pick(key(900, k), eps, shared, loose) == Pick("a", "affinity", 1)
+    # a also holds the request's second chunk: the eps slack keeps it there
+    shared.record(key(900, k), "a")
+    assert pick(key(900, k), eps, shared, CFG) == Pick("a", "affinity", 2)
 
 
 # ---------------------------------------------------------------------------------------- index
@@ -273,7 +291,8 @@ def test_pick_does_not_change_the_index():
 
 
 def test_config_errors():
-    for bad in (dict(chunk_size=0), dict(eps=-0.1), dict(rendezvous_chunks=0), dict(index_capacity=0)):
+    for bad in (dict(chunk_size=0), dict(eps=-0.1), dict(eps_no_affinity=-1.0), dict(rendezvous_chunks=0),
+                dict(index_capacity=0)):
         with pytest.raises(ValueError):
             PickConfig(**bad)
 

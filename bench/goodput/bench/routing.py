@@ -11,8 +11,11 @@
   respect_limits=False)``);
 - ``goodput``: the router's full pipeline: prefix affinity, rendezvous, bounded loads and the
   admission-limit filter (``PickConfig`` defaults, chunks of 64 token ids ~ the router's
-  256 characters). When every pod is at its limits the request is refused (counted as a
-  rejection; the real router queues it up to a bound first).
+  256 characters). The simulator has no router queue: when every pod is at its limits (reason
+  ``full``) the request goes to the pod with the fewest in flight and that pod's admission
+  decides (the real router queues it first, up to ``routerMaxQueued``). Without a load bound,
+  ``affinity`` sends every new conversation to the pod that first served the shared system
+  prompt (its match is the longest): the hot spot that bounded loads exist to prevent.
 
 The last two call the router's own code, not a copy. In-flight = the pod's running + waiting
 requests (with one router, exactly the router's count); the scraped fields (waiting, KV usage)
@@ -26,8 +29,11 @@ keyed by its own number.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import random
+import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
@@ -91,10 +97,11 @@ class SimRouter:
                         len(p.sched.waiting), p.sched.block_manager.usage) for p in pods]
         got = pick(key, eps, self.index, self.cfg)
         self.decisions[got.reason] += 1
-        if got.pod is None:
-            return None
-        self.index.record(key, got.pod)
-        return by_name[got.pod]
+        pod = got.pod
+        if pod is None:   # no router queue here: the least-loaded pod's own admission decides
+            pod = min(eps, key=lambda e: e.in_flight).name
+        self.index.record(key, pod)
+        return by_name[pod]
 
 
 def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -160,43 +167,72 @@ def chat_trace(seed: int = 0, session_rate: float = 1.0, duration: float = 600.0
 
 
 # ------------------------------------------------------------------------------ the results
-CHAT_POLICIES = ("goodput", "hpa-queue", "kpa", "saturation")
+CHAT_POLICIES = ("goodput", "hpa-queue")
 OTHER_TRACES = ("bursty", "diurnal", "long-prompt", "two-class", "azure-code")
+
+
+def _job_id(job: tuple) -> str:
+    return json.dumps(job)
 
 
 def _run(job: tuple) -> dict:
     """One simulation (in a worker process): (trace, seed, hardware, duration, rate, policy or
-    ("static", n), routing) -> its summary."""
+    ["static", n], routing) -> its summary."""
     from goodput.bench import baselines
     from goodput.bench import simulate as sim
 
     tname, seed, hardware, duration, rate, policy, routing = job
     trace = sim.make_trace(tname, seed, hardware, duration, rate)
-    pol = baselines.StaticPeak(policy[1]) if isinstance(policy, tuple) else sim.make_policy(policy, trace)
+    fixed = not isinstance(policy, str)
+    pol = baselines.StaticPeak(policy[1]) if fixed else sim.make_policy(policy, trace)
     r = sim.simulate(trace, pol, sim.HARDWARE[hardware](), routing=routing, route_seed=seed)
-    return {"trace": tname, "policy": policy if isinstance(policy, str) else f"fixed-{policy[1]}",
-            "routing": routing, "requests": len(trace), "note": trace.note, "decisions": r.decisions,
-            **r.summary()}
+    print(f"{tname} {policy} {routing}: {r.summary()}", file=sys.stderr, flush=True)
+    return {"trace": tname, "policy": f"fixed-{policy[1]}" if fixed else policy, "routing": routing,
+            "requests": len(trace), "note": trace.note, "decisions": r.decisions, **r.summary()}
 
 
-def _pool_map(jobs: list, procs: int) -> list:
-    if procs <= 1:
-        return [_run(j) for j in jobs]
-    import multiprocessing
+class Runs:
+    """Simulations by job, cached in a JSON-lines file (a rerun does only what is missing)."""
 
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        return pool.map(_run, jobs, chunksize=1)
+    def __init__(self, path: str | None, procs: int) -> None:
+        self.path, self.procs = path, procs
+        self.done: dict[str, dict] = {}
+        if path and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    rec = json.loads(line)
+                    self.done[rec["job"]] = rec["result"]
+
+    def __call__(self, jobs: list[tuple]) -> list[dict]:
+        jobs = [json.loads(_job_id(j)) for j in jobs]     # tuples -> lists, as stored
+        todo = [j for j in jobs if _job_id(j) not in self.done]
+        if todo:
+            if self.procs <= 1 or len(todo) == 1:
+                results = map(_run, todo)
+            else:
+                import multiprocessing
+                pool = multiprocessing.get_context("spawn").Pool(min(self.procs, len(todo)))
+                results = pool.imap(_run, todo)
+            for j, res in zip(todo, results):
+                self.done[_job_id(j)] = res
+                if self.path:
+                    with open(self.path, "a") as f:
+                        f.write(json.dumps({"job": _job_id(j), "result": res}) + "\n")
+            if not isinstance(results, map):
+                pool.close()
+                pool.join()
+        return [self.done[_job_id(j)] for j in jobs]
 
 
-def smallest_fleets(base: tuple, routings: Sequence[str], target: float, start: int, hi: int,
-                    procs: int) -> dict[str, dict[int, dict]]:
+def smallest_fleets(runs: Runs, base: tuple, routings: Sequence[str], target: float, start: int,
+                    hi: int) -> dict[str, dict[int, dict]]:
     """For each routing, fixed fleets from ``start`` down while they reach ``target`` attainment
-    and up until one does (at most ``hi``): {routing: {n: summary}}; each routing's smallest
-    passing n has n - 1 failing (or is 1) unless it hit ``hi``."""
-    runs: dict[str, dict[int, dict]] = {r: {} for r in routings}
+    and up until one does (at most ``hi``, and not past a replica that added no goodput):
+    {routing: {n: summary}}; each routing's smallest passing n has n - 1 failing (or is 1)."""
+    fleets: dict[str, dict[int, dict]] = {r: {} for r in routings}
 
     def next_n(r: str) -> int | None:
-        got = runs[r]
+        got = fleets[r]
         if not got:
             return start
         ok = sorted(n for n, s in got.items() if s["attainment"] >= target)
@@ -205,14 +241,16 @@ def smallest_fleets(base: tuple, routings: Sequence[str], target: float, start: 
             return None
         if ok:
             return ok[0] - 1
+        if len(bad) >= 2 and got[bad[-1]]["goodput_rps"] <= got[bad[-2]]["goodput_rps"]:
+            return None   # one more replica gained nothing: this routing leaves replicas idle
         return bad[-1] + 1 if bad[-1] < hi else None
 
     while True:
         todo = [(r, n) for r in routings if (n := next_n(r)) is not None]
         if not todo:
-            return runs
-        for (r, n), s in zip(todo, _pool_map([base + (("static", n), r) for r, n in todo], procs)):
-            runs[r][n] = s
+            return fleets
+        for (r, n), s in zip(todo, runs([base + (("static", n), r) for r, n in todo])):
+            fleets[r][n] = s
 
 
 def _row(s: dict, first: str) -> str:
@@ -223,47 +261,51 @@ def _row(s: dict, first: str) -> str:
             f"{'-' if hit is None else f'{hit:.3f}'} | {dec} |")
 
 
-HEAD = ("| goodput (req/s) | attainment | rejection rate | replica-hours | direction changes | "
+HEAD = ("goodput (req/s) | attainment | rejection rate | replica-hours | direction changes | "
         "prefix-cache hit rate | picker decisions |")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m goodput.bench.routing [--out-dir bench/results/routing] [--procs 2]``: the
-    routing results (chat trace: routing x autoscaling policy, smallest fixed fleet per routing,
+    routing results (chat trace: smallest fixed fleet per routing, routing x autoscaling policy,
     the targets; the other traces: goodput vs round-robin routing under our autoscaler)."""
     import argparse
-    import json
-    import os
     import time
 
     from goodput.bench.simulate import default_goodput_spec, make_trace
 
     ap = argparse.ArgumentParser(prog="python -m goodput.bench.routing", description=main.__doc__)
-    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--out-dir", default=None, help="write routing-<hardware>.md / .jsonl here")
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--chat-duration", type=float, default=600.0)
-    ap.add_argument("--chat-rate", type=float, default=2.0, help="chat sessions per second")
+    ap.add_argument("--chat-rate", type=float, default=1.0, help="chat sessions per second")
+    ap.add_argument("--policies", default=",".join(CHAT_POLICIES), help="autoscaling policies on chat")
     ap.add_argument("--other-traces", default=",".join(OTHER_TRACES), help="'' to skip")
-    ap.add_argument("--fleet-start", type=int, default=3)
+    ap.add_argument("--fleet-start", type=int, default=2)
     args = ap.parse_args(argv)
     t0 = time.time()
+    cache = os.path.join(args.out_dir, f"routing-{args.hardware}.jsonl") if args.out_dir else None
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+    runs = Runs(cache, args.procs)
     chat = make_trace("chat", args.seed, args.hardware, args.chat_duration, args.chat_rate)
     target = default_goodput_spec(chat).attainment_target
     base = ("chat", args.seed, args.hardware, args.chat_duration, args.chat_rate)
-    fleets = smallest_fleets(base, ROUTINGS, target, args.fleet_start, chat.max_replicas, args.procs)
-    table = _pool_map([base + (p, r) for r in ROUTINGS for p in CHAT_POLICIES], args.procs)
+    fleets = smallest_fleets(runs, base, ROUTINGS, target, args.fleet_start, chat.max_replicas)
+    policies = [p for p in args.policies.split(",") if p]
+    table = runs([base + (p, r) for r in ROUTINGS for p in policies])
     others = [t for t in args.other_traces.split(",") if t]
-    other = _pool_map([(t, args.seed, args.hardware, None, None, "goodput", r)
-                       for t in others for r in ("round-robin", "goodput")], args.procs)
+    other = runs([(t, args.seed, args.hardware, None, None, "goodput", r)
+                  for t in others for r in ("round-robin", "goodput")])
 
     out = [f"# Routing in the simulator ({args.hardware})", "",
            f"Chat trace: {len(chat)} requests over {chat.duration:.0f} s; {chat.note}. Replicas: the "
            f"engine's real Scheduler + BlockManager; SLO target (the autoscaler spec's attainment "
            f"target): {target}.", "",
-           "## Smallest fixed fleet reaching the target, per routing", "",
-           "| routing | replicas | " + HEAD.lstrip("| "), "|---|---:|" + "---:|" * 6 + "---|"]
+           "## Smallest fixed fleet reaching the target, per routing (chat)", "",
+           "| routing | replicas | " + HEAD, "|---|---:|" + "---:|" * 6 + "---|"]
     smallest: dict[str, int | None] = {}
     for r in ROUTINGS:
         ok = sorted(n for n, s in fleets[r].items() if s["attainment"] >= target)
@@ -271,54 +313,53 @@ def main(argv: list[str] | None = None) -> int:
         for n in sorted(fleets[r]):
             mark = " (smallest)" if n == smallest[r] else ""
             out.append(_row(fleets[r][n], f"{r} | {n}{mark}"))
-    out += ["", "## Routing x autoscaling policy (chat trace)", "",
-            "| routing | policy | " + HEAD.lstrip("| "), "|---|---|" + "---:|" * 6 + "---|"]
+    out += ["", "## Routing x autoscaling policy (chat)", "",
+            "| routing | policy | " + HEAD, "|---|---|" + "---:|" * 6 + "---|"]
     cell = {(s["routing"], s["policy"]): s for s in table}
     for r in ROUTINGS:
-        for p in CHAT_POLICIES:
+        for p in policies:
             out.append(_row(cell[(r, p)], f"{r} | {p}"))
-    # the targets
     checks = []
     ours, rr = smallest["goodput"], smallest["round-robin"]
     if ours and rr:
-        checks.append(f"smallest fleet: goodput {ours} vs round-robin {rr} replicas "
+        checks.append(f"smallest fleet: goodput routing {ours} vs round-robin {rr} replicas "
                       f"({1 - ours / rr:.0%} smaller; target >= 25%) -> "
                       f"{'met' if ours <= 0.75 * rr else 'NOT met'}")
         g_ours = fleets["goodput"][ours]["goodput_rps"]
-        rr_at = fleets["round-robin"].get(ours)
-        if rr_at is not None:
-            checks.append(f"at {ours} replicas: round-robin goodput {rr_at['goodput_rps']:.2f} vs ours "
-                          f"{g_ours:.2f} req/s ({rr_at['goodput_rps'] / g_ours:.2f}x; target < 0.5x) -> "
-                          f"{'met' if rr_at['goodput_rps'] < 0.5 * g_ours else 'NOT met'}")
-    a, b = cell[("goodput", "goodput")], cell[("round-robin", "goodput")]
-    checks.append(f"goodput autoscaler: attainment {a['attainment']:.3f} (ours) vs {b['attainment']:.3f} "
-                  f"(round-robin) at {a['replica_hours'] / b['replica_hours']:.2f}x the replica-hours "
-                  f"(target >= and <= 0.75x) -> "
-                  f"{'met' if a['attainment'] >= b['attainment'] and a['replica_hours'] <= 0.75 * b['replica_hours'] else 'NOT met'}")
+        rr_at = fleets["round-robin"].get(ours) or runs([base + (("static", ours), "round-robin")])[0]
+        checks.append(f"at {ours} replicas: round-robin goodput {rr_at['goodput_rps']:.2f} vs ours "
+                      f"{g_ours:.2f} req/s ({rr_at['goodput_rps'] / g_ours:.2f}x; target < 0.5x) -> "
+                      f"{'met' if rr_at['goodput_rps'] < 0.5 * g_ours else 'NOT met'}")
+    if ("goodput", "goodput") in cell:
+        a, b = cell[("goodput", "goodput")], cell[("round-robin", "goodput")]
+        ok = a["attainment"] >= b["attainment"] and a["replica_hours"] <= 0.75 * b["replica_hours"]
+        checks.append(f"goodput autoscaler: attainment {a['attainment']:.3f} with goodput routing vs "
+                      f"{b['attainment']:.3f} with round-robin, at {a['replica_hours'] / b['replica_hours']:.2f}x "
+                      f"its replica-hours (target: >= at <= 0.75x) -> {'met' if ok else 'NOT met'}")
     if other:
         out += ["", "## The other traces: our autoscaler, round-robin vs goodput routing", "",
-                "| trace | routing | " + HEAD.lstrip("| "), "|---|---|" + "---:|" * 6 + "---|"]
+                "| trace | routing | " + HEAD, "|---|---|" + "---:|" * 6 + "---|"]
         for s in other:
             out.append(_row(s, f"{s['trace']} | {s['routing']}"))
         byt = {(s["trace"], s["routing"]): s for s in other}
-        worse = [t for t in others if byt[(t, "goodput")]["goodput_rps"] < byt[(t, "round-robin")]["goodput_rps"] - 1e-9]
+        worse = [t for t in others
+                 if byt[(t, "goodput")]["goodput_rps"] < byt[(t, "round-robin")]["goodput_rps"] - 1e-9]
         checks.append("other traces: goodput routing's goodput >= round-robin's on "
                       f"{len(others) - len(worse)} of {len(others)}"
                       + (f" (below on {', '.join(worse)})" if worse else "") + " -> "
                       + ("met" if not worse else "NOT met"))
     out += ["", "## Targets", ""] + [f"- {c}" for c in checks]
-    out += ["", f"Made by `python -m goodput.bench.routing --out-dir bench/results/routing --procs "
-                f"{args.procs} --chat-duration {args.chat_duration:.0f} --chat-rate {args.chat_rate}` "
-                f"({time.time() - t0:.0f} s wall on a shared 2-core machine).", ""]
+    cmd = (f"python -m goodput.bench.routing --out-dir <dir> --procs {args.procs} --chat-duration "
+           f"{args.chat_duration:.0f} --chat-rate {args.chat_rate} --policies {','.join(policies)} "
+           f"--other-traces '{','.join(others)}'")
+    out += ["", f"Made by `{cmd}` (the last invocation took {time.time() - t0:.0f} s; finished runs are "
+                f"cached in routing-{args.hardware}.jsonl beside this file, so a rerun redoes only what "
+                f"is missing).", ""]
     text = "\n".join(out)
     print(text)
     if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, f"routing-{args.hardware}.md"), "w") as f:
             f.write(text)
-        with open(os.path.join(args.out_dir, f"routing-{args.hardware}.json"), "w") as f:
-            json.dump({"fleets": fleets, "chat": table, "other": other, "target": target}, f, indent=1)
-            f.write("\n")
     return 0
 
 

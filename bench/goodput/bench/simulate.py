@@ -385,11 +385,12 @@ def direction_changes(replicas: Iterable[int]) -> int:
 
 def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: float = 60.0,
              max_num_seqs: int = 64, max_waiting: int = 256, progress: bool = False,
-             routing: str = "round-robin", route_seed: int = 0) -> Result:
+             routing: str | SimRouter = "round-robin", route_seed: int = 0) -> Result:
     """Run ``trace`` through a fleet scaled by ``policy``; deterministic for a given trace.
 
-    ``routing``: how arrivals pick a ready pod (``goodput.bench.routing.ROUTINGS``; the router's
-    picker for ``affinity`` and ``goodput``), ``route_seed`` seeds ``random``.
+    ``routing``: how arrivals pick a ready pod (one of ``goodput.bench.routing.ROUTINGS``, or a
+    ``SimRouter`` with its own ``PickConfig``; the router's picker for ``affinity`` and
+    ``goodput``), ``route_seed`` seeds ``random``.
 
     Replicas start with the engine defaults ``max_num_seqs`` / ``max_waiting`` (the worker's);
     ``trace.initial_replicas`` (``policy.initial_replicas`` when it has one) are ready at t = 0.
@@ -398,7 +399,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                        block_size=hw.block_size, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=hw.max_num_batched_tokens, max_waiting=max_waiting,
                        enable_prefix_caching=trace.prefix_caching)
-    router = SimRouter(routing, route_seed)
+    router = routing if isinstance(routing, SimRouter) else SimRouter(routing, route_seed)
     pods: list[Replica] = []
     serial = itertools.count()
     events: list[tuple[float, int, str, object]] = []   # (time, seq, kind, payload)
@@ -555,7 +556,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                 if trace.prefix_caching and queries else None)
     return Result(policy.name, n, slo_met_total, rejected, finished_total, hours,
                   direction_changes(r for _, r, _ in timeline), end, timeline,
-                  dict(getattr(policy, "reasons", {})), routing, dict(router.decisions), hit_rate)
+                  dict(getattr(policy, "reasons", {})), router.routing, dict(router.decisions), hit_rate)
 
 
 def default_goodput_spec(trace: Trace, **kw) -> PolicySpec:

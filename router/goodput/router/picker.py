@@ -31,9 +31,14 @@ scores compared in a fixed order instead of summed with weights):
    Mirrokni, Thorup and Zadimoghaddam, SODA 2018). The preferred pod is the first in the order
    (prefix score, rendezvous weight), taken over every endpoint. It gets the request unless it
    was filtered in step 1 or its in-flight count plus this request would exceed
-   ``ceil((1 + eps) * (total in-flight + 1) / n)``: then the request goes to the best pod that is
+   ``ceil((1 + e) * (total in-flight + 1) / n)``: then the request goes to the best pod that is
    within both, ordered by prefix score, then fewest waiting (scraped queue), then lowest KV
-   usage (scraped), then rendezvous weight (reason ``load_bound_fallback``). The bound always
+   usage (scraped), then rendezvous weight (reason ``load_bound_fallback``). The slack ``e`` is
+   ``eps`` when the preferred pod holds more of the request's prefix than any other pod that
+   fits (moving the request would recompute that difference), and ``eps_no_affinity`` (default
+   0: at most the mean, rounded up) when it does not (no match anywhere, or only a prefix every
+   pod has, like a shared system prompt): such a request loses nothing by moving, so it
+   balances the load, and a new pod fills with new conversations first. The bound always
    leaves one pod below it, so a fallback exists unless every pod is at its limits (then the
    least-loaded pod that is not). ``eps = None`` disables the bound (and ``respect_limits =
    False`` the filter: the simulator's ``affinity`` routing).
@@ -131,9 +136,11 @@ class PickConfig:
 
     chunk_size: characters of canonical text, or token ids, per chunk (> 0). 256 characters is
         ~64 tokens of English: 4 KV blocks of 16.
-    eps: the load bound's slack: a pod may carry up to ``(1 + eps)`` x the mean in-flight count
-        (rounded up, this request included). Smaller spreads load more evenly, larger keeps more
-        conversations on their pod. None: no bound (``affinity`` routing in the simulator).
+    eps: the load bound's slack for a request whose preferred pod holds more of its prefix than
+        any other: that pod may carry up to ``(1 + eps)`` x the mean in-flight count (rounded up,
+        this request included). Smaller spreads load more evenly, larger keeps more
+        conversations on their pod. None: no bound at all (``affinity`` routing in the simulator).
+    eps_no_affinity: the slack for any other request (>= 0; ignored when ``eps`` is None).
     rendezvous_chunks: how many leading chunks the rendezvous hash keys on (>= 1).
     index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
     respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
@@ -141,6 +148,7 @@ class PickConfig:
 
     chunk_size: int = 256
     eps: float | None = 0.25
+    eps_no_affinity: float = 0.0
     rendezvous_chunks: int = 8
     index_capacity: int = 1 << 18
     respect_limits: bool = True
@@ -150,6 +158,8 @@ class PickConfig:
             raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
         if self.eps is not None and not self.eps >= 0:
             raise ValueError(f"eps must be >= 0 or None, got {self.eps}")
+        if not self.eps_no_affinity >= 0:
+            raise ValueError(f"eps_no_affinity must be >= 0, got {self.eps_no_affinity}")
         if self.rendezvous_chunks < 1:
             raise ValueError(f"rendezvous_chunks must be >= 1, got {self.rendezvous_chunks}")
         if self.index_capacity < 1:
@@ -391,11 +401,15 @@ def pick(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: 
     fits = [e for e in endpoints if not (cfg.respect_limits and at_limits(e))]
     if not fits:
         return Pick(None, REASON_FULL, 0)
-    bound = load_bound(endpoints, cfg.eps) if cfg.eps is not None else math.inf
+    m_pref = scores.get(preferred.name, 0)
+    gain = m_pref > max((scores.get(e.name, 0) for e in fits if e is not preferred), default=0)
+    if cfg.eps is None:
+        bound = math.inf
+    else:
+        bound = load_bound(endpoints, cfg.eps if gain else cfg.eps_no_affinity)
     ok = [e for e in fits if e.in_flight + 1 <= bound]
     if any(e is preferred for e in ok):
-        m = scores.get(preferred.name, 0)
-        return Pick(preferred.name, REASON_AFFINITY if m > 0 else REASON_RENDEZVOUS, m)
+        return Pick(preferred.name, REASON_AFFINITY if m_pref > 0 else REASON_RENDEZVOUS, m_pref)
     if ok:
         best = max(ok, key=lambda e: (scores.get(e.name, 0), -(e.waiting or 0), -(e.kv_usage or 0.0),
                                       weight[e.name]))
