@@ -3,7 +3,10 @@
 #   1. the kernel tests (tests/worker/model/attention/test_triton_attention.py) compiled on CUDA instead of the interpreter;
 #   2. the engine end to end: greedy tokens of 4 prompts, CUDA fp32/bf16 vs the CPU fp32 reference;
 #   3. decode attention kernel at batch 1/16/64/256, context 1k: time vs SDPA on gathered K/V, %HBM;
-#   4. whole decode steps of the model runner at the same batches: bytes/step, %HBM.
+#   4. whole decode steps of the model runner at the same batches: bytes/step, %HBM;
+#   5. the host CPU's C++ kernels (the CPU fp32 reference of step 2 runs through them: fused layer
+#      ops, and the block linears of block_linear.cpp for steps of <= 2 rows where AVX-512 builds):
+#      tests/worker/model/test_block_linear.py and test_cpu_layer_ops.py on this machine's CPU.
 # Usage: bench/gpu_check.sh            (env: PYTHON=python3, GOODPUT_MODEL=smollm2|PATH.gguf,
 #                                        GPU_CHECK_LOG=path of the log, default bench/results/...)
 # Needs: torch with CUDA, triton, gguf, tokenizers, jinja2, numpy, prometheus_client, pytest.
@@ -40,13 +43,16 @@ except Exception as e:
 PYEOF
 
 t0=$SECONDS
-echo "== 1/4 kernel tests on CUDA"
+echo "== 1/5 kernel tests on CUDA"
 GOODPUT_TEST_DEVICE=cuda "$PY" -m pytest -q --noconftest -p no:cacheprovider -o addopts="" \
   tests/worker/model/attention/test_triton_attention.py
-echo "== 2/4 engine end to end: greedy tokens vs CPU fp32 ($((SECONDS - t0)) s so far)"
+echo "== 2/5 engine end to end: greedy tokens vs CPU fp32 ($((SECONDS - t0)) s so far)"
 "$PY" -m goodput.bench.gpu_check e2e --model "$MODEL"
-echo "== 3/4 decode attention kernel vs SDPA ($((SECONDS - t0)) s so far)"
+echo "== 3/5 decode attention kernel vs SDPA ($((SECONDS - t0)) s so far)"
 "$PY" -m goodput.bench.gpu_check kernel-bench
-echo "== 4/4 engine decode steps ($((SECONDS - t0)) s so far)"
+echo "== 4/5 engine decode steps ($((SECONDS - t0)) s so far)"
 "$PY" -m goodput.bench.gpu_check decode-bench --model "$MODEL"
+echo "== 5/5 host CPU kernels: block linears and fused layer ops ($((SECONDS - t0)) s so far)"
+"$PY" -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -m "not slow" \
+  tests/worker/model/test_block_linear.py tests/worker/model/test_cpu_layer_ops.py
 echo "== GPU CHECK PASSED in $((SECONDS - t0)) s; log: $LOG"

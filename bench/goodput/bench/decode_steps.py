@@ -52,7 +52,8 @@ def _tensor_bytes(obj) -> int:
 
 
 def model_weight_bytes(model) -> dict | None:
-    """{"layers", "lm_head", "norms", "total"}: bytes of the tensors a decode step multiplies,
+    """{"layers", "lm_head", "norms", "total", "small_batch_blocks"}: bytes of the tensors a decode
+    step multiplies (small_batch_blocks: the file's blocks that steps of few rows read instead),
     from a live ``LlamaModel`` (its ``layers[i].{qkv,o,gate_up,down}``, norms and ``lm_head``);
     None when the model does not have that structure."""
     try:
@@ -62,7 +63,12 @@ def model_weight_bytes(model) -> dict | None:
         head = _tensor_bytes(model.lm_head)
     except AttributeError:
         return None
-    return {"layers": layers, "lm_head": head, "norms": norms, "total": layers + head + norms}
+    # linears that also hold the file's blocks (block_linear.py) read those at few rows instead
+    small = sum(getattr(getattr(lin, "small", None), "nbytes", 0)
+                for lin in [getattr(ly, n) for ly in model.layers for n in ("qkv", "o", "gate_up", "down")]
+                + [model.lm_head])
+    return {"layers": layers, "lm_head": head, "norms": norms, "total": layers + head + norms,
+            "small_batch_blocks": small}
 
 
 def make_runner(model: str, dtype: str, quantization: str, num_blocks: int, block_size: int,
@@ -127,7 +133,11 @@ class _Traced:
 def _trace_kernels(runner) -> list[tuple[object, str, object]]:
     """Swap the runner's C++ kernel module for a :class:`_Traced` one; returns what to restore."""
     swapped = []
-    for obj, attr in ((getattr(runner, "model", None), "fused_ops"), (getattr(runner, "attention_backend", None), "_mod")):
+    model = getattr(runner, "model", None)
+    linears = [getattr(ly, n, None) for ly in getattr(model, "layers", []) for n in ("qkv", "o", "gate_up", "down")]
+    linears.append(getattr(model, "lm_head", None))
+    blocks = [(lin.small, "_mod") for lin in linears if getattr(lin, "small", None) is not None]  # block_linear.py
+    for obj, attr in ((model, "fused_ops"), (getattr(runner, "attention_backend", None), "_mod"), *blocks):
         mod = getattr(obj, attr, None) if obj is not None else None
         if mod is not None:
             setattr(obj, attr, _Traced(mod))

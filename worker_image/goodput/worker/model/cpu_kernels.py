@@ -1,6 +1,7 @@
 """Build, cache and call goodput's C++ CPU kernels (``csrc/``): paged decode attention
 (``paged_attention.cpp``, used by the ``cpu`` attention backend) and fused decoder-layer ops
-(``layer_ops.cpp``: RMSNorm, residual add + RMSNorm, RoPE, SiLU·up; used by ``llama.py``).
+(``layer_ops.cpp``: RMSNorm, residual add + RMSNorm, RoPE, SiLU·up; used by ``llama.py``) and
+linears over a GGUF file's own 4/8-bit blocks (``block_linear.cpp``, ``block_linear.py``).
 
 Building and loading are separate steps, so a worker never compiles while it starts:
 
@@ -46,7 +47,8 @@ from goodput.worker.model.gguf_loader import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / f for f in ("paged_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / f
+           for f in ("paged_attention.cpp", "layer_ops.cpp", "block_linear.cpp", "bindings.cpp")]
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]

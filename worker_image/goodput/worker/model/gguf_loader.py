@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from goodput.worker.model.config import ModelConfig, UnsupportedModelError
-from goodput.worker.model.quant import Q4Blocks, unpack_gguf_q4
+from goodput.worker.model.quant import Q4Blocks, unpack_gguf_q4, unpack_gguf_q8_0
 
 log = logging.getLogger(__name__)
 
@@ -227,14 +227,19 @@ def load_gguf(name_or_path: str | os.PathLike, dtype: str | torch.dtype = torch.
 
 
 def load_q4_blocks(model: GGUFModel, cache_dir: str | os.PathLike | None | bool = None) -> dict[str, Q4Blocks]:
-    """The file's own 4-bit blocks (``Q4_0`` / ``Q4_1`` tensors of two dimensions), unpacked, by
-    GGUF name, rows in the order of ``model.tensors`` (Q/K un-permuted): what ``--quantization
-    int4`` repacks losslessly. Cached beside the weight cache (``<revision>-q4blocks-v1.pt``).
-    Other tensor types are absent from the result."""
+    """The file's own 4-bit blocks (``Q4_0`` / ``Q4_1`` tensors of two dimensions) of
+    :func:`load_blocks`: what ``--quantization int4`` repacks losslessly."""
+    return {n: b for n, b in load_blocks(model, cache_dir).items() if b.kind in ("Q4_0", "Q4_1")}
+
+
+def load_blocks(model: GGUFModel, cache_dir: str | os.PathLike | None | bool = None) -> dict[str, Q4Blocks]:
+    """The file's own blocks of 32 (``Q4_0`` / ``Q4_1`` / ``Q8_0`` tensors of two dimensions),
+    unpacked, by GGUF name, rows in the order of ``model.tensors`` (Q/K un-permuted). Cached beside
+    the weight cache (``<revision>-blocks-v1.pt``). Other tensor types are absent from the result."""
     cache_file = None
     if cache_dir is not False:
         base = Path(cache_dir) if cache_dir else default_cache_dir()
-        cache_file = base / f"{model.revision[:32]}-q4blocks-v{_CACHE_FORMAT}.pt"
+        cache_file = base / f"{model.revision[:32]}-blocks-v{_CACHE_FORMAT}.pt"
         cached = _read_cache(cache_file, model.revision)
         if cached is not None:
             return {name: Q4Blocks(kind, t["q"], t["d"], t.get("m"))
@@ -244,10 +249,10 @@ def load_q4_blocks(model: GGUFModel, cache_dir: str | os.PathLike | None | bool 
     out: dict[str, Q4Blocks] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in ("Q4_0", "Q4_1") or len(t.shape) != 2:
+        if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(t.shape) != 2:
             continue
         cols, rows = (int(x) for x in t.shape.tolist())
-        b = unpack_gguf_q4(np.asarray(t.data), kind, rows, cols)
+        b = (unpack_gguf_q8_0 if kind == "Q8_0" else unpack_gguf_q4)(np.asarray(t.data), kind, rows, cols)
         heads = (c.num_heads if t.name.endswith("attn_q.weight")
                  else c.num_kv_heads if t.name.endswith("attn_k.weight") else None)
         if heads is not None:

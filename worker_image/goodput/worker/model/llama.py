@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
+from goodput.worker.model.block_linear import MAX_ROWS, BlockLinear, from_parts
 from goodput.worker.model.config import ModelConfig
 from goodput.worker.model.quant import Int4Linear, Int8Linear, Q4Blocks, check_supported, make_linear
 
@@ -34,17 +35,24 @@ def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 class _Linear:
     """``y = x @ W.T``; on CPU in bf16 the weight is pre-packed once into oneDNN's blocked
-    layout (AMX/AVX-512 VNNI), instead of being re-laid-out by every matmul call."""
+    layout (AMX/AVX-512 VNNI), instead of being re-laid-out by every matmul call. With ``small``
+    (the same weights in the file's own blocks), calls of at most ``block_linear.MAX_ROWS`` rows
+    run the block kernel instead (fewer bytes per decode step of few sequences)."""
 
-    def __init__(self, weight: torch.Tensor, prepack: bool):
+    def __init__(self, weight: torch.Tensor, prepack: bool, small: BlockLinear | None = None):
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.packed = None
         if prepack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
             self.weight = None  # the packed copy replaces it
+        # the same weights as the file's blocks, for calls of few rows (block_linear.py)
+        self.small = small
+        self.small_rows = MAX_ROWS[small.kind] if small is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_rows:
+            return self.small(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -81,12 +89,17 @@ class LlamaModel:
     q4_blocks: the file's own 4-bit blocks by GGUF name (``gguf_loader.load_q4_blocks``); int4
         repacks those instead of re-quantizing.
     lm_head_quantization: override of :data:`LM_HEAD_QUANTIZATION` for the LM head.
+    blocks: the file's own blocks of 32 by GGUF name (``gguf_loader.load_blocks``) and
+        ``block_kernels`` (``block_linear.choose``'s module): with quantization "none", each linear
+        whose parts all have blocks keeps them beside its float weights for calls of few rows
+        (``block_linear.MAX_ROWS``); ``small_batch_bytes`` is what they add to resident memory.
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  prepack: bool | None = None, quantization: str = "none",
-                 q4_blocks: Mapping[str, Q4Blocks] | None = None, lm_head_quantization: str | None = None):
+                 q4_blocks: Mapping[str, Q4Blocks] | None = None, lm_head_quantization: str | None = None,
+                 blocks: Mapping[str, Q4Blocks] | None = None, block_kernels=None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -101,12 +114,18 @@ class LlamaModel:
             return tensors[name].to(device=self.device, dtype=dtype)
 
         self.prepacked = _can_prepack(dtype, self.device) if prepack is None else bool(prepack)
+        self.small_batch_bytes = 0
+        file_blocks = blocks
 
         def lin(*names: str, quantization: str = quantization) -> Linear:
             # one linear from GGUF tensors whose rows are concatenated (fused Q/K/V, gate/up)
             t = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]).contiguous()
             if quantization == "none":
-                return _Linear(t, self.prepacked)
+                small = None
+                if file_blocks is not None and block_kernels is not None:
+                    small = from_parts([file_blocks.get(n) for n in names], block_kernels)
+                    self.small_batch_bytes += small.nbytes if small is not None else 0
+                return _Linear(t, self.prepacked, small)
             blocks = [q4_blocks.get(n) for n in names] if q4_blocks is not None else [None]
             return make_linear(quantization, t, dtype, None if None in blocks else blocks)
 

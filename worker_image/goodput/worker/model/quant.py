@@ -156,11 +156,12 @@ class Int4Linear:
 
 @dataclass
 class Q4Blocks:
-    """A GGUF tensor stored as 4-bit blocks of 32 (``Q4_0`` or ``Q4_1``), unpacked.
+    """A GGUF tensor stored as blocks of 32 (``Q4_0``, ``Q4_1``, or ``Q8_0``), unpacked.
 
-    q: uint8 [N, K] codes 0..15; d, m: float32 [N, K/32] block scale and minimum (``m`` is None
-    for ``Q4_0``, whose weights are ``d·(q − 8)``). Rows in the same order as the loader's
-    dequantized tensor (Q/K rows already un-permuted).
+    q: codes [N, K], uint8 0..15 (4-bit kinds) or int8 (``Q8_0``); d, m: float32 [N, K/32] block
+    scale and minimum (``m`` is None for ``Q4_0``, whose weights are ``d·(q − 8)``, and for
+    ``Q8_0``: ``d·q``). Rows in the same order as the loader's dequantized tensor (Q/K rows
+    already un-permuted).
     """
 
     kind: str
@@ -169,10 +170,12 @@ class Q4Blocks:
     m: torch.Tensor | None
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K] exactly as ``gguf.quants`` computes it (``d·q + m``; ``d·(q − 8)``)."""
+        """float32 [N, K] exactly as ``gguf.quants`` computes it (``d·q + m``; ``d·(q − 8)``; ``d·q``)."""
         N, K = self.q.shape
         qf = self.q.float().reshape(N, K // 32, 32)
-        if self.m is None:
+        if self.kind == "Q8_0":
+            w = qf * self.d[..., None]
+        elif self.m is None:
             w = (qf - 8) * self.d[..., None]
         else:
             w = self.d[..., None] * qf + self.m[..., None]
@@ -192,6 +195,17 @@ def unpack_gguf_q4(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, cols)
     return Q4Blocks(kind, torch.from_numpy(q), torch.from_numpy(d),
                     None if m is None else torch.from_numpy(m))
+
+
+def unpack_gguf_q8_0(raw: np.ndarray, kind: str, rows: int, cols: int) -> Q4Blocks:
+    """Unpack raw GGUF ``Q8_0`` bytes (``rows·cols/32`` blocks of d f16 then 32 int8 codes;
+    ggml-quants.c, ``dequantize_row_q8_0``: w = d·q)."""
+    if kind != "Q8_0":
+        raise ValueError(f"unpack_gguf_q8_0 reads Q8_0 blocks, not {kind}")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // 32, 34)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+    q = b[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q4Blocks(kind, torch.from_numpy(q), torch.from_numpy(d), None)
 
 
 def int4_from_gguf_blocks(blocks: list[Q4Blocks], dtype: torch.dtype) -> Int4Linear:

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 from goodput.worker.engine.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprobs
+from goodput.worker.model import block_linear
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
-from goodput.worker.model.gguf_loader import load_gguf, load_q4_blocks, parse_dtype
+from goodput.worker.model.gguf_loader import load_blocks, load_gguf, load_q4_blocks, parse_dtype
 from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.llama import LlamaModel
 from goodput.worker.model.quant import check_supported
@@ -93,9 +94,22 @@ class ModelRunner:
         self.model_config = loaded.config
         self.tokenizer = GGUFTokenizer(loaded.metadata)
         blocks = load_q4_blocks(loaded, weight_cache_dir) if quantization == "int4" else None
+        block_kernels, why = block_linear.choose(self.device, self.dtype, quantization)
+        all_blocks = load_blocks(loaded, weight_cache_dir) if block_kernels is not None else None
         self.model = LlamaModel(loaded.config, loaded.tensors, self.dtype, self.device,
-                                quantization=quantization, q4_blocks=blocks)
-        del blocks
+                                quantization=quantization, q4_blocks=blocks, blocks=all_blocks,
+                                block_kernels=block_kernels)
+        if self.model.small_batch_bytes:
+            log.info("linears: calls of <= %d rows (4-bit) / %d (8-bit LM head) read the file's own blocks "
+                     "(C++ block kernel; %s: fewer bytes per decode step of few sequences), larger "
+                     "batches the %s weights (oneDNN, faster there); the blocks add %.1f MB resident",
+                     block_linear.MAX_ROWS[0], block_linear.MAX_ROWS[1], why,
+                     str(self.dtype).removeprefix("torch."), self.model.small_batch_bytes / 1e6)
+        else:
+            log.info("linears: %s weights at every batch size (block kernel off: %s)",
+                     "quantized" if quantization != "none" else str(self.dtype).removeprefix("torch."),
+                     why if block_kernels is None else "the file has no Q4_0/Q4_1/Q8_0 linears")
+        del blocks, all_blocks
         del loaded
         c = self.model_config
         self.block_size = block_size

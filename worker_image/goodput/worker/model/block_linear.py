@@ -1,0 +1,120 @@
+"""Linears kept in a GGUF file's own 4-bit / 8-bit blocks, run by goodput's C++ kernel
+(``csrc/block_linear.cpp``): the fast path for decode steps of a few rows on CPU.
+
+A decode step of a few sequences is memory-bound: it reads every weight once for a handful of
+rows. The file's blocks (``Q4_1``: 0.625 bytes per weight; ``Q8_0``: 1.06) are ~3× and ~2× fewer
+bytes than bfloat16, and the kernel multiplies by the *exact* weights the file encodes
+(``Q4_1``: ``d·q + m``; ``Q4_0``: ``d·(q − 8)``; ``Q8_0``: ``d·q``, llama.cpp's ggml-quants.c) —
+the float32 model's weights; a bfloat16 model's weights are those rounded to bfloat16 (relative
+difference ≤ 2⁻⁹ per weight), so in bfloat16 the two paths differ by that rounding and by the
+order of float32 sums. Large batches keep the bfloat16 oneDNN matmul (AMX), which is faster
+there (``llama.py`` chooses per call by the number of rows).
+"""
+from __future__ import annotations
+
+import torch
+
+KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}  # GGUF type -> kernel layout (0: 4-bit codes, 1: int8)
+
+
+class BlockLinear:
+    """``y = x @ W.T`` for W [N, K] stored as blocks of 32 (layout in ``csrc/block_linear.cpp``).
+
+    Build with :meth:`from_blocks`. ``x`` [M, K] float32 or bfloat16 with contiguous rows;
+    returns [M, N] in x's dtype. ``nbytes``: the bytes one call reads.
+    """
+
+    def __init__(self, kind: int, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, mod):
+        self.kind, self.codes, self.d, self.m, self._mod = kind, codes, d, m, mod
+        self.out_features, self.in_features = d.shape[0], d.shape[1] * 32
+        self._m = m if m is not None else torch.empty(0, dtype=torch.float16)
+        self.nbytes = codes.numel() * codes.element_size() + d.numel() * 2 + (m.numel() * 2 if m is not None else 0)
+
+    @classmethod
+    def from_blocks(cls, kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, mod) -> BlockLinear:
+        """From unpacked blocks (``quant.Q4Blocks`` fields): ``q`` codes [N, K] (uint8 0..15 for
+        Q4_0/Q4_1, int8 for Q8_0), ``d`` and ``m`` float32 [N, K/32] holding float16 values (``m``
+        None for Q4_0 and Q8_0). Raises ValueError for an unknown kind, K not a multiple of 32 or
+        scales that are not float16 values."""
+        if kind not in KINDS:
+            raise ValueError(f"block kind must be one of {sorted(KINDS)}, got {kind!r}")
+        N, K = q.shape
+        if K % 32 or d.shape != (N, K // 32) or (m is not None and m.shape != d.shape):
+            raise ValueError(f"need K % 32 == 0 and [N, K/32] scales, got q {tuple(q.shape)}, d {tuple(d.shape)}")
+        if kind == "Q4_0":  # d·(q − 8) = d·q + (−8d); −8d is exact in float16 unless it overflows
+            m, kind = -8 * d, "Q4_1"
+        d16 = d.to(torch.float16)
+        m16 = m.to(torch.float16) if m is not None else None
+        for name, a, a16 in (("d", d, d16), ("m", m, m16)):
+            if a is not None and not torch.equal(a16.float(), a.float()):
+                raise ValueError(f"block scale {name} is not a float16 value (not a GGUF block)")
+        if KINDS[kind] == 1:
+            codes = q.to(torch.int8).contiguous()
+        else:
+            c = q.to(torch.uint8).reshape(N, K // 32, 32)
+            if (K // 32) % 2:
+                c = torch.cat([c, torch.zeros(N, 1, 32, dtype=torch.uint8)], 1)
+            c = c.reshape(N, -1, 2, 32)
+            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, -1).contiguous()
+        return cls(KINDS[kind], codes, d16.contiguous(), m16.contiguous() if m16 is not None else None, mod)
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weights float32 [N, K] (for tests): d·q + m (4-bit) or d·q (8-bit)."""
+        N, K = self.out_features, self.in_features
+        if self.kind == 1:
+            q = self.codes.float()
+        else:
+            c = self.codes.reshape(N, -1, 32)
+            q = torch.stack([c & 15, c >> 4], 2).reshape(N, -1)[:, :K].float()
+        w = q.reshape(N, K // 32, 32) * self.d.float()[..., None]
+        if self.m is not None:
+            w = w + self.m.float()[..., None]
+        return w.reshape(N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mod.block_linear(x, self.kind, self.codes, self.d, self._m)
+
+
+# Calls with at most this many rows use the block kernel, larger ones the bf16 oneDNN matmul.
+# Measured in one process (bench: in-process A/B, one thread, CPU time, 30 distinct SmolLM2
+# layers so the weights stream from memory; oneDNN reads 2 bytes per weight with AMX, flat ~23 ms
+# for M = 1..16): 4-bit linears 2.2x faster at M = 1, 1.4x at 2, 0.87x at 4; the 8-bit LM head
+# (49152 x 576) equal at M = 1 in CPU time (half the bytes, so ahead where bandwidth binds), 0.78x at 2.
+MAX_ROWS = {0: 2, 1: 1}
+
+
+def from_parts(parts: list, mod) -> BlockLinear | None:
+    """One BlockLinear for the rows of several GGUF tensors stacked (fused Q/K/V, gate/up), from
+    their ``quant.Q4Blocks``; None when a part is missing or the parts mix 4- and 8-bit layouts."""
+    if not parts or any(p is None or p.kind not in KINDS for p in parts):
+        return None
+    if len({KINDS[p.kind] for p in parts}) != 1:
+        return None
+    if len(parts) == 1:
+        p = parts[0]
+        return BlockLinear.from_blocks(p.kind, p.q, p.d, p.m, mod)
+    if KINDS[parts[0].kind] == 1:
+        return BlockLinear.from_blocks("Q8_0", torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), None, mod)
+    m = torch.cat([p.m if p.m is not None else -8 * p.d for p in parts])  # Q4_0: d·(q − 8) = d·q − 8d
+    return BlockLinear.from_blocks("Q4_1", torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, mod)
+
+
+def choose(device: torch.device, dtype: torch.dtype, quantization: str) -> tuple[object | None, str]:
+    """Whether decode steps of few rows run on the block kernel here: (the kernels' module or None,
+    why, for the start-up log). Needs a CPU, float32 or bfloat16, no --quantization, and the C++
+    kernels with their SIMD path for this dtype (``cpu_kernels``; GOODPUT_CPU_KERNELS=0 turns
+    them off)."""
+    if device.type != "cpu":
+        return None, f"not on CPU ({device.type})"
+    if quantization != "none":
+        return None, f"--quantization {quantization} chosen"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, f"dtype {dtype} (needs float32 or bfloat16)"
+    from goodput.worker.model import cpu_kernels
+    mod = cpu_kernels.loaded()
+    if mod is None:
+        return None, f"C++ CPU kernels unavailable ({cpu_kernels.load_error() or 'GOODPUT_CPU_KERNELS=0'})"
+    name = str(dtype).removeprefix("torch.")
+    if not hasattr(mod, "block_linear_vectorized") or not mod.block_linear_vectorized(name):
+        return None, f"this CPU/compiler has no AVX-512{' BF16' if name == 'bfloat16' else ''} path for {name}"
+    return mod, "CPU with AVX-512 and the file's own blocks"
