@@ -300,7 +300,7 @@ def test_prefix_affinity_through_the_router_vs_random_pods(kubectl: Kubectl, fle
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "measured 0.77-0.87 over four runs (bench/results/2026-12-01-router-e2e.md): a new conversation's first turn "
+    "measured 0.77-0.87 over five runs (bench/results/2026-12-01-router-e2e.md): a new conversation's first turn "
     "matches the shared system prompt on the pod that served it first (prefix affinity), so "
     "conversations pile onto that pod and the load bound then moves them between turns; the picker "
     "could ignore matches that end inside the conversation's anchor"))
