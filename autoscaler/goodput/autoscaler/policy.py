@@ -105,7 +105,7 @@ How each rule follows from the ideas it rests on:
    attainment met the target and nothing is starting. m replicas *carry* the load
    (:func:`carries`) when (a) Little's law: L, and L at the forecast (rule 11), fit m replicas at
    ``target_utilization``; (b) the work per replica they would get (offered tokens per second,
-   prompt + output, at the larger of the smoothed and the forecast load) is at most
+   prompt + output, at the smoothed load) is at most
    ``explore_ratio`` times the work per replica the fleet has *proven* (:func:`proven_work`: the
    least work per replica over a run of calls lasting a whole model-load time in which metrics
    were complete, nothing loaded, nothing saturated and attainment held), or the fleet is nearly
@@ -149,9 +149,11 @@ How each rule follows from the ideas it rests on:
 
 11. Predictive scale-up (:func:`forecast`). Offered load (req/s) follows Holt's linear trend
    (double exponential smoothing: level ``a``, trend ``b`` per second, ``forecast_alpha`` and
-   ``forecast_beta`` per 5 s, compounded over the time between calls; Holt 1957; Hyndman & Athanasopoulos, *Forecasting: Principles
-   and Practice*, section 8.2); mean prompt and output tokens per request follow simple
-   exponential smoothing. The horizon is the model-load time, measured from the pods' creation
+   ``forecast_beta`` per 5 s, compounded over the time between calls; Holt 1957; Hyndman &
+   Athanasopoulos, *Forecasting: Principles and Practice*, section 8.2); mean prompt and output
+   tokens per request follow simple exponential smoothing, slower (``length_alpha``: lengths vary
+   from request to request far more than the mix drifts; the 5 s mean of lognormal prompts moves
+   by +-25 %). The horizon is the model-load time, measured from the pods' creation
    -> Ready times (``PodObservation.load_s``, smoothed in ``PolicyState.load_s``; ``model_load_s``
    until one is seen): capacity ordered now is ready then. The forecast ``a + b * horizon`` (at
    most ``panic_ratio`` times the level, never below 0), sized by Little's law, is a
@@ -457,6 +459,8 @@ class PolicySpec:
                                    gt=0, le=1)
     forecast_alpha: float = knob(0.3, "Holt level smoothing per 5 s (rule 11)", gt=0, le=1)
     forecast_beta: float = knob(0.1, "Holt trend smoothing per 5 s (rule 11)", ge=0, le=1)
+    length_alpha: float = knob(0.05, "smoothing per 5 s of the mean prompt and output tokens per request "
+                               "(rule 11)", gt=0, le=1)
     explore_ratio: float = knob(1.75, "a scale-down may raise the work per replica to this many times "
                                 "the most served within the SLO (rule 7)", ge=1)
     idle_utilization: float = knob(0.3, "below this Little's-law utilization a smaller fleet counts as "
@@ -876,7 +880,9 @@ class Forecast:
     """Rule 11. level_rps, trend_rps: Holt's state after this observation (req/s, req/s per s);
     prompt_level, output_level: smoothed tokens per request; horizon_s: the model-load time used;
     rps: the offered load forecast at the horizon (req/s); work: the offered work per second
-    (tokens, prompt + output) at max(level, forecast); rec: replicas for the forecast load
+    (tokens, prompt + output) at the smoothed level (a rise ahead reaches the scale-down through
+    Little's law at ``rps``, not through the work, whose trend is too noisy to compare with the
+    proven work); rec: replicas for the forecast load
     (Little's law, bounded like ``Size.rec``); load_s: the smoothed model-load time to keep."""
 
     level_rps: float
@@ -919,15 +925,14 @@ def forecast(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Si
             prev = level
             level = max(0.0, a * x + (1 - a) * (level + trend * dt))
             trend = b * (level - prev) / dt + (1 - b) * trend if dt > 0 else trend
+        g = 1 - (1 - spec.length_alpha) ** (dt / 5.0)
         if fleet.prompt_mean is not None:
-            prompt_l = fleet.prompt_mean if prompt_l <= 0 else \
-                spec.forecast_alpha * fleet.prompt_mean + (1 - spec.forecast_alpha) * prompt_l
+            prompt_l = fleet.prompt_mean if prompt_l <= 0 else g * fleet.prompt_mean + (1 - g) * prompt_l
         if fleet.output_mean is not None:
-            output_l = fleet.output_mean if output_l <= 0 else \
-                spec.forecast_alpha * fleet.output_mean + (1 - spec.forecast_alpha) * output_l
+            output_l = fleet.output_mean if output_l <= 0 else g * fleet.output_mean + (1 - g) * output_l
     base = level if level is not None else fleet.offered_rps
     rps = min(max(0.0, base + trend * horizon), spec.panic_ratio * base)
-    work = max(base, rps) * (prompt_l + output_l)
+    work = base * (prompt_l + output_l)
     want = math.ceil(rps * sz.service_s / sz.per_replica - 1e-9) if rps > 0 and sz.service_s > 0 else 0
     if caps.coming > 0:
         want = 0    # the capacity coming was ordered for this horizon already (rule 4)
