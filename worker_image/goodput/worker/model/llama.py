@@ -48,7 +48,7 @@ class _Linear:
             self.weight = None  # the packed copy replaces it
         # the same weights as the file's blocks, for calls of few rows (block_linear.py)
         self.small = small
-        self.small_rows = MAX_ROWS[small.kind] if small is not None else 0
+        self.small_rows = MAX_ROWS[small.kind] if small is not None else -1  # -1: never (not even 0 rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows:
