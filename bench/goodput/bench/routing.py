@@ -168,7 +168,9 @@ def chat_trace(seed: int = 0, session_rate: float = 1.0, duration: float = 600.0
 
 # ------------------------------------------------------------------------------ the results
 CHAT_POLICIES = ("goodput", "hpa-queue")
-OTHER_TRACES = ("bursty", "diurnal", "long-prompt", "two-class", "azure-code")
+OTHER_TRACES = ("steady", "bursty", "diurnal", "long-prompt", "two-class", "azure-code")
+# the round-robin hindsight static fleet of each (bench/results/autoscaler/<trace>-h200.json)
+OTHER_FIXED = "steady=2,diurnal=2,bursty=6,long-prompt=7,two-class=8"
 
 
 def _job_id(job: tuple) -> str:
@@ -280,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--chat-duration", type=float, default=600.0)
-    ap.add_argument("--chat-rate", type=float, default=1.0, help="chat sessions per second")
+    ap.add_argument("--chat-rate", type=float, default=2.0, help="chat sessions per second")
     ap.add_argument("--policies", default=",".join(CHAT_POLICIES), help="autoscaling policies on chat")
     ap.add_argument("--other-traces", default=",".join(OTHER_TRACES), help="'' to skip")
-    ap.add_argument("--fleet-start", type=int, default=2)
+    ap.add_argument("--fleet-start", type=int, default=3)
+    ap.add_argument("--other-fixed", default=OTHER_FIXED,
+                    help="TRACE=N,...: fixed fleets of N on the other traces, round-robin vs goodput")
     args = ap.parse_args(argv)
     t0 = time.time()
     cache = os.path.join(args.out_dir, f"routing-{args.hardware}.jsonl") if args.out_dir else None
@@ -299,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     others = [t for t in args.other_traces.split(",") if t]
     other = runs([(t, args.seed, args.hardware, None, None, "goodput", r)
                   for t in others for r in ("round-robin", "goodput")])
+    fixed_other = [(t, int(n)) for t, n in (x.split("=") for x in args.other_fixed.split(",") if x)]
+    other_fixed = runs([(t, args.seed, args.hardware, None, None, ("static", n), r)
+                        for t, n in fixed_other for r in ("round-robin", "goodput")])
 
     out = [f"# Routing in the simulator ({args.hardware})", "",
            f"Chat trace: {len(chat)} requests over {chat.duration:.0f} s; {chat.note}. Replicas: the "
@@ -348,13 +355,26 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len(others) - len(worse)} of {len(others)}"
                       + (f" (below on {', '.join(worse)})" if worse else "") + " -> "
                       + ("met" if not worse else "NOT met"))
+    if other_fixed:
+        out += ["", "## The other traces: fixed fleets (the hindsight static fleet of round-robin), "
+                    "round-robin vs goodput routing", "",
+                "| trace | replicas | routing | " + HEAD, "|---|---:|---|" + "---:|" * 6 + "---|"]
+        for s in other_fixed:
+            out.append(_row(s, f"{s['trace']} | {s['policy'].split('-')[1]} | {s['routing']}"))
+        byf = {(s["trace"], s["routing"]): s for s in other_fixed}
+        worse = [t for t, _ in fixed_other
+                 if byf[(t, "goodput")]["goodput_rps"] < byf[(t, "round-robin")]["goodput_rps"] - 1e-9]
+        checks.append("other traces, fixed fleets: goodput routing's goodput >= round-robin's on "
+                      f"{len(fixed_other) - len(worse)} of {len(fixed_other)}"
+                      + (f" (below on {', '.join(worse)})" if worse else "") + " -> "
+                      + ("met" if not worse else "NOT met"))
     out += ["", "## Targets", ""] + [f"- {c}" for c in checks]
     cmd = (f"python -m goodput.bench.routing --out-dir <dir> --procs {args.procs} --chat-duration "
            f"{args.chat_duration:.0f} --chat-rate {args.chat_rate} --policies {','.join(policies)} "
-           f"--other-traces '{','.join(others)}'")
-    out += ["", f"Made by `{cmd}` (the last invocation took {time.time() - t0:.0f} s; finished runs are "
-                f"cached in routing-{args.hardware}.jsonl beside this file, so a rerun redoes only what "
-                f"is missing).", ""]
+           f"--other-traces '{','.join(others)}' --other-fixed '{args.other_fixed}'")
+    out += ["", f"Made by `{cmd}` (the defaults; finished runs are cached in "
+                f"routing-{args.hardware}.jsonl beside this file, so a rerun redoes only what is missing).", ""]
+    print(f"{time.time() - t0:.0f} s", file=sys.stderr)
     text = "\n".join(out)
     print(text)
     if args.out_dir:
