@@ -254,6 +254,29 @@ def test_slack_only_for_a_prefix_no_other_pod_has():
     assert pick(key(900, k), eps, shared, CFG) == Pick("a", "affinity", 2)
 
 
+def test_a_continued_conversation_keeps_the_slack_on_a_replica_that_never_saw_it():
+    # the loads of the test above: a 2, b 1, c 1 -> bound 3 with eps 0.25, 2 with eps_no_affinity 0
+    eps = [ep("a", 2), ep("b", 1, waiting=1), ep("c", 1, waiting=0)]
+    k = next(k for k in range(1, 100) if max("abc", key=lambda p: weight(k, p)) == "a")
+    # this replica's index is empty (another replica served the earlier turns): a is the
+    # rendezvous home; a new conversation gets the strict bound and moves to the fewest waiting
+    assert pick(RouteKey("m", "r1", None, (7, 8), k), eps, PrefixIndex(), CFG) == Pick("c", "load_bound_fallback", 0)
+    # a later turn of it (continuation) gets eps: a + 1 = 3 <= 3 stays home
+    later = RouteKey("m", "r1", None, (7, 8), k, continuation=True)
+    assert pick(later, eps, PrefixIndex(), CFG) == Pick("a", "rendezvous", 0)
+    # beyond the eps bound it moves all the same: a 3 -> 4 > ceil(1.25 * 6 / 3) = 3
+    assert pick(later, [ep("a", 3), *eps[1:]], PrefixIndex(), CFG).reason == "load_bound_fallback"
+
+
+def test_route_key_continuation_is_a_message_past_the_anchor():
+    system = {"role": "system", "content": "be brief"}
+    first = [system, {"role": "user", "content": "q1"}]
+    assert route_key("m", "r1", None, CFG, messages=first).continuation is False
+    later = first + [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    assert route_key("m", "r1", None, CFG, messages=later).continuation is True
+    assert route_key("m", "r1", None, CFG, prompt="q1 a1 q2").continuation is False
+
+
 # ---------------------------------------------------------------------------------------- index
 def test_lru_eviction_keeps_prefixes():
     idx = PrefixIndex(capacity=3)

@@ -35,10 +35,13 @@ scores compared in a fixed order instead of summed with weights):
    within both, ordered by prefix score, then fewest waiting (scraped queue), then lowest KV
    usage (scraped), then rendezvous weight (reason ``load_bound_fallback``). The slack ``e`` is
    ``eps`` when the preferred pod holds more of the request's prefix than any other pod that
-   fits (moving the request would recompute that difference), and ``eps_no_affinity`` (default
-   0: at most the mean, rounded up) when it does not (no match anywhere, or only a prefix every
-   pod has, like a shared system prompt): such a request loses nothing by moving, so it
-   balances the load, and a new pod fills with new conversations first. The bound always
+   fits (moving the request would recompute that difference), or when the request continues a
+   chat conversation (``RouteKey.continuation``: messages past its anchor) and so was most
+   likely sent to that same rendezvous home before, by this or another router replica that
+   this one does not hear from; and ``eps_no_affinity`` (default 0: at most the mean, rounded
+   up) otherwise (a new conversation, or a prefix every pod has, like a shared system prompt):
+   such a request loses nothing by moving, so it balances the load, and a new pod fills with
+   new conversations first. The bound always
    leaves one pod below it, so a fallback exists unless every pod is at its limits (then the
    least-loaded pod that is not). ``eps = None`` disables the bound (and ``respect_limits =
    False`` the filter: the simulator's ``affinity`` routing).
@@ -110,6 +113,9 @@ class RouteKey:
     anchor: optional 64-bit identity of the conversation, the same in each of its turns (chat:
     the last chunk hash of its messages up to the first user message, set by :func:`route_key`);
     the rendezvous hash keys on it when set.
+    continuation: the request continues a chat conversation (it has messages past its anchor: an
+    earlier turn's reply); the load bound gives its rendezvous home the ``eps`` slack even where
+    this router replica holds no prefix of it (set by :func:`route_key`).
     """
 
     model: str
@@ -117,6 +123,7 @@ class RouteKey:
     cache_salt: str | None
     chunks: tuple[int, ...]
     anchor: int | None = None
+    continuation: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,8 @@ class PickConfig:
         any other: that pod may carry up to ``(1 + eps)`` x the mean in-flight count (rounded up,
         this request included). Smaller spreads load more evenly, larger keeps more
         conversations on their pod. None: no bound at all (``affinity`` routing in the simulator).
-    eps_no_affinity: the slack for any other request (>= 0; ignored when ``eps`` is None).
+    eps_no_affinity: the slack for any other request (no prefix advantage, not a continuation;
+        >= 0; ignored when ``eps`` is None).
     rendezvous_chunks: how many leading chunks the rendezvous hash keys on (>= 1).
     index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
     respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
@@ -253,10 +261,11 @@ def route_key(model: str, revision: str, cache_salt: str | None, cfg: PickConfig
     """``RouteKey(model, revision, cache_salt, chunk_hashes(..., **content), anchor)`` with
     ``cfg``'s chunk size (``content``: the keyword arguments of :func:`chunk_hashes`). For chat
     (``messages``) the anchor is the last chunk hash of the messages up to and including the first
-    ``user`` one (all of them when there is none); otherwise None."""
+    ``user`` one (all of them when there is none), and ``continuation`` says whether messages
+    follow that head; otherwise None and False."""
     size = (cfg or PickConfig()).chunk_size
     chunks = chunk_hashes(model, revision, cache_salt, chunk_size=size, **content)
-    anchor = None
+    anchor, continuation = None, False
     messages = content.get("messages")
     if messages is not None:
         head = list(messages)
@@ -267,7 +276,8 @@ def route_key(model: str, revision: str, cache_salt: str | None, cfg: PickConfig
         head_chunks = chunk_hashes(model, revision, cache_salt, chunk_size=size, messages=head,
                                    tools=content.get("tools"))
         anchor = head_chunks[-1] if head_chunks else None
-    return RouteKey(model, revision, cache_salt, chunks, anchor)
+        continuation = len(head) < len(messages)
+    return RouteKey(model, revision, cache_salt, chunks, anchor, continuation)
 
 
 # -------------------------------------------------------------------------------- prefix index
@@ -406,7 +416,7 @@ def pick(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: 
     if cfg.eps is None:
         bound = math.inf
     else:
-        bound = load_bound(endpoints, cfg.eps if gain else cfg.eps_no_affinity)
+        bound = load_bound(endpoints, cfg.eps if gain or key.continuation else cfg.eps_no_affinity)
     ok = [e for e in fits if e.in_flight + 1 <= bound]
     if any(e is preferred for e in ok):
         return Pick(preferred.name, REASON_AFFINITY if m_pref > 0 else REASON_RENDEZVOUS, m_pref)
