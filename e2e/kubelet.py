@@ -625,6 +625,7 @@ class Kubelet:
         self.probe_period = probe_period
         self.pods: dict[str, PodRunner] = {}  # uid -> runner
         self.releasing: set[int] = set()  # pod IP indexes whose namespace is still being torn down
+        self.last_index = 1  # the last pod IP index handed out (allocation goes round the range)
         self.made_dirs: list[tuple[Path, Path]] = []  # (first created ancestor, mount path) made on the host
         self.terminating: set[str] = set()  # uids being stopped (one teardown per pod)
         self.lock = threading.Lock()
@@ -674,9 +675,15 @@ class Kubelet:
                          "machineID": "", "systemUUID": "", "bootID": ""}}})
 
     def _free_index(self) -> int:
+        """The next free index after the last one handed out, round the range (as the CNI host-local
+        IPAM plugin allocates): a pod's address is not reused at once, so no other pod's neighbour
+        (ARP) cache still maps it to a deleted pod's veth, which would drop connections to the new pod
+        until that entry went stale."""
         used = {r.net.index for r in self.pods.values()} | self.releasing
-        for i in range(2, 255):
+        for k in range(253):
+            i = 2 + (self.last_index - 2 + 1 + k) % 253
             if i not in used:
+                self.last_index = i
                 return i
         raise RuntimeError("no free pod IP in 10.244.0.0/24")
 
