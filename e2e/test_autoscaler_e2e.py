@@ -17,7 +17,6 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import json
-import re
 import sys
 import threading
 import time
