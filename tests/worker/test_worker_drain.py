@@ -83,16 +83,7 @@ def test_sigterm_drains_in_flight_stream_refuses_new_and_exits_0():
             # read-only routes keep answering (the autoscaler scrapes a draining pod too)
             assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
 
-            events, done = [json.loads(first[6:])], False
-            for line in lines:
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
-        assert done
-        finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
-        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
-        assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+            _read_to_end(first, lines)
 
         assert server.proc.wait(timeout=60) == 0, server.log()[-3000:]
         assert "drained" in server.log()

@@ -21,6 +21,7 @@ import torch
 from goodput.worker.model import block_linear, cpu_kernels
 from goodput.worker.model.block_linear import BlockLinear, from_parts
 from goodput.worker.model.quant import Q4Blocks, unpack_gguf_q4, unpack_gguf_q8_0
+from runner_steps import greedy_steps
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -127,8 +128,6 @@ def test_choose_says_why_not(monkeypatch):
 def test_model_few_row_path_equals_its_float_path(dtype, tol):
     """The real model: prefill, then decode steps of one row through the block linears, and the
     same steps with them turned off (the float weights, oneDNN / MKL): the same greedy tokens."""
-    from goodput.worker.engine.outputs import ScheduledChunk, SchedulerOutput
-    from goodput.worker.engine.sampling_params import SamplingParams
     from goodput.worker.model.runner import ModelRunner
     runner = ModelRunner("smollm2", dtype=dtype, num_blocks=16, block_size=16)
     model = runner.model
@@ -138,20 +137,10 @@ def test_model_few_row_path_equals_its_float_path(dtype, tol):
     linears.append(model.lm_head)
     assert all(lin.small is not None for lin in linears)
     rows = {id(lin): lin.small_rows for lin in linears}
-    prompt = runner.tokenizer.encode("The capital of France is")
     outs = {}
     for name in ("blocks", "float"):
         for lin in linears:
             lin.small_rows = rows[id(lin)] if name == "blocks" else -1
-        ids, logits = list(prompt), []
-        for step in range(6):
-            start = 0 if step == 0 else len(ids) - 1
-            chunk = ScheduledChunk(request_id="r", token_ids=tuple(ids[start:]), start_pos=start,
-                                   block_table=(0, 1), sample=True, sampling_params=SamplingParams(temperature=0.0),
-                                   num_output_tokens=step, prompt_token_ids=tuple(prompt))
-            out = runner.forward_logits(SchedulerOutput(chunks=[chunk], num_batched_tokens=len(ids) - start))["r"]
-            logits.append(out[-1])
-            ids.append(int(out[-1].argmax()))
-        outs[name] = (ids, torch.stack(logits))
+        outs[name] = greedy_steps(runner, "The capital of France is", 6)
     assert outs["blocks"][0] == outs["float"][0]
     assert (outs["blocks"][1] - outs["float"][1]).abs().max().item() < tol

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from goodput.worker.model import cpu_kernels
+from runner_steps import greedy_steps
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -121,24 +122,12 @@ def test_bad_inputs_raise(ops):
 def test_fused_forward_equals_torch_forward(dtype, tol):
     """The real model over a prefill chunk and two decode steps, once through the fused ops and
     once through the torch ops (the path used where the kernels cannot be built)."""
-    from goodput.worker.engine.outputs import ScheduledChunk, SchedulerOutput
-    from goodput.worker.engine.sampling_params import SamplingParams
     from goodput.worker.model.runner import ModelRunner
     runner = ModelRunner("smollm2", dtype=dtype, num_blocks=8, block_size=16, attention_backend="torch")
     assert runner.model.fused_ops is not None
-    prompt = runner.tokenizer.encode("The capital of France is")
     outs = {}
     for name, fused in (("fused", runner.model.fused_ops), ("torch", None)):
         runner.model.fused_ops = fused
-        ids, logits = list(prompt), []
-        for step in range(3):
-            start = 0 if step == 0 else len(ids) - 1
-            chunk = ScheduledChunk(request_id="r", token_ids=tuple(ids[start:]), start_pos=start,
-                                   block_table=(0, 1), sample=True, sampling_params=SamplingParams(temperature=0.0),
-                                   num_output_tokens=step, prompt_token_ids=tuple(prompt))
-            out = runner.forward_logits(SchedulerOutput(chunks=[chunk], num_batched_tokens=len(ids) - start))["r"]
-            logits.append(out[-1])
-            ids.append(int(out[-1].argmax()))
-        outs[name] = (ids, torch.stack(logits))
+        outs[name] = greedy_steps(runner, "The capital of France is", 3)
     assert outs["fused"][0] == outs["torch"][0]  # the same greedy tokens
     assert (outs["fused"][1] - outs["torch"][1]).abs().max().item() < tol
