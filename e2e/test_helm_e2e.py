@@ -42,6 +42,7 @@ RELEASE, RELEASE_NS = "gp", "goodput-system"
 EXAMPLE = ROOT / "crds" / "examples" / "local.yaml"
 NAME = "smollm2-local"
 PROM_PORT = 19390
+ROUTED_REQUESTS = 4  # drive_load sends these through the router
 RATE_WINDOW = "5m"  # stands in for $__rate_interval: covers the whole load phase
 _spec = importlib.util.spec_from_file_location("helm_dashboards", ROOT / "helm" / "dashboards.py")
 dash = importlib.util.module_from_spec(_spec)  # helm/dashboards.py: the panels' queries
@@ -352,7 +353,8 @@ def drive_load(ip: str, router_ip: str) -> dict[str, int]:
         with lock:
             codes[code] = codes.get(code, 0) + 1
 
-    for wave in ([(prefix + f"Question {i}: name a colour.", 8, f"http://{router_ip}:8080") for i in range(4)],
+    for wave in ([(prefix + f"Question {i}: name a colour.", 8, f"http://{router_ip}:8080")
+                  for i in range(ROUTED_REQUESTS)],
                  [(f"Burst request {i}: count to ten.", 12) for i in range(14)],
                  [("x " * 600, 16)]):
         threads = [threading.Thread(target=one, args=a) for a in wave]
@@ -372,8 +374,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(kubectl: Kube
              "Prometheus scraping the worker", on_timeout=diag)
     routers = wait_for(lambda: [p for p in release_pods(kubectl, "router") if ready(p)], 120,
                        "a Ready router pod", on_timeout=diag)
-    wait_for(lambda: query(prometheus, 'up{job="goodput-router"} == 1')["result"], 60,
-             "Prometheus scraping the routers", on_timeout=diag)
+    # the router the load goes through, scraped before the load: rate() needs its zero sample
+    router = routers[0]["metadata"]["name"]
+    wait_for(lambda: query(prometheus, f'up{{job="goodput-router", router_pod="{router}"}} == 1')["result"], 60,
+             f"Prometheus scraping the router {router}", on_timeout=diag)
     codes = drive_load(pod_ip(pod), pod_ip(routers[0]))
     assert codes.get(200, 0) >= 5 and codes.get(400, 0) == 1, codes
     # the load is in Prometheus (no sleeps: wait for the counters), and the autoscaler has decided
@@ -381,7 +385,12 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(kubectl: Kube
         result = query(prometheus, f'sum(goodput_requests_finished_total{{namespace="{ns}"}})')["result"]
         return float(result[0]["value"][1]) if result else 0.0
 
+    def routed() -> float:  # the unlabelled overhead histogram: every request the router sent upstream
+        result = query(prometheus, 'sum(goodput_router_overhead_seconds_count{job="goodput-router"})')["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
     wait_for(lambda: finished() >= codes[200], 60, "the finished requests scraped", on_timeout=diag)
+    wait_for(lambda: routed() >= ROUTED_REQUESTS, 60, "the router's requests scraped", on_timeout=diag)
     wait_for(lambda: query(prometheus, f'goodput_autoscaler_decisions_total{{namespace="{ns}"}}')["result"], 60,
              "the autoscaler's decisions scraped", on_timeout=diag)
 

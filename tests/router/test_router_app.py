@@ -218,6 +218,18 @@ def test_no_ready_pod_holds_then_503_with_retry_after():
         assert m[("goodput_router_decisions_total", (("reason", "held"),))] == 1
 
 
+def test_known_service_exports_zero_series_before_its_first_request():
+    """Per-service series exist from discovery on, at 0, so Prometheus' rate() counts the first
+    requests (a series born at 4 reads as no increase)."""
+    with fleet({"m1": [StubState("m1", "A")]}) as r:
+        m = router_metrics(r.url)
+        svc = (("inferenceservice", "m1"), ("namespace", ""))
+        for name in ("goodput_router_held_requests", "goodput_router_queued_requests",
+                     "goodput_router_queue_wait_seconds_count", "goodput_router_upstream_ttft_seconds_count"):
+            assert m[(name, svc)] == 0, name
+        assert m[("goodput_router_queue_wait_seconds_bucket", (("inferenceservice", "m1"), ("le", "+Inf"), ("namespace", "")))] == 0
+
+
 def test_held_request_served_when_a_pod_turns_ready():
     st = StubState("m1", "A", draining=True)
     with fleet({"m1": [st]}, hold_timeout_s=HANG_GUARD_S) as r:

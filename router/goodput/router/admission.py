@@ -222,11 +222,12 @@ class Admission:
         """Fleet listener: wake held requests when a pod is routable; refill from the queue; fail
         the waiters of a removed service with 404; drop removed pods from the prefix index."""
         svc = self.fleet.service(key)
-        if svc is not None:  # export 0, not nothing, for every known service
-            self.metrics.held.labels(*key)
-            self.metrics.queued.labels(*key)
+        per_service = (self.metrics.held, self.metrics.queued, self.metrics.queue_wait, self.metrics.upstream_ttft)
+        if svc is not None:  # export 0, not nothing, for every known service: rate() then sees the first requests
+            for g in per_service:
+                g.labels(*key)
         elif key in self._pods:
-            for g in (self.metrics.held, self.metrics.queued):
+            for g in per_service:
                 with suppress(KeyError):
                     g.remove(*key)
         names = set(svc.pods) if svc is not None else set()
