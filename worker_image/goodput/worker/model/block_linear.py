@@ -51,11 +51,11 @@ class BlockLinear:
         if KINDS[kind] == 1:
             codes = q.to(torch.int8).contiguous()
         else:
-            c = q.to(torch.uint8).reshape(N, K // 32, 32)
-            if (K // 32) % 2:
-                c = torch.cat([c, torch.zeros(N, 1, 32, dtype=torch.uint8)], 1)
-            c = c.reshape(N, -1, 2, 32)
-            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, -1).contiguous()
+            nb = K // 32
+            steps = q.to(torch.uint8).reshape(N, K // 2, 2)[:, step_order(nb)].reshape(N, nb, 32)
+            if nb % 2:  # the last step pairs with a step of zero codes
+                steps = torch.cat([steps, torch.zeros(N, 1, 32, dtype=torch.uint8)], 1)
+            codes = (steps[:, 0::2] | (steps[:, 1::2] << 4)).reshape(N, -1).contiguous()
         return cls(KINDS[kind], codes, d16.contiguous(), m16.contiguous() if m16 is not None else None, mod)
 
     def dequantize(self) -> torch.Tensor:
@@ -65,7 +65,10 @@ class BlockLinear:
             q = self.codes.float()
         else:
             c = self.codes.reshape(N, -1, 32)
-            q = torch.stack([c & 15, c >> 4], 2).reshape(N, -1)[:, :K].float()
+            steps = torch.stack([c & 15, c >> 4], 2).reshape(N, -1, 32)[:, :K // 32]
+            q = torch.empty(N, K // 2, 2)
+            q[:, step_order(K // 32)] = steps.reshape(N, K // 2, 2).float()
+            q = q.reshape(N, K)
         w = q.reshape(N, K // 32, 32) * self.d.float()[..., None]
         if self.m is not None:
             w = w + self.m.float()[..., None]
@@ -73,6 +76,29 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._mod.block_linear(x, self.kind, self.codes, self.d, self._m)
+
+
+def groups(nb: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of a 4-bit row's groups: 16 blocks while 16 remain, then 8, 4, 2, 1 for
+    the bits of ``nb`` mod 16 (``csrc/block_linear.cpp``, "lanes = blocks")."""
+    out = [(g0, 16) for g0 in range(0, nb - nb % 16, 16)]
+    g0 = nb - nb % 16
+    for t in (8, 4, 2, 1):
+        if nb % 16 & t:
+            out.append((g0, t))
+            g0 += t
+    return out
+
+
+def step_order(nb: int) -> torch.Tensor:
+    """int64 [nb·16]: the weight pair (block·16 + pair in block) at each (step, lane) of a 4-bit row,
+    step-major — lane l of step s of the group (g0, T) holds pair (l mod L)·T + s of block
+    g0 + l // L, L = 16 / T. The kernel permutes x the same way."""
+    order = []
+    for g0, t in groups(nb):
+        lanes = 16 // t
+        order += [(g0 + lane // lanes) * 16 + (lane % lanes) * t + s for s in range(t) for lane in range(16)]
+    return torch.tensor(order, dtype=torch.int64)
 
 
 # Calls with at most this many rows use the block kernel, larger ones the bf16 oneDNN matmul.

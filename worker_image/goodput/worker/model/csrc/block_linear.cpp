@@ -7,16 +7,26 @@
 // float16. These are the exact weights a float32 model dequantized from the file holds.
 // The sum is taken by linearity, Σ_k x_k w_k = Σ_b d_b·(Σ_j x_j q_j) + m_b·(Σ_j x_j): the codes q
 // are small integers, exact in bfloat16, so for bfloat16 activations the inner sums are AVX-512 BF16
-// dot products of exact products (no per-weight dequantization: two table lookups expand 64 codes),
+// dot products of exact products (no per-weight dequantization: table lookups expand the codes),
 // scaled by d_b in float32; float32 activations multiply by the exact float32 weights. Either way
 // the products are exact and only float32 summation order and rounding differ from a float64 sum
 // of x·w over the exact weights (error bound in the tests).
 //
+// Q4 rows are stored "lanes = blocks": a row's blocks form groups — 16 blocks, then the rest
+// (nb mod 16) as groups of 8, 4, 2, 1 blocks — and a group of T blocks is T steps of 32 codes,
+// one bfloat16 vector each, whose 16 lanes (2 codes each) belong to the group's blocks, 16/T lanes
+// per block. A lane's dot-product sum then stays within one block for the whole group, so the
+// block scale d_b multiplies once per group (a vector of the group's d) instead of once per block,
+// and no broadcast or per-block reduction sits in the inner loop. The activations are permuted the
+// same way once per call (a K-element gather shared by every row).
+//
 // Layout (built by goodput.worker.model.block_linear from the file's blocks):
-//   Q4 (kind 0): codes uint8 [N, ceil(nb/2)·32] — blocks paired, byte i of pair p is
-//                q(2p, i) | q(2p+1, i) << 4 (a missing last odd block has q = 0);
-//                d, m float16 [N, nb] (Q4_0 files: m = -8·d, exact).
-//   Q8 (kind 1): codes int8 [N, K]; d float16 [N, nb]; no m.
+//   Q4 (kind 0): codes uint8 [N, ceil(nb/2)·32]; global step t (t = g0 + s for step s of the group
+//                starting at block g0) is word i = 2l + e (lane l, e in 0..1) of a 32-code vector
+//                holding weight 2p + e of block g0 + l/L, p = (l mod L)·T + s, L = 16/T; steps 2j and
+//                2j+1 share 32 bytes, byte i = code(2j, i) | code(2j+1, i) << 4 (a missing last odd
+//                step has codes 0); d, m float16 [N, nb] (Q4_0 files: m = -8·d, exact).
+//   Q8 (kind 1): codes int8 [N, K] in weight order; d float16 [N, nb]; no m.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -60,6 +70,10 @@ inline float f16_to_f32(const uint8_t* p) {  // IEEE half -> float (exact)
   return f;
 }
 
+// a pair of bfloat16 / float32 elements, read through other types' pointers
+typedef uint32_t __attribute__((may_alias)) pair16;
+typedef uint64_t __attribute__((may_alias)) pair32;
+
 struct Rows {  // one linear in this file's layout
   int64_t kind, N, K, nb, cstride;  // cstride: code bytes per row
   const uint8_t* codes;
@@ -67,13 +81,48 @@ struct Rows {  // one linear in this file's layout
   const uint16_t* m;  // null for Q8
 };
 
+// The groups of a row of nb blocks, in order: f(g0, T) for T = 16 while 16 blocks remain, then
+// T = 8, 4, 2, 1 for the bits of nb mod 16.
+template <typename F>
+inline void for_groups(int64_t nb, F&& f) {
+  int64_t g0 = 0;
+  for (; g0 + 16 <= nb; g0 += 16) f(g0, int64_t{16});
+  for (int64_t t = 8; t >= 1; t >>= 1)
+    if ((nb - g0) & t) {
+      f(g0, t);
+      g0 += t;
+    }
+}
+
+// Pair index (within the row: block·16 + pair in block) of lane l at step s of group (g0, T).
+inline int64_t pair_of(int64_t g0, int64_t T, int64_t s, int64_t l) {
+  const int64_t L = 16 / T;
+  return (g0 + l / L) * 16 + (l % L) * T + s;
+}
+
+// x's pairs in the codes' step order: out[(g0 + s)·16 + l] = x[pair_of(g0, T, s, l)] (P: one pair
+// of elements, uint32 for bfloat16, uint64 for float32).
+template <typename P>
+void permute_pairs(const P* x, int64_t nb, P* out) {  // P must be declared may_alias
+  for_groups(nb, [&](int64_t g0, int64_t T) {
+    for (int64_t s = 0; s < T; ++s)
+      for (int64_t l = 0; l < 16; ++l) out[(g0 + s) * 16 + l] = x[pair_of(g0, T, s, l)];
+  });
+}
+
 inline int q_code(const Rows& w, int64_t n, int64_t k) {  // code of weight (n, k)
-  const int64_t b = k / 32, i = k % 32;
-  if (w.kind == kQ41) {
-    const uint8_t byte = w.codes[n * w.cstride + (b / 2) * 32 + i];
-    return b % 2 == 0 ? (byte & 15) : (byte >> 4);
-  }
-  return static_cast<int8_t>(w.codes[n * w.cstride + k]);
+  if (w.kind == kQ80) return static_cast<int8_t>(w.codes[n * w.cstride + k]);
+  const int64_t b = k / 32, p = (k % 32) / 2, e = k % 2;
+  int64_t step = -1, word = -1;
+  for_groups(w.nb, [&](int64_t g0, int64_t T) {
+    if (b >= g0 && b < g0 + T) {
+      const int64_t L = 16 / T;
+      step = g0 + p % T;
+      word = 2 * ((b - g0) * L + p / T) + e;
+    }
+  });
+  const uint8_t byte = w.codes[n * w.cstride + (step / 2) * 32 + word];
+  return step % 2 == 0 ? (byte & 15) : (byte >> 4);
 }
 
 // portable rows [n0, n1) of y (any CPU): the same sums, one weight at a time
@@ -102,54 +151,57 @@ void rows_generic(const T* x, int64_t xs, int64_t M, const Rows& w, int64_t n0, 
 
 inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
 
-// float16 row [nb] -> float32 buffer
-inline void halves_to_f32(const uint16_t* h, int64_t nb, float* out) {
-  for (int64_t b = 0; b < nb; b += 16) {
-    const __mmask16 k = first(nb - b);
-    _mm512_mask_storeu_ps(out + b, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + b)));
-  }
-}
+// float16 [n] -> float32 lanes 0..n-1 (the rest 0)
+inline __m512 halves(const uint16_t* h, int64_t n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), h)); }
 
-// Σ_b m_b · sx[b] over a row (the m_b·Σx term of Q4_1)
-inline float m_term(const uint16_t* mh, const float* sx, int64_t nb) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; b += 16) {
-    const __mmask16 k = first(nb - b);
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mh + b)), _mm512_maskz_loadu_ps(k, sx + b), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
+inline __m512i iota() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 
-// float32 activations: codes -> float32 (exact), w = d·q (+ m) exact, one FMA per weight
+// log2(16 / T): lane l of a group of T blocks belongs to its block l >> lane_shift(T)
+constexpr int lane_shift(int64_t T) { return T == 16 ? 0 : T == 8 ? 1 : T == 4 ? 2 : T == 2 ? 3 : 4; }
+
+// float32 activations, Q4: codes -> float32, w = d·q + m exact (d·q is exact, one rounding in the
+// FMA, as the float32 dequantization), one FMA per weight; x permuted to the codes' step order
 template <int MT>
-inline void row_f32(const float* x, int64_t xs, const Rows& w, int64_t n, float* dbuf, float* mbuf, float* out) {
-  halves_to_f32(w.d + n * w.nb, w.nb, dbuf);
-  if (w.m) halves_to_f32(w.m + n * w.nb, w.nb, mbuf);
+inline void row_q4_f32(const float* xp, int64_t K, const Rows& w, int64_t n, float* out) {
+  const uint8_t* c = w.codes + n * w.cstride;
+  const uint16_t* dh = w.d + n * w.nb;
+  const uint16_t* mh = w.m + n * w.nb;
+  const __m128i nib = _mm_set1_epi8(15);
+  __m512 acc[MT];
+  for (int mi = 0; mi < MT; ++mi) acc[mi] = _mm512_setzero_ps();
+  for_groups(w.nb, [&](int64_t g0, int64_t T) {
+    const __m512 dg = halves(dh + g0, T), mg = halves(mh + g0, T);
+    const __m512i sh = _mm512_set1_epi32(lane_shift(T));
+    __m512 de[2], me[2];  // per element of each 16-word half: its block's d and m
+    for (int h = 0; h < 2; ++h) {
+      const __m512i blk = _mm512_srlv_epi32(_mm512_srli_epi32(_mm512_add_epi32(iota(), _mm512_set1_epi32(16 * h)), 1), sh);
+      de[h] = _mm512_permutexvar_ps(blk, dg);
+      me[h] = _mm512_permutexvar_ps(blk, mg);
+    }
+    for (int64_t t = g0; t < g0 + T; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (t / 2) * 32 + 16 * h));
+        if (t % 2) bytes = _mm_srli_epi16(bytes, 4);
+        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nib))), de[h], me[h]);
+        for (int mi = 0; mi < MT; ++mi) acc[mi] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + mi * K + t * 32 + 16 * h), wv, acc[mi]);
+      }
+    }
+  });
+  for (int mi = 0; mi < MT; ++mi) out[mi] = _mm512_reduce_add_ps(acc[mi]);
+}
+
+// float32 activations, Q8: w = d·q exact, one FMA per weight
+template <int MT>
+inline void row_q8_f32(const float* x, int64_t xs, const Rows& w, int64_t n, float* out) {
   const uint8_t* c = w.codes + n * w.cstride;
   __m512 acc[MT];
   for (int mi = 0; mi < MT; ++mi) acc[mi] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
-    __m512 lo, hi;
-    const __m512 d = _mm512_set1_ps(dbuf[b]);
-    if (w.kind == kQ41) {
-      const __m128i nib = _mm_set1_epi8(15);
-      __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (b / 2) * 32));
-      __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (b / 2) * 32 + 16));
-      if (b % 2) {
-        q0 = _mm_srli_epi16(q0, 4);
-        q1 = _mm_srli_epi16(q1, 4);
-      }
-      const __m512 m = _mm512_set1_ps(mbuf[b]);
-      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q0, nib))), d, m);
-      hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q1, nib))), d, m);
-    } else {
-      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 32)))), d);
-      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 32 + 16)))), d);
-    }
-    for (int mi = 0; mi < MT; ++mi) {
-      const float* xb = x + mi * xs + b * 32;
-      acc[mi] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), lo, acc[mi]);
-      acc[mi] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), hi, acc[mi]);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(w.d[n * w.nb + b]));
+    for (int h = 0; h < 2; ++h) {
+      const __m512 wv = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 32 + 16 * h)))), d);
+      for (int mi = 0; mi < MT; ++mi) acc[mi] = _mm512_fmadd_ps(_mm512_loadu_ps(x + mi * xs + b * 32 + 16 * h), wv, acc[mi]);
     }
   }
   for (int mi = 0; mi < MT; ++mi) out[mi] = _mm512_reduce_add_ps(acc[mi]);
@@ -158,8 +210,8 @@ inline void row_f32(const float* x, int64_t xs, const Rows& w, int64_t n, float*
 #if defined(__AVX512BF16__)
 #define GOODPUT_BLOCK_LINEAR_BF16 1
 
-// words i = bfloat16(i mod 16): the table two vpermw lookups expand 4-bit codes with (vpermw reads
-// index bits 4..0, so bit 4 of an unmasked nibble pair selects the same value)
+// words i = bfloat16(i mod 16): the table vpermw expands 4-bit codes with (vpermw reads index
+// bits 4..0, so bit 4 of an unmasked nibble pair selects the same value)
 inline __m512i code_table() {
   alignas(64) uint16_t t[32];
   for (int i = 0; i < 32; ++i) {
@@ -171,40 +223,62 @@ inline __m512i code_table() {
   return _mm512_load_si512(t);
 }
 
-// bfloat16 activations, Q4: acc_m += d_b · dot(x_m block b, q block b); then + Σ_b m_b·sx_m[b].
-// Even and odd blocks sum into separate registers: two FMA dependency chains instead of one (at one
-// row of x the chain's latency, not the arithmetic, would bound the loop).
-template <int MT>
-inline void row_q4_bf16(const at::BFloat16* x, int64_t xs, const float* sx, int64_t sxs, const Rows& w, int64_t n,
-                        __m512i table, float* dbuf, float* out) {
-  halves_to_f32(w.d + n * w.nb, w.nb, dbuf);
-  const uint8_t* c = w.codes + n * w.cstride;
-  __m512 acc[MT], acc2[MT];
-  for (int mi = 0; mi < MT; ++mi) acc[mi] = acc2[mi] = _mm512_setzero_ps();
-  const int64_t nb = w.nb;
-  for (int64_t b = 0; b < nb; b += 2) {
-    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b * 16)));
-    const __m512bh qa = (__m512bh)_mm512_permutexvar_epi16(raw, table);  // low nibbles: block b
-    const __m512 da = _mm512_set1_ps(dbuf[b]);
-    for (int mi = 0; mi < MT; ++mi) {
-      const __m512i xv = _mm512_loadu_si512(x + mi * xs + b * 32);
-      acc[mi] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xv, qa), da, acc[mi]);
-    }
-    if (b + 1 < nb) {
-      const __m512bh qb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);  // block b + 1
-      const __m512 db = _mm512_set1_ps(dbuf[b + 1]);
-      for (int mi = 0; mi < MT; ++mi) {
-        const __m512i xv = _mm512_loadu_si512(x + mi * xs + (b + 1) * 32);
-        acc2[mi] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xv, qb), db, acc2[mi]);
-      }
+// One group of T blocks of a Q4 row, bfloat16 activations (x permuted to step order): per lane,
+// acc = Σ over the group's steps of the lane's two products (vdpbf16ps, exact products, float32
+// sums; four accumulators so consecutive steps do not wait on each other), then
+// tot += d_lane · acc + m_b · Σx_b.
+template <int MT, int T>
+inline __attribute__((always_inline)) void group_q4_bf16(const at::BFloat16* xp, int64_t K, const float* sx, int64_t nb,
+                                                         const uint8_t* c, const uint16_t* dh, const uint16_t* mh,
+                                                         int64_t g0, __m512i table, __m512 (&tot)[MT]) {
+  __m512 acc[MT][4];
+  for (int mi = 0; mi < MT; ++mi)
+    for (int j = 0; j < 4; ++j) acc[mi][j] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int s = 0; s < T; s += 2) {
+    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g0 + s) * 16)));
+    const __m512bh qa = (__m512bh)_mm512_permutexvar_epi16(raw, table);  // step s: low nibbles
+    for (int mi = 0; mi < MT; ++mi)
+      acc[mi][s & 3] = _mm512_dpbf16_ps(acc[mi][s & 3], (__m512bh)_mm512_loadu_si512(xp + mi * K + (g0 + s) * 32), qa);
+    if (s + 1 < T) {
+      const __m512bh qb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);  // step s + 1
+      for (int mi = 0; mi < MT; ++mi)
+        acc[mi][(s + 1) & 3] =
+            _mm512_dpbf16_ps(acc[mi][(s + 1) & 3], (__m512bh)_mm512_loadu_si512(xp + mi * K + (g0 + s + 1) * 32), qb);
     }
   }
-  for (int mi = 0; mi < MT; ++mi)
-    out[mi] = _mm512_reduce_add_ps(_mm512_add_ps(acc[mi], acc2[mi])) + m_term(w.m + n * nb, sx + mi * sxs, nb);
+  __m512 dl = halves(dh + g0, T);
+  if constexpr (T < 16) dl = _mm512_permutexvar_ps(_mm512_srli_epi32(iota(), lane_shift(T)), dl);
+  const __m512 ml = halves(mh + g0, T);
+  for (int mi = 0; mi < MT; ++mi) {
+    const __m512 a = _mm512_add_ps(_mm512_add_ps(acc[mi][0], acc[mi][1]), _mm512_add_ps(acc[mi][2], acc[mi][3]));
+    tot[mi] = _mm512_fmadd_ps(dl, a, tot[mi]);
+    tot[mi] = _mm512_fmadd_ps(ml, _mm512_maskz_loadu_ps(first(T), sx + mi * nb + g0), tot[mi]);
+  }
+}
+
+template <int MT>
+inline void row_q4_bf16(const at::BFloat16* xp, int64_t K, const float* sx, const Rows& w, int64_t n, __m512i table,
+                        float* out) {
+  const uint8_t* c = w.codes + n * w.cstride;
+  const uint16_t* dh = w.d + n * w.nb;
+  const uint16_t* mh = w.m + n * w.nb;
+  __m512 tot[MT];
+  for (int mi = 0; mi < MT; ++mi) tot[mi] = _mm512_setzero_ps();
+  for_groups(w.nb, [&](int64_t g0, int64_t T) {
+    switch (T) {
+      case 16: group_q4_bf16<MT, 16>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
+      case 8: group_q4_bf16<MT, 8>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
+      case 4: group_q4_bf16<MT, 4>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
+      case 2: group_q4_bf16<MT, 2>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
+      default: group_q4_bf16<MT, 1>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
+    }
+  });
+  for (int mi = 0; mi < MT; ++mi) out[mi] = _mm512_reduce_add_ps(tot[mi]);
 }
 
 // bfloat16 activations, Q8: int8 codes -> bfloat16 exactly (|q| <= 128 has <= 8 significant bits);
-// even/odd blocks in separate sums as above
+// even/odd blocks in separate sums (two FMA dependency chains)
 template <int MT>
 inline __attribute__((always_inline)) void q8_block(const at::BFloat16* x, int64_t xs, const uint8_t* c, int64_t b,
                                                     float dscale, __m512 (&a)[MT]) {
@@ -219,51 +293,54 @@ inline __attribute__((always_inline)) void q8_block(const at::BFloat16* x, int64
 }
 
 template <int MT>
-inline void row_q8_bf16(const at::BFloat16* x, int64_t xs, const Rows& w, int64_t n, float* dbuf, float* out) {
-  halves_to_f32(w.d + n * w.nb, w.nb, dbuf);
+inline void row_q8_bf16(const at::BFloat16* x, int64_t xs, const Rows& w, int64_t n, float* out) {
   const uint8_t* c = w.codes + n * w.cstride;
+  const uint16_t* dh = w.d + n * w.nb;
   __m512 acc[MT], acc2[MT];
   for (int mi = 0; mi < MT; ++mi) acc[mi] = acc2[mi] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 1 < w.nb; b += 2) {
-    q8_block<MT>(x, xs, c, b, dbuf[b], acc);
-    q8_block<MT>(x, xs, c, b + 1, dbuf[b + 1], acc2);
+    q8_block<MT>(x, xs, c, b, _cvtsh_ss(dh[b]), acc);
+    q8_block<MT>(x, xs, c, b + 1, _cvtsh_ss(dh[b + 1]), acc2);
   }
-  if (b < w.nb) q8_block<MT>(x, xs, c, b, dbuf[b], acc);
+  if (b < w.nb) q8_block<MT>(x, xs, c, b, _cvtsh_ss(dh[b]), acc);
   for (int mi = 0; mi < MT; ++mi) out[mi] = _mm512_reduce_add_ps(_mm512_add_ps(acc[mi], acc2[mi]));
 }
 #endif
 
-#define GOODPUT_MT_SWITCH(fn, mt, ...)   \
-  switch (mt) {                          \
-    case 1: fn<1>(__VA_ARGS__); break;   \
-    case 2: fn<2>(__VA_ARGS__); break;   \
-    case 3: fn<3>(__VA_ARGS__); break;   \
-    case 4: fn<4>(__VA_ARGS__); break;   \
-    case 5: fn<5>(__VA_ARGS__); break;   \
-    case 6: fn<6>(__VA_ARGS__); break;   \
-    case 7: fn<7>(__VA_ARGS__); break;   \
-    default: fn<8>(__VA_ARGS__); break;  \
+#define GOODPUT_MT_SWITCH4(fn, mt, ...) \
+  switch (mt) {                         \
+    case 1: fn<1>(__VA_ARGS__); break;  \
+    case 2: fn<2>(__VA_ARGS__); break;  \
+    case 3: fn<3>(__VA_ARGS__); break;  \
+    default: fn<4>(__VA_ARGS__); break; \
   }
 
+// rows [n0, n1) of y; x as given (Q8) and xp: x permuted to the codes' step order, [M, K]
+// contiguous (Q4)
 template <typename T>
-void rows_avx512(const T* x, int64_t xs, int64_t M, const float* sx, const Rows& w, int64_t n0, int64_t n1, T* y) {
-  std::vector<float> dbuf(w.nb + 16), mbuf(w.nb + 16);
-  float s[8];
+void rows_avx512(const T* x, int64_t xs, const T* xp, int64_t M, const float* sx, const Rows& w, int64_t n0, int64_t n1,
+                 T* y) {
+  constexpr int kTile = 4;  // rows of x per pass over a weight row (it stays in L1)
+  float s[kTile];
 #if defined(GOODPUT_BLOCK_LINEAR_BF16)
   const __m512i table = code_table();
 #endif
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {  // 8 rows of x per pass over the row (it stays in L1)
-      const int64_t mt = std::min<int64_t>(8, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+      const int64_t mt = std::min<int64_t>(kTile, M - m0);
       if constexpr (std::is_same<T, float>::value) {
-        GOODPUT_MT_SWITCH(row_f32, mt, x + m0 * xs, xs, w, n, dbuf.data(), mbuf.data(), s)
+        if (w.kind == kQ41) {
+          GOODPUT_MT_SWITCH4(row_q4_f32, mt, xp + m0 * w.K, w.K, w, n, s)
+        } else {
+          GOODPUT_MT_SWITCH4(row_q8_f32, mt, x + m0 * xs, xs, w, n, s)
+        }
       } else {
 #if defined(GOODPUT_BLOCK_LINEAR_BF16)
         if (w.kind == kQ41) {
-          GOODPUT_MT_SWITCH(row_q4_bf16, mt, x + m0 * xs, xs, sx + m0 * w.nb, w.nb, w, n, table, dbuf.data(), s)
+          GOODPUT_MT_SWITCH4(row_q4_bf16, mt, xp + m0 * w.K, w.K, sx + m0 * w.nb, w, n, table, s)
         } else {
-          GOODPUT_MT_SWITCH(row_q8_bf16, mt, x + m0 * xs, xs, w, n, dbuf.data(), s)
+          GOODPUT_MT_SWITCH4(row_q8_bf16, mt, x + m0 * xs, xs, w, n, s)
         }
 #else
         rows_generic(x + m0 * xs, xs, mt, w, n, n + 1, y + m0 * w.N);
@@ -291,7 +368,7 @@ bool block_linear_vectorized(std::string dtype) {
 }
 
 // x [M, K] float32 or bfloat16 (rows contiguous, any row stride); kind 0 (Q4: codes uint8
-// [N, ceil(K/64)·32], d and m float16 [N, K/32]) or 1 (Q8: codes int8 [N, K], d float16
+// [N, ceil(K/64)·32] in the step order above, d and m float16 [N, K/32]) or 1 (Q8: codes int8 [N, K], d float16
 // [N, K/32], m empty). Returns y [M, N] in x's dtype (float32 sums rounded once).
 torch::Tensor block_linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
   TORCH_CHECK(kind == kQ41 || kind == kQ80, "kind must be 0 (Q4) or 1 (Q8)");
@@ -320,24 +397,33 @@ torch::Tensor block_linear(torch::Tensor x, int64_t kind, torch::Tensor codes, t
          kind == kQ41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
   // per-block sums of x (the m_b · Σx term), float32 [M, nb]
   std::vector<float> sx(static_cast<size_t>(M * nb));
-  auto body = [&](const auto* xp, auto* yp) {
+  auto body = [&](const auto* xr, auto* yp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xr)>>;
+    const int64_t xs = x.stride(0);
     if (w.m) {
       for (int64_t mi = 0; mi < M; ++mi)
         for (int64_t b = 0; b < nb; ++b) {
           float s = 0.f;
-          for (int64_t i = 0; i < 32; ++i) s += static_cast<float>(xp[mi * x.stride(0) + b * 32 + i]);
+          for (int64_t i = 0; i < 32; ++i) s += static_cast<float>(xr[mi * xs + b * 32 + i]);
           sx[mi * nb + b] = s;
         }
     }
     // ~32 KB of weights per task: enough work to be worth a thread
     const int64_t grain = std::max<int64_t>(16, 65536 / (K * std::max<int64_t>(M, 1)));
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #if defined(GOODPUT_BLOCK_LINEAR_AVX512)
-      rows_avx512(xp, x.stride(0), M, sx.data(), w, n0, n1, yp);
-#else
-      rows_generic(xp, x.stride(0), M, w, n0, n1, yp);
-#endif
+    std::vector<T> xp;  // Q4: x in the codes' step order, once for every row
+    if (kind == kQ41) {
+      using P = std::conditional_t<sizeof(T) == 2, pair16, pair32>;
+      xp.resize(static_cast<size_t>(M * K));
+      for (int64_t mi = 0; mi < M; ++mi)
+        permute_pairs(reinterpret_cast<const P*>(xr + mi * xs), nb, reinterpret_cast<P*>(xp.data() + mi * K));
+    }
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      rows_avx512(xr, xs, xp.data(), M, sx.data(), w, n0, n1, yp);
     });
+#else
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_generic(xr, xs, M, w, n0, n1, yp); });
+#endif
   };
   if (x.scalar_type() == torch::kFloat32) {
     body(x.data_ptr<float>(), y.data_ptr<float>());
