@@ -2,14 +2,16 @@
 reference over the exact weights gguf-py dequantizes, with an error bound derived from float32
 summation; its layout round trip; and the model's few-row path against its float path.
 
-Bound: the kernel computes Σ_b d_b·(Σ_j x_j·q_j) + m_b·(Σ_j x_j) in float32 (bfloat16 x times a
-small integer code is exact; float32 x times an exact float32 weight is rounded once). Each term
-x_j·q_j·d_b (and x_j·m_b) passes through at most n = K + K/16 + 16 roundings (≤ 32 in its block's
-sum, one scaling, ≤ K/32 across blocks, ≤ 16 in the final reductions and additions), so the
-float32 result errs by at most γ_n·A with γ_n = n·u / (1 − n·u), u = 2⁻²⁴ (Higham, "Accuracy and
-Stability of Numerical Algorithms", 2nd ed., §3.1, Lemma 3.4 and §3.1's summation bound) and
-A = Σ_b |d_b|·Σ_j |x_j|·|q_j| + |m_b|·Σ_j |x_j| ≥ Σ|terms|. The output is then rounded once to
-x's dtype: at most u_out·|y| more (u_out = 2⁻²⁴ float32, 2⁻⁸ bfloat16).
+Bound: the kernel computes Σ_b d_b·(Σ_j x_j·(c + q_j)) + (m_b − c·d_b)·(Σ_j x_j) in float32, with
+c = 128 for 4-bit codes and bfloat16 x (the codes enter as bfloat16(128 + q), see the kernel's
+header) and c = 0 otherwise (bfloat16 x times a small integer is exact; float32 x times an exact
+float32 weight is rounded once). Each term passes through at most n = K + K/16 + 16 roundings
+(≤ 32 in its block's sum, one scaling or m − c·d, ≤ K/32 across blocks, ≤ 16 in the final
+reductions and additions), so the float32 result errs by at most γ_n·A with γ_n = n·u / (1 − n·u),
+u = 2⁻²⁴ (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., §3.1, Lemma 3.4 and
+§3.1's summation bound) and A = Σ_b |d_b|·Σ_j |x_j|·|c + q_j| + |m_b − c·d_b|·Σ_j |x_j| ≥ Σ|terms|.
+The output is then rounded once to x's dtype: at most u_out·|y| more (u_out = 2⁻²⁴ float32, 2⁻⁸
+bfloat16).
 """
 from __future__ import annotations
 
@@ -51,19 +53,22 @@ def abs_terms(x: torch.Tensor, b: Q4Blocks) -> torch.Tensor:
     """A of the module docstring, float64 [M, N]."""
     M, K = x.shape
     ax = x.double().abs().reshape(M, K // 32, 32)
-    q = b.q.double()
+    c = 128.0 if b.kind != "Q8_0" and x.dtype == torch.bfloat16 else 0.0
+    d = b.d.double()
     if b.kind == "Q4_0":  # d·(q − 8) = d·q + (−8d): the kernel's form
-        m = 8 * b.d.double().abs()
+        m = -8 * d
     else:
-        m = b.m.double().abs() if b.m is not None else torch.zeros_like(b.d, dtype=torch.float64)
-    aq = q.abs().reshape(-1, K // 32, 32)
-    dq = torch.einsum("mbj,nbj,nb->mn", ax, aq, b.d.double().abs())
-    return dq + torch.einsum("mb,nb->mn", ax.sum(-1), m)
+        m = b.m.double() if b.m is not None else torch.zeros_like(d)
+    aq = (c + b.q.double()).abs().reshape(-1, K // 32, 32)
+    dq = torch.einsum("mbj,nbj,nb->mn", ax, aq, d.abs())
+    return dq + torch.einsum("mb,nb->mn", ax.sum(-1), (m - c * d).abs())
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (2, 40, 576), (3, 17, 96), (9, 64, 1536), (17, 16, 32)])
+# K = 64, 576, 96, 1536, 32, 992, 384: groups 2; 16+2; 2+1; 3×16; 1; 16+8+4+2+1; 8+4
+@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (2, 40, 576), (3, 17, 96), (9, 64, 1536), (17, 16, 32), (2, 24, 992),
+                                   (1, 8, 384)])
 def test_matches_float64_reference_within_the_summation_bound(mod, kind, dtype, M, N, K):
     blocks, ref_w = gguf_blocks(kind, N, K, seed=M * 1000 + N)
     lin = BlockLinear.from_blocks(kind, blocks.q, blocks.d, blocks.m, mod)

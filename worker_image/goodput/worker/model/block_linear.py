@@ -51,11 +51,7 @@ class BlockLinear:
         if KINDS[kind] == 1:
             codes = q.to(torch.int8).contiguous()
         else:
-            nb = K // 32
-            steps = q.to(torch.uint8).reshape(N, K // 2, 2)[:, step_order(nb)].reshape(N, nb, 32)
-            if nb % 2:  # the last step pairs with a step of zero codes
-                steps = torch.cat([steps, torch.zeros(N, 1, 32, dtype=torch.uint8)], 1)
-            codes = (steps[:, 0::2] | (steps[:, 1::2] << 4)).reshape(N, -1).contiguous()
+            codes = pack_codes(q.to(torch.uint8).reshape(N, K // 2, 2)[:, step_order(K // 32)].reshape(N, K // 32, 32))
         return cls(KINDS[kind], codes, d16.contiguous(), m16.contiguous() if m16 is not None else None, mod)
 
     def dequantize(self) -> torch.Tensor:
@@ -64,10 +60,8 @@ class BlockLinear:
         if self.kind == 1:
             q = self.codes.float()
         else:
-            c = self.codes.reshape(N, -1, 32)
-            steps = torch.stack([c & 15, c >> 4], 2).reshape(N, -1, 32)[:, :K // 32]
             q = torch.empty(N, K // 2, 2)
-            q[:, step_order(K // 32)] = steps.reshape(N, K // 2, 2).float()
+            q[:, step_order(K // 32)] = unpack_codes(self.codes, K // 32).reshape(N, K // 2, 2).float()
             q = q.reshape(N, K)
         w = q.reshape(N, K // 32, 32) * self.d.float()[..., None]
         if self.m is not None:
@@ -99,6 +93,43 @@ def step_order(nb: int) -> torch.Tensor:
         lanes = 16 // t
         order += [(g0 + lane // lanes) * 16 + (lane % lanes) * t + s for s in range(t) for lane in range(16)]
     return torch.tensor(order, dtype=torch.int64)
+
+
+def pack_codes(steps: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, nb, 32] codes (0..15) in step order -> the row bytes [N, ceil(nb/2)·32]: a group of
+    T >= 4 blocks as steps in fours (16-bit word i = Σ_k code(t₀ + k, i) << 4k, little-endian), a
+    group of T <= 2 as steps in twos (byte i = code(t₀, i) | code(t₀ + 1, i) << 4, a missing step 0)."""
+    N, nb, _ = steps.shape
+    parts = []
+    for g0, t in groups(nb):
+        s = steps[:, g0:g0 + t].to(torch.int32)
+        if t >= 4:
+            s = s.reshape(N, t // 4, 4, 32)
+            words = s[:, :, 0] | s[:, :, 1] << 4 | s[:, :, 2] << 8 | s[:, :, 3] << 12
+            parts.append(torch.stack([words & 0xFF, words >> 8], -1).reshape(N, -1))
+        else:
+            if t == 1:
+                s = torch.cat([s, torch.zeros_like(s)], 1)
+            parts.append((s[:, 0] | s[:, 1] << 4).reshape(N, -1))
+    return torch.cat(parts, 1).to(torch.uint8).contiguous()
+
+
+def unpack_codes(codes: torch.Tensor, nb: int) -> torch.Tensor:
+    """The inverse of :func:`pack_codes`: uint8 [N, nb, 32] in step order."""
+    N = codes.shape[0]
+    out, at = [], 0
+    c = codes.to(torch.int32)
+    for _, t in groups(nb):
+        if t >= 4:
+            b = c[:, at:at + 16 * t].reshape(N, t // 4, 32, 2)
+            words = b[..., 0] | b[..., 1] << 8
+            out.append(torch.stack([(words >> (4 * k)) & 15 for k in range(4)], 2).reshape(N, t, 32))
+            at += 16 * t
+        else:
+            b = c[:, at:at + 32]
+            out.append(torch.stack([b & 15, b >> 4], 1)[:, :t])
+            at += 32
+    return torch.cat(out, 1).to(torch.uint8)
 
 
 # Calls with at most this many rows use the block kernel, larger ones the bf16 oneDNN matmul.

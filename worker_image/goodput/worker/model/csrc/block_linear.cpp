@@ -5,12 +5,15 @@
 // Weights (llama.cpp ggml-quants.c, dequantize_row_q4_1 / _q8_0; block b of a row holds weights
 // 32b .. 32b+31): Q4_1 w = d_b·q + m_b (q in 0..15), Q8_0 w = d_b·q (q in -128..127), d_b and m_b
 // float16. These are the exact weights a float32 model dequantized from the file holds.
-// The sum is taken by linearity, Σ_k x_k w_k = Σ_b d_b·(Σ_j x_j q_j) + m_b·(Σ_j x_j): the codes q
-// are small integers, exact in bfloat16, so for bfloat16 activations the inner sums are AVX-512 BF16
-// dot products of exact products (no per-weight dequantization: table lookups expand the codes),
-// scaled by d_b in float32; float32 activations multiply by the exact float32 weights. Either way
-// the products are exact and only float32 summation order and rounding differ from a float64 sum
-// of x·w over the exact weights (error bound in the tests).
+// The sum is taken by linearity, Σ_k x_k w_k = Σ_b d_b·(Σ_j x_j q_j) + m_b·(Σ_j x_j). For bfloat16
+// activations the inner sums are AVX-512 BF16 dot products against the codes made bfloat16 by bit
+// operations alone: the word 0x4300 | q is bfloat16(128 + q) exactly (exponent 2⁷, the 7 mantissa
+// bits hold q), so Σ_j x_j q_j = Σ_j x_j (128 + q_j) − 128·Σ_j x_j and a block contributes
+// d_b·dot(x, 128 + q) + (m_b − 128·d_b)·Σx (Q4_0 files: m = −8·d). The products are exact; the
+// offset makes the float32 sums larger than the result by ~(128 + 8)/8 ≈ 17 (about 4 of float32's 24
+// bits; bfloat16 outputs keep 8). Float32 activations multiply by the exact float32 weights,
+// w = d·q + m. Either way only float32 summation order and rounding differ from a float64 sum of
+// x·w over the exact weights (error bound in the tests).
 //
 // Q4 rows are stored "lanes = blocks": a row's blocks form groups — 16 blocks, then the rest
 // (nb mod 16) as groups of 8, 4, 2, 1 blocks — and a group of T blocks is T steps of 32 codes,
@@ -23,9 +26,11 @@
 // Layout (built by goodput.worker.model.block_linear from the file's blocks):
 //   Q4 (kind 0): codes uint8 [N, ceil(nb/2)·32]; global step t (t = g0 + s for step s of the group
 //                starting at block g0) is word i = 2l + e (lane l, e in 0..1) of a 32-code vector
-//                holding weight 2p + e of block g0 + l/L, p = (l mod L)·T + s, L = 16/T; steps 2j and
-//                2j+1 share 32 bytes, byte i = code(2j, i) | code(2j+1, i) << 4 (a missing last odd
-//                step has codes 0); d, m float16 [N, nb] (Q4_0 files: m = -8·d, exact).
+//                holding weight 2p + e of block g0 + l/L, p = (l mod L)·T + s, L = 16/T. Groups of
+//                T >= 4 store steps in fours, 64 bytes from byte 16·t₀ (t₀ = the first of the four):
+//                16-bit word i holds step t₀ + k's code i in bits 4k..4k+3 (a shift and a mask
+//                each). Groups of T <= 2 store steps in twos, 32 bytes: byte i = code(t₀, i) |
+//                code(t₀ + 1, i) << 4 (a missing last odd step has codes 0). d, m float16 [N, nb].
 //   Q8 (kind 1): codes int8 [N, K] in weight order; d float16 [N, nb]; no m.
 #include <torch/extension.h>
 
@@ -110,19 +115,31 @@ void permute_pairs(const P* x, int64_t nb, P* out) {  // P must be declared may_
   });
 }
 
+// Where code i of step t (group (g0, T)) lives: its byte offset in the row and its nibble's shift.
+inline void code_at(int64_t g0, int64_t T, int64_t t, int64_t i, int64_t& byte, int& shift) {
+  if (T >= 4) {  // fours: word i of 64 bytes, bits 4k..4k+3
+    const int64_t k = (t - g0) % 4;
+    byte = (t - k) * 16 + 2 * i + k / 2;
+    shift = 4 * static_cast<int>(k % 2);
+  } else {  // twos: byte i of 32, low / high nibble
+    const int64_t k = (t - g0) % 2;
+    byte = (t - k) * 16 + i;
+    shift = 4 * static_cast<int>(k);
+  }
+}
+
 inline int q_code(const Rows& w, int64_t n, int64_t k) {  // code of weight (n, k)
   if (w.kind == kQ80) return static_cast<int8_t>(w.codes[n * w.cstride + k]);
   const int64_t b = k / 32, p = (k % 32) / 2, e = k % 2;
-  int64_t step = -1, word = -1;
+  int64_t byte = 0;
+  int shift = 0;
   for_groups(w.nb, [&](int64_t g0, int64_t T) {
     if (b >= g0 && b < g0 + T) {
       const int64_t L = 16 / T;
-      step = g0 + p % T;
-      word = 2 * ((b - g0) * L + p / T) + e;
+      code_at(g0, T, g0 + p % T, 2 * ((b - g0) * L + p / T) + e, byte, shift);
     }
   });
-  const uint8_t byte = w.codes[n * w.cstride + (step / 2) * 32 + word];
-  return step % 2 == 0 ? (byte & 15) : (byte >> 4);
+  return (w.codes[n * w.cstride + byte] >> shift) & 15;
 }
 
 // portable rows [n0, n1) of y (any CPU): the same sums, one weight at a time
@@ -166,7 +183,6 @@ inline void row_q4_f32(const float* xp, int64_t K, const Rows& w, int64_t n, flo
   const uint8_t* c = w.codes + n * w.cstride;
   const uint16_t* dh = w.d + n * w.nb;
   const uint16_t* mh = w.m + n * w.nb;
-  const __m128i nib = _mm_set1_epi8(15);
   __m512 acc[MT];
   for (int mi = 0; mi < MT; ++mi) acc[mi] = _mm512_setzero_ps();
   for_groups(w.nb, [&](int64_t g0, int64_t T) {
@@ -179,10 +195,19 @@ inline void row_q4_f32(const float* xp, int64_t K, const Rows& w, int64_t n, flo
       me[h] = _mm512_permutexvar_ps(blk, mg);
     }
     for (int64_t t = g0; t < g0 + T; ++t) {
-      for (int h = 0; h < 2; ++h) {
-        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (t / 2) * 32 + 16 * h));
-        if (t % 2) bytes = _mm_srli_epi16(bytes, 4);
-        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nib))), de[h], me[h]);
+      for (int h = 0; h < 2; ++h) {  // codes 16h .. 16h + 15 of step t
+        __m512i q;
+        if (T >= 4) {
+          const int64_t k = (t - g0) % 4;
+          q = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (t - k) * 16 + 32 * h)));
+          q = _mm512_srlv_epi32(q, _mm512_set1_epi32(static_cast<int>(4 * k)));
+        } else {
+          const int64_t k = (t - g0) % 2;
+          q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (t - k) * 16 + 16 * h)));
+          q = _mm512_srlv_epi32(q, _mm512_set1_epi32(static_cast<int>(4 * k)));
+        }
+        q = _mm512_and_si512(q, _mm512_set1_epi32(15));
+        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), de[h], me[h]);
         for (int mi = 0; mi < MT; ++mi) acc[mi] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + mi * K + t * 32 + 16 * h), wv, acc[mi]);
       }
     }
@@ -210,56 +235,50 @@ inline void row_q8_f32(const float* x, int64_t xs, const Rows& w, int64_t n, flo
 #if defined(__AVX512BF16__)
 #define GOODPUT_BLOCK_LINEAR_BF16 1
 
-// words i = bfloat16(i mod 16): the table vpermw expands 4-bit codes with (vpermw reads index
-// bits 4..0, so bit 4 of an unmasked nibble pair selects the same value)
-inline __m512i code_table() {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float f = static_cast<float>(i & 15);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    t[i] = static_cast<uint16_t>(u >> 16);  // small integers are exact in bfloat16
-  }
-  return _mm512_load_si512(t);
-}
-
 // One group of T blocks of a Q4 row, bfloat16 activations (x permuted to step order): per lane,
-// acc = Σ over the group's steps of the lane's two products (vdpbf16ps, exact products, float32
-// sums; four accumulators so consecutive steps do not wait on each other), then
-// tot += d_lane · acc + m_b · Σx_b.
+// acc = Σ over the group's steps of the lane's two products x·(128 + q) (vdpbf16ps: exact products,
+// float32 sums; four accumulators so consecutive steps do not wait on each other), then
+// tot += d_lane · acc + (m_b − 128·d_b) · Σx_b.
 template <int MT, int T>
 inline __attribute__((always_inline)) void group_q4_bf16(const at::BFloat16* xp, int64_t K, const float* sx, int64_t nb,
                                                          const uint8_t* c, const uint16_t* dh, const uint16_t* mh,
-                                                         int64_t g0, __m512i table, __m512 (&tot)[MT]) {
+                                                         int64_t g0, __m512 (&tot)[MT]) {
+  const __m512i nib = _mm512_set1_epi16(0x000F), b128 = _mm512_set1_epi16(0x4300);  // bfloat16(128)
   __m512 acc[MT][4];
   for (int mi = 0; mi < MT; ++mi)
     for (int j = 0; j < 4; ++j) acc[mi][j] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-  for (int s = 0; s < T; s += 2) {
-    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g0 + s) * 16)));
-    const __m512bh qa = (__m512bh)_mm512_permutexvar_epi16(raw, table);  // step s: low nibbles
+  auto step = [&](int s, __m512i code_words) {  // code_words: 0x4300 | q, one step's 32 codes
     for (int mi = 0; mi < MT; ++mi)
-      acc[mi][s & 3] = _mm512_dpbf16_ps(acc[mi][s & 3], (__m512bh)_mm512_loadu_si512(xp + mi * K + (g0 + s) * 32), qa);
-    if (s + 1 < T) {
-      const __m512bh qb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);  // step s + 1
-      for (int mi = 0; mi < MT; ++mi)
-        acc[mi][(s + 1) & 3] =
-            _mm512_dpbf16_ps(acc[mi][(s + 1) & 3], (__m512bh)_mm512_loadu_si512(xp + mi * K + (g0 + s + 1) * 32), qb);
+      acc[mi][s & 3] = _mm512_dpbf16_ps(acc[mi][s & 3], (__m512bh)_mm512_loadu_si512(xp + mi * K + (g0 + s) * 32),
+                                        (__m512bh)code_words);
+  };
+  if constexpr (T >= 4) {
+#pragma GCC unroll 4
+    for (int s = 0; s < T; s += 4) {
+      const __m512i w = _mm512_loadu_si512(c + (g0 + s) * 16);
+      step(s, _mm512_ternarylogic_epi32(w, nib, b128, 0xEA));  // (w & nib) | b128
+      step(s + 1, _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), nib, b128, 0xEA));
+      step(s + 2, _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), nib, b128, 0xEA));
+      step(s + 3, _mm512_or_si512(_mm512_srli_epi16(w, 12), b128));
     }
+  } else {
+    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + g0 * 16)));
+    step(0, _mm512_ternarylogic_epi32(raw, nib, b128, 0xEA));
+    if constexpr (T == 2) step(1, _mm512_or_si512(_mm512_srli_epi16(raw, 4), b128));
   }
-  __m512 dl = halves(dh + g0, T);
-  if constexpr (T < 16) dl = _mm512_permutexvar_ps(_mm512_srli_epi32(iota(), lane_shift(T)), dl);
-  const __m512 ml = halves(mh + g0, T);
+  const __m512 dg = halves(dh + g0, T);  // lanes 0..T-1: the group's blocks
+  const __m512 mg = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), dg, halves(mh + g0, T));  // m − 128·d
+  __m512 dl = dg;
+  if constexpr (T < 16) dl = _mm512_permutexvar_ps(_mm512_srli_epi32(iota(), lane_shift(T)), dg);
   for (int mi = 0; mi < MT; ++mi) {
     const __m512 a = _mm512_add_ps(_mm512_add_ps(acc[mi][0], acc[mi][1]), _mm512_add_ps(acc[mi][2], acc[mi][3]));
     tot[mi] = _mm512_fmadd_ps(dl, a, tot[mi]);
-    tot[mi] = _mm512_fmadd_ps(ml, _mm512_maskz_loadu_ps(first(T), sx + mi * nb + g0), tot[mi]);
+    tot[mi] = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(first(T), sx + mi * nb + g0), tot[mi]);
   }
 }
 
 template <int MT>
-inline void row_q4_bf16(const at::BFloat16* xp, int64_t K, const float* sx, const Rows& w, int64_t n, __m512i table,
-                        float* out) {
+inline void row_q4_bf16(const at::BFloat16* xp, int64_t K, const float* sx, const Rows& w, int64_t n, float* out) {
   const uint8_t* c = w.codes + n * w.cstride;
   const uint16_t* dh = w.d + n * w.nb;
   const uint16_t* mh = w.m + n * w.nb;
@@ -267,11 +286,11 @@ inline void row_q4_bf16(const at::BFloat16* xp, int64_t K, const float* sx, cons
   for (int mi = 0; mi < MT; ++mi) tot[mi] = _mm512_setzero_ps();
   for_groups(w.nb, [&](int64_t g0, int64_t T) {
     switch (T) {
-      case 16: group_q4_bf16<MT, 16>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
-      case 8: group_q4_bf16<MT, 8>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
-      case 4: group_q4_bf16<MT, 4>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
-      case 2: group_q4_bf16<MT, 2>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
-      default: group_q4_bf16<MT, 1>(xp, K, sx, w.nb, c, dh, mh, g0, table, tot); break;
+      case 16: group_q4_bf16<MT, 16>(xp, K, sx, w.nb, c, dh, mh, g0, tot); break;
+      case 8: group_q4_bf16<MT, 8>(xp, K, sx, w.nb, c, dh, mh, g0, tot); break;
+      case 4: group_q4_bf16<MT, 4>(xp, K, sx, w.nb, c, dh, mh, g0, tot); break;
+      case 2: group_q4_bf16<MT, 2>(xp, K, sx, w.nb, c, dh, mh, g0, tot); break;
+      default: group_q4_bf16<MT, 1>(xp, K, sx, w.nb, c, dh, mh, g0, tot); break;
     }
   });
   for (int mi = 0; mi < MT; ++mi) out[mi] = _mm512_reduce_add_ps(tot[mi]);
@@ -323,9 +342,6 @@ void rows_avx512(const T* x, int64_t xs, const T* xp, int64_t M, const float* sx
                  T* y) {
   constexpr int kTile = 4;  // rows of x per pass over a weight row (it stays in L1)
   float s[kTile];
-#if defined(GOODPUT_BLOCK_LINEAR_BF16)
-  const __m512i table = code_table();
-#endif
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m0 = 0; m0 < M; m0 += kTile) {
       const int64_t mt = std::min<int64_t>(kTile, M - m0);
@@ -338,7 +354,7 @@ void rows_avx512(const T* x, int64_t xs, const T* xp, int64_t M, const float* sx
       } else {
 #if defined(GOODPUT_BLOCK_LINEAR_BF16)
         if (w.kind == kQ41) {
-          GOODPUT_MT_SWITCH4(row_q4_bf16, mt, xp + m0 * w.K, w.K, sx + m0 * w.nb, w, n, table, s)
+          GOODPUT_MT_SWITCH4(row_q4_bf16, mt, xp + m0 * w.K, w.K, sx + m0 * w.nb, w, n, s)
         } else {
           GOODPUT_MT_SWITCH4(row_q8_bf16, mt, x + m0 * xs, xs, w, n, s)
         }
