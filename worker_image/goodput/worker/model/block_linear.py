@@ -133,11 +133,13 @@ def unpack_codes(codes: torch.Tensor, nb: int) -> torch.Tensor:
 
 
 # Calls with at most this many rows use the block kernel, larger ones the bf16 oneDNN matmul.
-# Measured in one process (bench: in-process A/B, one thread, CPU time, 30 distinct SmolLM2
-# layers so the weights stream from memory; oneDNN reads 2 bytes per weight with AMX, flat ~23 ms
-# for M = 1..16): 4-bit linears 2.2x faster at M = 1, 1.4x at 2, 0.87x at 4; the 8-bit LM head
-# (49152 x 576) equal at M = 1 in CPU time (half the bytes, so ahead where bandwidth binds), 0.78x at 2.
-MAX_ROWS = {0: 2, 1: 1}
+# Measured on whole decode steps (2 threads, SmolLM2, context 128, medians of 20 steps; the 4-bit
+# layers on the block kernel vs on oneDNN, LM head as chosen): B = 1 7.3 vs 31 ms (a disturbed
+# float run; 15.9 in another), 2: 9.5 vs 16.1, 4: 14.4 vs 17.3, 5: 15.7 vs 17.4, 6: 18.4 vs 17.8,
+# 8: 23.1 vs 19.0 — the kernel's cost grows with every row (one BF16 dot product per row per 32
+# weights), oneDNN's (AMX) stays flat. The 8-bit LM head (49152 x 576) gains 0.2 ms at B = 1 and
+# nothing measurable at 2.
+MAX_ROWS = {0: 5, 1: 1}
 
 
 def from_parts(parts: list, mod) -> BlockLinear | None:
