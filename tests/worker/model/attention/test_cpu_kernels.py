@@ -103,7 +103,10 @@ def test_bad_inputs_raise_clear_errors():
 
 @pytest.mark.parametrize("args,expected", [
     ((1, 3, 100, 2), 1),      # short context: not worth splitting
-    ((1, 3, 8192, 2), 3),     # 3 (seq, head) pairs for 2 threads -> 3 parts each = 9 units >= 8
+    ((1, 3, 8192, 2), 4),     # 3 (seq, head) pairs for 2 threads: 3 parts = 9 units >= 8, 4 = 12 even
+    ((1, 3, 8192, 4), 8),     # 16 units wanted: 6 parts = 18 and 7 = 21 are not multiples of 4, 8 = 24 is
+    ((1, 3, 1024, 4), 4),     # ... but 1024 // 256 caps it at 4 (12 units, even)
+    ((1, 3, 700, 2), 2),      # capped at 2 parts (6 units, even)
     ((32, 3, 8192, 2), 1),    # 96 units already
     ((1, 1, 1000, 4), 3),     # capped by 256-token parts: 1000 // 256 = 3
 ])

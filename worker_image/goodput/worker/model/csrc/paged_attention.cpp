@@ -134,6 +134,15 @@ inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact: shift 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+constexpr int64_t kPrefetch = 16;  // tokens ahead the K rows are requested
+
+// Request the cache lines of a row of n elements (into L1).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // 16 lanes of exp_nonpos (same polynomial and range reduction).
 inline __m512 exp_nonpos16(__m512 x) {
   const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
@@ -178,7 +187,17 @@ void decode_unit_avx512_d64(const float* qf, const T* kc, const T* vc, const int
       const int64_t blk = table[t / bs], off = t % bs;
       const int64_t run_len = std::min<int64_t>(bs - off, n - i);
       const T* p = kc + ((blk * bs + off) * KV + kh) * D;
-      for (int64_t r = 0; r < run_len; ++r, ++i, p += row_stride) {
+      const T* pv = vc + ((blk * bs + off) * KV + kh) * D;
+      for (int64_t r = 0; r < run_len; ++r, ++i, p += row_stride, pv += row_stride) {
+        // A unit reads D of every KV·D elements of a token: strided rows the hardware prefetcher
+        // follows late, so a step whose KV cache comes from memory would wait on every row
+        // (measured: 4 GB/s at 8k tokens in one thread). Ask ahead: this token's V row (read after
+        // the chunk's scores) and the K row kPrefetch tokens on.
+        prefetch_row(pv, D);
+        if (t + r + kPrefetch < t1) {
+          const int64_t tp = t + r + kPrefetch;
+          prefetch_row(kc + ((static_cast<int64_t>(table[tp / bs]) * bs + tp % bs) * KV + kh) * D, D);
+        }
         const __m512 k0 = load16(p), k1 = load16(p + 16), k2 = load16(p + 32), k3 = load16(p + 48);
         for (int64_t j = 0; j < g; ++j) {
           __m512 x = _mm512_mul_ps(q[j][0], k0);
