@@ -70,9 +70,63 @@ inline float exp_any(float x) {
   return (p * s) * (n - n1 + 1.f);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 lanes of exp_any with the same operations in the same order (mul and add kept separate, as
+// the scalar code is compiled without FMA contraction), so each lane equals exp_any bit for bit.
+inline __m512 exp_any16(__m512 x) {
+  // clamp as exp_any does; min/max return their second operand for a NaN, so NaN stays NaN
+  x = _mm512_max_ps(_mm512_set1_ps(-87.33f), _mm512_min_ps(_mm512_set1_ps(88.8f), x));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  // n is integral, so round-to-nearest conversion equals the scalar truncating cast
+  const __m512 n1 = _mm512_min_ps(n, _mm512_set1_ps(127.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n1), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)),
+                       _mm512_add_ps(_mm512_sub_ps(n, n1), _mm512_set1_ps(1.f)));
+}
+
+// 16 lanes of from_f<bfloat16> as uint32 holding the bf16 bits in the high half (NaN -> 0x7fc0).
+inline __m512i bf16_round_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
+inline __m512 load16m(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16m(const at::BFloat16* p, __mmask16 k) {  // exact widening
+  const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// q<T> on 16 lanes: the value T holds after rounding
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, at::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(v), _mm512_set1_epi32(int(0xffff0000u))));
+}
+inline void store16m(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16m(at::BFloat16* p, __m512 v, __mmask16 k) {
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)));
+}
+#define GOODPUT_LAYER_OPS_AVX512 1
+#endif
+
 // y = w * T(x * rsqrt(mean(x^2) + eps)) with x in float32 (LlamaRMSNorm)
 template <typename T>
 inline void rms_row(const T* x, const T* w, T* y, int64_t D, float eps) {
+  // the sum of squares as the compiler vectorizes this loop: its order is the one the model's
+  // end-to-end comparisons with the torch path were measured with (any order is a few ulps)
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t d = 0; d < D; ++d) {
@@ -80,8 +134,58 @@ inline void rms_row(const T* x, const T* w, T* y, int64_t D, float eps) {
     ss += v * v;
   }
   const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  int64_t d = 0;
+#if defined(GOODPUT_LAYER_OPS_AVX512)
+  const __m512 rv = _mm512_set1_ps(r);  // 16 lanes at a time (masked tail), the loop below's operations
+  for (; d < D; d += 16) {
+    const __mmask16 k = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1u);
+    const __m512 n = round16(_mm512_mul_ps(load16m(x + d, k), rv), static_cast<T*>(nullptr));
+    store16m(y + d, _mm512_mul_ps(load16m(w + d, k), n), k);
+  }
+#endif
+  for (; d < D; ++d) y[d] = from_f<T>(to_f(w[d]) * q<T>(to_f(x[d]) * r));
+}
+
+// x[d] = T(x[d] + delta[d]) (torch's add_ in dtype T)
+template <typename T>
+inline void add_row(T* x, const T* delta, int64_t D) {
+#if defined(GOODPUT_LAYER_OPS_AVX512)
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 k = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1u);
+    store16m(x + d, _mm512_add_ps(load16m(x + d, k), load16m(delta + d, k)), k);
+  }
+#else
 #pragma omp simd
-  for (int64_t d = 0; d < D; ++d) y[d] = from_f<T>(to_f(w[d]) * q<T>(to_f(x[d]) * r));
+  for (int64_t d = 0; d < D; ++d) x[d] = from_f<T>(to_f(x[d]) + to_f(delta[d]));
+#endif
+}
+
+// One head of rotate-half RoPE in place: v[i] <- T(T(v[i]·c[i]) + T(rot(v)[i]·s[i])), i < d,
+// rot(v) = (v[half..d), v[0..half)); tmp holds d floats.
+template <typename T>
+inline void rope_head(T* v, const T* c, const T* s, int64_t d, float* tmp) {
+  const int64_t half = d / 2;
+  int64_t i = 0;
+#if defined(GOODPUT_LAYER_OPS_AVX512)
+  if (half % 16 == 0) {
+    for (; i < half; i += 16) {  // lanes i.. of each half; both halves read before either is written
+      const __m512 lo = load16m(v + i, 0xFFFF), hi = load16m(v + half + i, 0xFFFF);
+      const __m512 a = _mm512_add_ps(round16(_mm512_mul_ps(lo, load16m(c + i, 0xFFFF)), static_cast<T*>(nullptr)),
+                                     round16(_mm512_mul_ps(hi, load16m(s + i, 0xFFFF)), static_cast<T*>(nullptr)));
+      const __m512 b = _mm512_add_ps(
+          round16(_mm512_mul_ps(hi, load16m(c + half + i, 0xFFFF)), static_cast<T*>(nullptr)),
+          round16(_mm512_mul_ps(lo, load16m(s + half + i, 0xFFFF)), static_cast<T*>(nullptr)));
+      store16m(v + i, a, 0xFFFF);
+      store16m(v + half + i, b, 0xFFFF);
+    }
+    return;
+  }
+#endif
+  for (; i < d; ++i) {
+    const float rot = to_f(v[i < half ? i + half : i - half]);
+    tmp[i] = q<T>(q<T>(to_f(v[i]) * to_f(c[i])) + q<T>(rot * to_f(s[i])));
+  }
+  for (i = 0; i < d; ++i) v[i] = from_f<T>(tmp[i]);
 }
 
 template <typename F>
@@ -134,8 +238,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
     over_rows(x.size(0), [&](int64_t r) {
       T* xr = xp + r * xs;
       const T* dr = dp + r * ds;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) xr[d] = from_f<T>(to_f(xr[d]) + to_f(dr[d]));
+      add_row(xr, dr, D);
       rms_row(xr, wp, yp + r * D, D, static_cast<float>(eps));
     });
   };
@@ -158,23 +261,14 @@ void rope_(torch::Tensor x, torch::Tensor cs, int64_t n_heads, int64_t d) {
                   cs.size(2) == d && cs.scalar_type() == x.scalar_type(),
               "cs must be contiguous [T, 2, d] in x's dtype");
   TORCH_CHECK(d % 2 == 0 && n_heads * d <= x.size(1), "need even d and n_heads * d <= x.size(1)");
-  const int64_t xs = x.stride(0), half = d / 2;
+  const int64_t xs = x.stride(0);
   auto body = [&](auto* xp, const auto* cp) {
     using T = std::remove_pointer_t<decltype(xp)>;
     over_rows(x.size(0), [&](int64_t t) {
       const T* c = cp + t * 2 * d;
       const T* s = c + d;
       std::vector<float> tmp(static_cast<size_t>(d));
-      for (int64_t h = 0; h < n_heads; ++h) {
-        T* v = xp + t * xs + h * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          const float rot = to_f(v[i < half ? i + half : i - half]);
-          tmp[i] = q<T>(q<T>(to_f(v[i]) * to_f(c[i])) + q<T>(rot * to_f(s[i])));
-        }
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) v[i] = from_f<T>(tmp[i]);
-      }
+      for (int64_t h = 0; h < n_heads; ++h) rope_head(xp + t * xs + h * d, c, s, d, tmp.data());
     });
   };
   if (x.scalar_type() == torch::kFloat32) {
@@ -186,63 +280,12 @@ void rope_(torch::Tensor x, torch::Tensor cs, int64_t n_heads, int64_t d) {
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// 16 lanes of exp_any with the same operations in the same order (mul and add kept separate, as
-// the scalar code is compiled without FMA contraction), so each lane equals exp_any bit for bit.
-inline __m512 exp_any16(__m512 x) {
-  // clamp as exp_any does; min/max return their second operand for a NaN, so NaN stays NaN
-  x = _mm512_max_ps(_mm512_set1_ps(-87.33f), _mm512_min_ps(_mm512_set1_ps(88.8f), x));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
-  // n is integral, so round-to-nearest conversion equals the scalar truncating cast
-  const __m512 n1 = _mm512_min_ps(n, _mm512_set1_ps(127.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n1), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)),
-                       _mm512_add_ps(_mm512_sub_ps(n, n1), _mm512_set1_ps(1.f)));
-}
-
-// 16 lanes of from_f<bfloat16> as uint32 holding the bf16 bits in the high half (NaN -> 0x7fc0).
-inline __m512i bf16_round_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
-}
-
-inline __m512 load16m(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-inline __m512 load16m(const at::BFloat16* p, __mmask16 k) {  // exact widening
-  const __m256i h = _mm256_maskz_loadu_epi16(k, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-// q<T> on 16 lanes: the value T holds after rounding
-inline __m512 round16(__m512 v, float*) { return v; }
-inline __m512 round16(__m512 v, at::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(v), _mm512_set1_epi32(int(0xffff0000u))));
-}
-inline void store16m(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-inline void store16m(at::BFloat16* p, __m512 v, __mmask16 k) {
-  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)));
-}
-#define GOODPUT_SILU_AVX512 1
-#endif
 
 // one row of silu_mul: o[i] = T(T(silu(g[i])) · u[i]), i < n
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
-#if defined(GOODPUT_SILU_AVX512)
+#if defined(GOODPUT_LAYER_OPS_AVX512)
   // 16 lanes at a time (a masked tail): the same operations as the scalar loop below, lane by lane
   for (; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
