@@ -5,8 +5,10 @@
 #   3. decode attention kernel at batch 1/16/64/256, context 1k: time vs SDPA on gathered K/V, %HBM;
 #   4. whole decode steps of the model runner at the same batches: bytes/step, %HBM;
 #   5. the host CPU's C++ kernels (the CPU fp32 reference of step 2 runs through them: fused layer
-#      ops, and the block linears of block_linear.cpp for steps of <= 2 rows where AVX-512 builds):
-#      tests/worker/model/test_block_linear.py and test_cpu_layer_ops.py on this machine's CPU.
+#      ops in AVX-512 lanes, the block linears of block_linear.cpp — 4-bit rows "lanes = blocks",
+#      codes as bfloat16(128 + q) — for steps of <= 5 rows where AVX-512 builds, and the paged
+#      decode attention with its prefetch and even split counts): tests/worker/model/test_block_linear.py,
+#      test_cpu_layer_ops.py and attention/test_cpu_kernels.py on this machine's CPU.
 # Usage: bench/gpu_check.sh            (env: PYTHON=python3, GOODPUT_MODEL=smollm2|PATH.gguf,
 #                                        GPU_CHECK_LOG=path of the log, default bench/results/...)
 # Needs: torch with CUDA, triton, gguf, tokenizers, jinja2, numpy, prometheus_client, pytest.
@@ -52,7 +54,8 @@ echo "== 3/5 decode attention kernel vs SDPA ($((SECONDS - t0)) s so far)"
 "$PY" -m goodput.bench.gpu_check kernel-bench
 echo "== 4/5 engine decode steps ($((SECONDS - t0)) s so far)"
 "$PY" -m goodput.bench.gpu_check decode-bench --model "$MODEL"
-echo "== 5/5 host CPU kernels: block linears and fused layer ops ($((SECONDS - t0)) s so far)"
+echo "== 5/5 host CPU kernels: block linears, fused layer ops, paged decode attention ($((SECONDS - t0)) s so far)"
 "$PY" -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -m "not slow" \
-  tests/worker/model/test_block_linear.py tests/worker/model/test_cpu_layer_ops.py
+  tests/worker/model/test_block_linear.py tests/worker/model/test_cpu_layer_ops.py \
+  tests/worker/model/attention/test_cpu_kernels.py
 echo "== GPU CHECK PASSED in $((SECONDS - t0)) s; log: $LOG"
