@@ -117,6 +117,24 @@ def test_bad_inputs_raise(ops):
         ops.silu_mul(torch.randn(3, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 1000, 49152])
+def test_argmax_rows_is_torch_max_indices(ops, dtype, V):
+    """Greedy sampling's argmax over the model-dtype logits: torch.max's index for every row —
+    ties (the first index), all equal, a NaN (the first NaN), all -inf, +inf last, masked tails."""
+    x = torch.randn(7, V, generator=torch.Generator().manual_seed(V)).to(dtype)
+    x[1] = 0.0
+    if V > 3:
+        x[2, 3] = x[2, V - 1] = float("nan")
+        x[3] = float("-inf")
+        x[4, V // 2] = x[4, V - 1] = 100.0
+    x[5, -1] = float("inf")
+    assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
+    if V > 1:  # rows with a stride (a view)
+        view = x[:, :V - 1]
+        assert torch.equal(ops.argmax_rows(view), view.max(dim=-1).indices)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 0.25)])
 def test_fused_forward_equals_torch_forward(dtype, tol):

@@ -176,13 +176,14 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, float_logits: bool = True) -> torch.Tensor:
         """Logits for the selected rows of a flat batch.
 
         input_ids, positions: int64 [T]; meta: the batch's AttentionMetadata; kv_caches: per layer
         (k_cache, v_cache) [num_blocks, block_size, n_kv, d] (written in place with the new
         tokens' K/V); logits_indices: int64 [S] rows whose logits are wanted (None = all T).
-        Returns float32 [S, vocab_size].
+        Returns [S, vocab_size], float32 (``float_logits``) or the model's dtype (the caller
+        converts what it needs: greedy sampling needs no float32 copy).
         """
         c = self.config
         H, KV, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -194,7 +195,8 @@ class LlamaModel:
         cs = self._cos_sin.index_select(0, positions).to(self.dtype)            # [T, 2, d]
         x = self.embed.index_select(0, input_ids)                                # [T, D]
         if self.fused_ops is not None:
-            return self._forward_fused(x, cs, meta, kv_caches, backend, logits_indices)
+            logits = self._forward_fused(x, cs, meta, kv_caches, backend, logits_indices)
+            return logits.float() if float_logits else logits
         cos, sin = cs[:, 0, None, :], cs[:, 1, None, :]                          # [T, 1, d]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms_norm(x, layer.attn_norm)
@@ -217,7 +219,8 @@ class LlamaModel:
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self._rms_norm(x, self.norm)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return logits.float() if float_logits else logits
 
     def _forward_fused(self, x: torch.Tensor, cs: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
@@ -243,4 +246,4 @@ class LlamaModel:
             h = ops.add_rms_norm_(x, layer.down(a), nxt, eps)                     # next layer's input
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)
-        return self.lm_head(h).float()
+        return self.lm_head(h)

@@ -228,7 +228,7 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, meta, logits_rows, sample_idx, plp = self._build_inputs(sched_out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend,
-                                    logits_rows)
+                                    logits_rows, float_logits=False)
         out = RunnerOutput()
         n_sampled = len(sample_idx)
         for ci, first, m in plp:
@@ -236,20 +236,28 @@ class ModelRunner:
             row0 = n_sampled + sum(mm for cj, _, mm in plp if cj < ci)
             targets = ch.prompt_token_ids[ch.start_pos + 1:ch.start_pos + 1 + m]
             out.prompt_logprobs[ch.request_id] = (ch.start_pos + 1, prompt_logprobs(
-                logits[row0:row0 + m], targets, ch.sampling_params.prompt_logprobs or 0))
+                logits[row0:row0 + m].float(), targets, ch.sampling_params.prompt_logprobs or 0))
         if not sample_idx:
             return out
         chunks = [sched_out.chunks[i] for i in sample_idx]
         out.sampled_token_ids, out.logprobs = self._sample(logits[:n_sampled], chunks)
         return out
 
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax (logits in the model's dtype): the C++ kernel straight over them where
+        the CPU kernels are loaded (no float32 copy; torch.max's rule), else :func:`greedy_tokens`."""
+        ops = self.model.fused_ops
+        if ops is not None and hasattr(ops, "argmax_rows") and logits.device.type == "cpu" and logits.stride(1) == 1:
+            return ops.argmax_rows(logits).tolist()
+        return greedy_tokens(logits.float())
+
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         allowed = self.structured.allowed_mask(chunks)
         if allowed is None and self.sampler.all_plain_greedy(chunks, logits.shape[-1]):
-            return {c.request_id: t for c, t in zip(chunks, greedy_tokens(logits))}, {}
+            return {c.request_id: t for c, t in zip(chunks, self._greedy(logits))}, {}
         batch = self.sampler.prepare(chunks, logits.shape[-1], allowed)
-        res = self.sampler.sample(logits, batch)
+        res = self.sampler.sample(logits.float(), batch)
         if allowed is not None:
             self.structured.advance(chunks, res.token_ids)
         return ({c.request_id: t for c, t in zip(chunks, res.token_ids)},

@@ -10,6 +10,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 void rope_(torch::Tensor x, torch::Tensor cs, int64_t n_heads, int64_t d);
 torch::Tensor silu_mul(torch::Tensor gu);
+torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor block_linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor d, torch::Tensor m);
 bool block_linear_vectorized(std::string dtype);
 
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * w");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the first n_heads * d columns");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gu = gate || up");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, torch.max's rule (first index; NaN counts as the maximum)");
   m.def("block_linear", &block_linear, "x @ W.T with W as a GGUF file's 4-bit (kind 0) / 8-bit (kind 1) blocks of 32 (block_linear.cpp layout)");
   m.def("block_linear_vectorized", &block_linear_vectorized, "whether block_linear has its SIMD path for this dtype");
 }

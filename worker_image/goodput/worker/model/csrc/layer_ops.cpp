@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -317,6 +318,65 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     body(gu.data_ptr<float>(), out.data_ptr<float>());
   } else {
     body(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+namespace {
+
+// The first index of a row's maximum, torch.max's rule: NaN counts as the maximum (the first NaN
+// wins), among equal maxima the first index.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+#if defined(GOODPUT_LAYER_OPS_AVX512)
+  // per lane the best value and its first index (a strictly greater value replaces it), then the
+  // smallest index among the lanes that hold the overall maximum
+  __m512 bv = _mm512_set1_ps(best);
+  __m512i bi = _mm512_setzero_si512(), idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; i < n; i += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
+    const __m512 v = load16m(x + i, k);
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+    if (nan) return i + __builtin_ctz(nan);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(k, v, bv, _CMP_GT_OQ);
+    bv = _mm512_mask_mov_ps(bv, gt, v);
+    bi = _mm512_mask_mov_epi32(bi, gt, idx);
+  }
+  best = _mm512_reduce_max_ps(bv);
+  const __mmask16 at = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(at, bi);
+#else
+  int64_t best_i = 0;
+  for (; i < n; ++i) {
+    const float v = to_f(x[i]);
+    if (v != v) return i;
+    if (v > best) {
+      best = v;
+      best_i = i;
+    }
+  }
+  return best_i;
+#endif
+}
+
+}  // namespace
+
+// x [T, V] float32 or bfloat16 (rows contiguous) -> int64 [T]: each row's argmax as torch.max
+// returns it (first index among equal maxima; a NaN, the first one, counts as the maximum).
+// Greedy sampling without a float32 copy of the logits.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31), "x must have 1 to 2^31 - 1 columns");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t V = x.size(1), xs = x.stride(0);
+  auto body = [&](const auto* xp) { over_rows(x.size(0), [&](int64_t r) { op[r] = argmax_row(xp + r * xs, V); }); };
+  if (x.scalar_type() == torch::kFloat32) {
+    body(x.data_ptr<float>());
+  } else {
+    body(x.data_ptr<at::BFloat16>());
   }
   return out;
 }
