@@ -1,12 +1,42 @@
-"""Small HTTP helpers for the live-server tests (httpx, SSE parsing, Prometheus text parsing)."""
+"""Small HTTP helpers for the live-server tests (httpx, SSE parsing, Prometheus text parsing, an app
+served in a thread)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import free_port
+
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+
+
+class ServerThread:
+    """Serve ``app`` with uvicorn on 127.0.0.1:``port`` (free if None) in a daemon thread."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
 
 
 def post(url: str, path: str, body: dict, **kw) -> httpx.Response:

@@ -384,23 +384,24 @@ def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
                | set(project["optional-dependencies"]["router"]))
     assert pinned and set(pinned) <= allowed, set(pinned) - allowed
     # the modules the image runs import without torch, triton or fastapi installed
-    code = ("import sys\nclass Block:\n    def find_spec(self, name, *a):\n"
-            "        if name.split('.')[0] in ('torch', 'triton', 'fastapi', 'uvicorn'):\n"
-            "            raise ImportError('blocked ' + name)\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import goodput.operator.handlers, goodput.operator.__main__, goodput.autoscaler.metric_names\n"
-            "import goodput.worker.metric_names\n"
-            "try:\n    import goodput.autoscaler.__main__\nexcept ModuleNotFoundError as e:\n"
-            "    assert e.name.startswith('goodput.autoscaler'), e\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert_imports_without(("torch", "triton", "fastapi", "uvicorn"),
+                           "import goodput.operator.handlers, goodput.operator.__main__, goodput.autoscaler.metric_names\n"
+                           "import goodput.worker.metric_names\n"
+                           "try:\n    import goodput.autoscaler.__main__\nexcept ModuleNotFoundError as e:\n"
+                           "    assert e.name.startswith('goodput.autoscaler'), e\n")
     # the router (same image): its server and discovery import without torch or triton
-    code = ("import sys\nclass Block:\n    def find_spec(self, name, *a):\n"
-            "        if name.split('.')[0] in ('torch', 'triton', 'tokenizers', 'gguf', 'numpy'):\n"
-            "            raise ImportError('blocked ' + name)\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import goodput.router.__main__, goodput.router.app, goodput.router.discovery_k8s\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert_imports_without(("torch", "triton", "tokenizers", "gguf", "numpy"),
+                           "import goodput.router.__main__, goodput.router.app, goodput.router.discovery_k8s\n")
+
+
+def assert_imports_without(blocked: tuple[str, ...], code: str) -> None:
+    """Run ``code`` in a fresh interpreter where importing any of the ``blocked`` top-level packages
+    raises ImportError; assert it exits 0."""
+    prelude = ("import sys\nclass Block:\n    def find_spec(self, name, *a):\n"
+               f"        if name.split('.')[0] in {blocked!r}:\n"
+               "            raise ImportError('blocked ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n")
+    r = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
 

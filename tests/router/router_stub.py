@@ -18,20 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
-import time
 from dataclasses import dataclass, field
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port  # noqa: F401 (the router tests import it from here)
+from server_utils import ServerThread  # noqa: F401 (likewise)
 
 
 @dataclass
@@ -149,25 +143,3 @@ def make_stub(st: StubState) -> FastAPI:
     return app
 
 
-class ServerThread:
-    """Serve ``app`` with uvicorn on 127.0.0.1:``port`` (free if None) in a daemon thread."""
-
-    def __init__(self, app, port: int | None = None):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on {self.url} did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)

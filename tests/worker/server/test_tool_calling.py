@@ -17,7 +17,6 @@ they are not installed.
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -213,8 +212,7 @@ class ChatByteTokenizer:
 
 @pytest.fixture(scope="module")
 def scripted():
-    import uvicorn
-    from conftest import free_port
+    from server_utils import ServerThread
 
     runner = ScriptRunner()
 
@@ -227,21 +225,15 @@ def scripted():
 
     app = create_app(EngineArgs(model="scripted", served_model_name="scripted"), engine_factory=factory,
                      admin_token="")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    yield url, runner
-    server.should_exit = True
-    thread.join(30)
+    with ServerThread(app) as srv:
+        for _ in range(600):
+            try:
+                if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        yield srv.url, runner
 
 
 SCRIPT = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

@@ -97,39 +97,39 @@ def step_order(nb: int) -> torch.Tensor:
 
 def pack_codes(steps: torch.Tensor) -> torch.Tensor:
     """uint8 [N, nb, 32] codes (0..15) in step order -> the row bytes [N, ceil(nb/2)·32]: a group of
-    T >= 4 blocks as steps in fours (16-bit word i = Σ_k code(t₀ + k, i) << 4k, little-endian), a
-    group of T <= 2 as steps in twos (byte i = code(t₀, i) | code(t₀ + 1, i) << 4, a missing step 0)."""
+    T >= 4 blocks as steps in fours (16-bit word i = Σ_k code(t₀ + k, i) << 4k, little-endian: the low
+    byte holds steps t₀, t₀ + 1, the high byte t₀ + 2, t₀ + 3), a group of T <= 2 as steps in twos
+    (byte i = code(t₀, i) | code(t₀ + 1, i) << 4, a missing step 0)."""
     N, nb, _ = steps.shape
     parts = []
     for g0, t in groups(nb):
-        s = steps[:, g0:g0 + t].to(torch.int32)
+        s = steps[:, g0:g0 + t]
+        if t == 1:
+            s = torch.cat([s, torch.zeros_like(s)], 1)
         if t >= 4:
             s = s.reshape(N, t // 4, 4, 32)
-            words = s[:, :, 0] | s[:, :, 1] << 4 | s[:, :, 2] << 8 | s[:, :, 3] << 12
-            parts.append(torch.stack([words & 0xFF, words >> 8], -1).reshape(N, -1))
+            low, high = s[:, :, 0] | s[:, :, 1] << 4, s[:, :, 2] | s[:, :, 3] << 4
+            parts.append(torch.stack([low, high], -1).reshape(N, -1))
         else:
-            if t == 1:
-                s = torch.cat([s, torch.zeros_like(s)], 1)
             parts.append((s[:, 0] | s[:, 1] << 4).reshape(N, -1))
-    return torch.cat(parts, 1).to(torch.uint8).contiguous()
+    return torch.cat(parts, 1).contiguous()
 
 
 def unpack_codes(codes: torch.Tensor, nb: int) -> torch.Tensor:
     """The inverse of :func:`pack_codes`: uint8 [N, nb, 32] in step order."""
     N = codes.shape[0]
     out, at = [], 0
-    c = codes.to(torch.int32)
     for _, t in groups(nb):
         if t >= 4:
-            b = c[:, at:at + 16 * t].reshape(N, t // 4, 32, 2)
-            words = b[..., 0] | b[..., 1] << 8
-            out.append(torch.stack([(words >> (4 * k)) & 15 for k in range(4)], 2).reshape(N, t, 32))
+            b = codes[:, at:at + 16 * t].reshape(N, t // 4, 32, 2)
+            lo, hi = b[..., 0], b[..., 1]
+            out.append(torch.stack([lo & 15, lo >> 4, hi & 15, hi >> 4], 2).reshape(N, t, 32))
             at += 16 * t
         else:
-            b = c[:, at:at + 32]
+            b = codes[:, at:at + 32]
             out.append(torch.stack([b & 15, b >> 4], 1)[:, :t])
             at += 32
-    return torch.cat(out, 1).to(torch.uint8)
+    return torch.cat(out, 1)
 
 
 # Calls with at most this many rows use the block kernel, larger ones the bf16 oneDNN matmul.

@@ -185,18 +185,23 @@ class LlamaModel:
         Returns [S, vocab_size], float32 (``float_logits``) or the model's dtype (the caller
         converts what it needs: greedy sampling needs no float32 copy).
         """
-        c = self.config
-        H, KV, d = c.num_heads, c.num_kv_heads, c.head_dim
-        T = input_ids.shape[0]
-        half, I, HKd = d // 2, c.intermediate_size, (H + KV) * d
         # RoPE rows gathered and cast once per step for every layer: x·cos + rotate_half(x)·sin
         # with rotate_half(x) = (-x2, x1) written as (x2, x1)·(-sin, sin) (the same roundings as
         # HF's x1·cos - x2·sin, x2·cos + x1·sin).
         cs = self._cos_sin.index_select(0, positions).to(self.dtype)            # [T, 2, d]
         x = self.embed.index_select(0, input_ids)                                # [T, D]
-        if self.fused_ops is not None:
-            logits = self._forward_fused(x, cs, meta, kv_caches, backend, logits_indices)
-            return logits.float() if float_logits else logits
+        layers = self._forward_fused if self.fused_ops is not None else self._forward_torch
+        logits = layers(x, cs, meta, kv_caches, backend, logits_indices)
+        return logits.float() if float_logits else logits
+
+    def _forward_torch(self, x: torch.Tensor, cs: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+                       logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward`'s layers and head with torch ops (every device); logits in the model's dtype."""
+        c = self.config
+        H, KV, d = c.num_heads, c.num_kv_heads, c.head_dim
+        T = x.shape[0]
+        half, I, HKd = d // 2, c.intermediate_size, (H + KV) * d
         cos, sin = cs[:, 0, None, :], cs[:, 1, None, :]                          # [T, 1, d]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms_norm(x, layer.attn_norm)
@@ -218,9 +223,7 @@ class LlamaModel:
 
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        x = self._rms_norm(x, self.norm)
-        logits = self.lm_head(x)
-        return logits.float() if float_logits else logits
+        return self.lm_head(self._rms_norm(x, self.norm))
 
     def _forward_fused(self, x: torch.Tensor, cs: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
