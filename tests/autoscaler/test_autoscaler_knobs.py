@@ -1,11 +1,12 @@
-"""Autoscaling knobs are declared once (goodput.autoscaler.policy.PolicySpec): the CRD's fields,
+"""Autoscaling knobs are declared once (goodput.api.policy.PolicySpec): the CRD's fields,
 their defaults and PolicySpec.from_crd all derive from that declaration."""
 from __future__ import annotations
 
 import pytest
 
-from goodput.autoscaler.policy import PolicySpec, knobs
-from goodput.operator import api, crdgen
+from goodput.api.policy import PolicySpec, knobs
+from goodput.api import crd as api
+from goodput.operator import crdgen
 
 
 def _schema_at(path: tuple[str, ...]) -> dict:

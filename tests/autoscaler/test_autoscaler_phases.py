@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from goodput.autoscaler import policy as P
+from goodput.api.policy import PolicySpec
 from goodput.autoscaler.policy import (
     HistogramDelta,
     Observation,
     PodObservation,
-    PolicySpec,
     PolicyState,
     RouterObservation,
     StartingPod,

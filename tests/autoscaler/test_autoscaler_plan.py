@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from goodput.autoscaler import loop, observe, policy
-from goodput.operator import api
+from goodput.api import crd as api
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 TS = "2027-01-15T08:00:00Z"

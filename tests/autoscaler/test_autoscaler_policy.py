@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from goodput.api.policy import PolicySpec
 from goodput.autoscaler.policy import (
     HistogramDelta,
     Observation,
     PodObservation,
-    PolicySpec,
     PolicyState,
     StartingPod,
     decide,

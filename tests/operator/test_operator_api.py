@@ -5,8 +5,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from goodput.operator import api
-from goodput.operator.api import InferenceServiceSpec, parse_bytes, semantic_problems
+from goodput.api import crd as api
+from goodput.api.crd import InferenceServiceSpec, semantic_problems
+from goodput.api.units import parse_bytes
 
 from conftest import REPO
 

@@ -5,7 +5,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from goodput.operator import api, crdgen
+from goodput.api import crd as api
+from goodput.operator import crdgen
 
 
 @pytest.fixture(scope="module")

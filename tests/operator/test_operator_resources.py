@@ -7,7 +7,8 @@ import pytest
 from kubernetes.utils import parse_quantity
 
 from goodput.operator import resources as r
-from goodput.operator.api import InferenceServiceSpec
+from goodput.api import crd
+from goodput.api.crd import InferenceServiceSpec
 
 BASE = ["serve", "--model", "smollm2", "--host", "0.0.0.0", "--port", "8000"]
 SLO = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]
@@ -57,7 +58,8 @@ def test_worker_args_parse_back_to_what_the_spec_asked_for():
     """The contract between operator and worker: the generated arguments are accepted by the
     worker's own parser and give exactly the values of the spec, for every setting the CRD has."""
     from goodput.worker.cli import build_parser, engine_args_from
-    from goodput.worker.engine.config import EngineArgs, settings
+    from goodput.api.settings import settings
+    from goodput.worker.engine.config import EngineArgs
 
     spec = InferenceServiceSpec.model_validate(EVERY_FIELD)
     ns = build_parser().parse_args(r.worker_args(spec))
@@ -78,7 +80,8 @@ def test_worker_args_parse_back_to_what_the_spec_asked_for():
 
 
 def test_every_engine_field_is_a_worker_setting_and_back():
-    from goodput.worker.engine.config import EngineArgs, settings
+    from goodput.api.settings import settings
+    from goodput.worker.engine.config import EngineArgs
     crd_engine = set(InferenceServiceSpec.model_validate({}).engine.model_dump()) - {
         "image", "image_pull_policy", "extra_args"}
     assert crd_engine == {s.name for s in settings(EngineArgs) if s.meta.crd == "engine"}
@@ -125,7 +128,7 @@ def test_scheduling_volume_and_overrides_reach_the_pod():
                              "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
                              "affinity": {"nodeAffinity": {"x": 1}}, "priorityClassName": "high"},
               "podTemplate": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
-                              "labels": {"team": "a", r.LABEL_ISVC: "hijack"}, "annotations": {"a": "b"},
+                              "labels": {"team": "a", crd.LABEL_ISVC: "hijack"}, "annotations": {"a": "b"},
                               "serviceAccountName": "sa"}})
     pod = d["spec"]["template"]
     ps = pod["spec"]
@@ -137,7 +140,7 @@ def test_scheduling_volume_and_overrides_reach_the_pod():
     assert ps["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/m", "readOnly": True}]
     assert {"name": "OMP_NUM_THREADS", "value": "1"} in ps["containers"][0]["env"]
     assert pod["metadata"]["labels"]["team"] == "a"
-    assert pod["metadata"]["labels"][r.LABEL_ISVC] == "tiny"  # the selector label cannot be overridden
+    assert pod["metadata"]["labels"][crd.LABEL_ISVC] == "tiny"  # the selector label cannot be overridden
     assert pod["metadata"]["annotations"]["a"] == "b"
 
 
@@ -156,11 +159,11 @@ def test_service_pdb_secret():
     s = r.service("tiny", "ns1")
     assert s["spec"]["type"] == "ClusterIP"
     assert s["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
-    assert s["spec"]["selector"] == r.selector_labels("tiny")
+    assert s["spec"]["selector"] == crd.selector_labels("tiny")
     for v in ("policy/v1", "policy/v1beta1"):
         p = r.pod_disruption_budget("tiny", "ns1", v)
         assert p["apiVersion"] == v and p["spec"]["maxUnavailable"] == 1
-        assert p["spec"]["selector"]["matchLabels"] == r.selector_labels("tiny")
+        assert p["spec"]["selector"]["matchLabels"] == crd.selector_labels("tiny")
     with pytest.raises(ValueError, match="policy/v2"):
         r.pod_disruption_budget("tiny", "ns1", "policy/v2")
     sec = r.admin_secret("tiny", "ns1", "s3cret")
@@ -168,7 +171,7 @@ def test_service_pdb_secret():
     assert base64.b64decode(sec["data"]["token"]) == b"s3cret"
     with pytest.raises(ValueError):
         r.admin_secret("tiny", "ns1", "")
-    assert r.selector_string("tiny") == "app.kubernetes.io/component=worker,serving.goodput.dev/inferenceservice=tiny"
+    assert crd.selector_string("tiny") == "app.kubernetes.io/component=worker,serving.goodput.dev/inferenceservice=tiny"
     assert r.service_url("tiny", "ns1") == "http://tiny.ns1.svc.cluster.local:8000"
 
 
@@ -188,13 +191,13 @@ CHILD_NAME_CASES = {
 @pytest.mark.parametrize("case", CHILD_NAME_CASES)
 def test_child_name(case):
     name, suffix, want = CHILD_NAME_CASES[case]
-    got = r.child_name(name, suffix)
+    got = crd.child_name(name, suffix)
     assert got == want and len(got) <= 63
 
 
 def test_child_name_refuses_a_suffix_without_room():
     with pytest.raises(ValueError, match="no room"):
-        r.child_name(A63, "s" * 53)
+        crd.child_name(A63, "s" * 53)
 
 
 def test_long_names_give_valid_labels_and_child_names():
@@ -203,7 +206,7 @@ def test_long_names_give_valid_labels_and_child_names():
     objs = r.children(A63, "ns1", "u", spec) + [r.admin_secret(A63, "ns1", "t")]
     for o in objs:
         assert len(o["metadata"]["name"]) <= 63
-        assert o["metadata"]["labels"][r.LABEL_ISVC] == A63
+        assert o["metadata"]["labels"][crd.LABEL_ISVC] == A63
         assert all(len(v) <= 63 for v in o["metadata"]["labels"].values())
     assert objs[-1]["metadata"]["name"] == "a" * 48 + "-7d3e74a0-admin"
     env = objs[0]["spec"]["template"]["spec"]["containers"][0]["env"][0]

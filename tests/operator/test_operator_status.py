@@ -2,7 +2,7 @@
 
 import pytest
 
-from goodput.operator.api import Problem
+from goodput.api.crd import Problem
 from goodput.operator.status import compute_status, status_changed
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from goodput.worker.cli import build_parser, engine_args_from
-from goodput.worker.engine.config import EngineArgs, settings
-from goodput.worker.engine.units import parse_bytes
+from goodput.api.settings import settings
+from goodput.api.units import parse_bytes
+from goodput.worker.engine.config import EngineArgs
 
 # The public flag names (README, operator), spelled as users type them.
 PUBLIC_FLAGS = [

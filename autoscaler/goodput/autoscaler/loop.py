@@ -41,14 +41,16 @@ import pydantic
 
 from goodput.autoscaler import observe, policy
 from goodput.autoscaler.metrics import AutoscalerMetrics
-from goodput.operator import api, kube, resources
+from goodput.api import crd
+from goodput.api.policy import PolicySpec
+from goodput.operator import kube
 from goodput.worker import admin_api
 
 log = logging.getLogger("goodput.autoscaler")
 
 COMPONENT = "goodput-autoscaler"
 CONDITION_TYPES = ("MetricsAvailable", "ScalingActive", "AbleToScale")
-DRAINING_ANNOTATION = api.DRAINING_ANNOTATION
+DRAINING_ANNOTATION = crd.DRAINING_ANNOTATION
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 DRAIN_DELETION_COST = "-1000"
 # status.autoscaler MetricsAvailable reason while no pod has a rate yet but none failed its scrape
@@ -64,7 +66,7 @@ class ReadyPod:
     uid: str
     ip: str
     age_s: float  # since its Ready condition turned True
-    metrics_port: int = api.WORKER_PORT  # from the pod's prometheus.io/port annotation
+    metrics_port: int = crd.WORKER_PORT  # from the pod's prometheus.io/port annotation
     metrics_path: str = "/metrics"       # from prometheus.io/path
     load_s: float | None = None          # creationTimestamp -> Ready (its model load; None: unknown)
 
@@ -72,9 +74,9 @@ class ReadyPod:
 def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
     ann = meta.get("annotations") or {}
     try:
-        port = int(ann.get("prometheus.io/port", api.WORKER_PORT))
+        port = int(ann.get("prometheus.io/port", crd.WORKER_PORT))
     except ValueError:
-        port = api.WORKER_PORT
+        port = crd.WORKER_PORT
     path = ann.get("prometheus.io/path") or "/metrics"
     return port, path if path.startswith("/") else "/" + path
 
@@ -177,7 +179,7 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
                       now: float) -> dict[str, Any]:
     """The new ``status.autoscaler`` (camelCase) after ``decision``.
 
-    A decision record is appended (newest last, at most api.MAX_DECISIONS kept) when replicas, the
+    A decision record is appended (newest last, at most crd.MAX_DECISIONS kept) when replicas, the
     summarized limits or the reason differ from the last record; ``lastScaleTime`` moves when the
     replicas changed. ``previous`` is the current ``status.autoscaler`` (or None).
     """
@@ -193,7 +195,7 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
     last = decisions[-1] if decisions else {}
     key = lambda d: (d.get("replicas"), d.get("maxNumSeqs"), d.get("maxWaiting"), d.get("reason"))  # noqa: E731
     if key(last) != key(record):
-        decisions = (decisions + [record])[-api.MAX_DECISIONS:]
+        decisions = (decisions + [record])[-crd.MAX_DECISIONS:]
     out: dict[str, Any] = {
         "desiredReplicas": decision.replicas,
         "lastDecisionTime": ts,
@@ -209,7 +211,7 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
     return out
 
 
-def engine_bounds(spec: api.InferenceServiceSpec) -> policy.Limits | None:
+def engine_bounds(spec: crd.InferenceServiceSpec) -> policy.Limits | None:
     """The upper bounds of the limits the autoscaler may set: ``spec.engine.maxNumSeqs`` and
     ``spec.engine.maxWaiting`` (what the user wrote is the most a replica admits; the autoscaler
     tunes below it). None when neither is set; an unset one is unbounded (a very large int)."""
@@ -348,7 +350,7 @@ class Plan:
     limits: dict[str, policy.Limits]
 
 
-def make_plan(status: Mapping[str, Any], spec: api.InferenceServiceSpec, seen: Observed,
+def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: Observed,
               decision: policy.Decision, now: float, scale_error: str | None = None) -> Plan:
     """The writes that carry out ``decision`` (pure). ``status``: the object's status now;
     ``scale_error``: the scale write was refused (re-plan after apply's failed attempt): replicas
@@ -535,7 +537,7 @@ class Kube:
 
         self.api_client = api_client or kube.load_config()
         self.dyn = DynamicClient(self.api_client)
-        self.isvc = self.dyn.resources.get(api_version=api.API_VERSION, kind=api.KIND)
+        self.isvc = self.dyn.resources.get(api_version=crd.API_VERSION, kind=crd.KIND)
         self.pods = self.dyn.resources.get(api_version="v1", kind="Pod")
         self.secrets = self.dyn.resources.get(api_version="v1", kind="Secret")
         self.recorder = kube.EventRecorder(self.dyn.resources.get(api_version="v1", kind="Event"), COMPONENT)
@@ -549,7 +551,7 @@ class Kube:
     def admin_token(self, namespace: str, name: str) -> str | None:
         from kubernetes.client.exceptions import ApiException
         try:
-            s = self.secrets.get(name=resources.admin_secret_name(name), namespace=namespace).to_dict()
+            s = self.secrets.get(name=crd.admin_secret_name(name), namespace=namespace).to_dict()
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -572,7 +574,7 @@ class Kube:
 
     def event(self, obj: Mapping[str, Any], etype: str, reason: str, message: str,
               series_key: str | None = None) -> None:
-        self.recorder.record({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": obj["metadata"]},
+        self.recorder.record({"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": obj["metadata"]},
                              etype, reason, message, series_key)
 
 
@@ -670,14 +672,14 @@ class Autoscaler:
             log.warning("routers not observed: %r", e)
             return None
 
-    def _inputs(self, obj: Mapping[str, Any]) -> tuple[api.InferenceServiceSpec, policy.PolicySpec,
+    def _inputs(self, obj: Mapping[str, Any]) -> tuple[crd.InferenceServiceSpec, PolicySpec,
                                                        policy.PolicyState | None] | None:
         """The validated spec, the PolicySpec and the stored PolicyState; None (logged) when the
         object is not one to autoscale."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         try:
-            spec = api.InferenceServiceSpec.model_validate(obj.get("spec") or {})
-            pspec = policy.PolicySpec.from_crd(spec.model_dump(by_alias=True))
+            spec = crd.InferenceServiceSpec.model_validate(obj.get("spec") or {})
+            pspec = PolicySpec.from_crd(spec.model_dump(by_alias=True))
         except pydantic.ValidationError as e:
             log.warning("%s/%s: spec does not validate, not autoscaling it: %s", ns, name, e.errors()[:1])
             return None
@@ -693,9 +695,9 @@ class Autoscaler:
                 log.warning("%s/%s: stored policy state unreadable (%r); starting fresh", ns, name, e)
         return spec, pspec, state
 
-    async def observe(self, ns: str, name: str, spec: api.InferenceServiceSpec, now: float) -> Observed:
+    async def observe(self, ns: str, name: str, spec: crd.InferenceServiceSpec, now: float) -> Observed:
         """List the pods, scrape the ready ones, turn the scrapes into deltas (I/O)."""
-        pods = await asyncio.to_thread(self.kube.list_pods, ns, resources.selector_string(name))
+        pods = await asyncio.to_thread(self.kube.list_pods, ns, crd.selector_string(name))
         ready, starting = classify_pods(pods, now)
         gone = tuple(sorted((p["metadata"]["name"], (p.get("status") or {}).get("podIP")) for p in pods
                             if draining(p) and not p["metadata"].get("deletionTimestamp")))
@@ -724,7 +726,7 @@ class Autoscaler:
                                          router=router)
         return Observed(tuple(ready), tuple(starting), gone, samples, observation, hits)
 
-    async def apply(self, obj: Mapping[str, Any], spec: api.InferenceServiceSpec, seen: Observed,
+    async def apply(self, obj: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: Observed,
                     decision: policy.Decision, plan: Plan, now: float) -> Plan:
         """Carry out ``plan`` (I/O): drain, scale, push limits, patch status, post Events. Returns
         the plan that was applied (re-planned with the error when the scale write was refused)."""
@@ -765,7 +767,7 @@ class Autoscaler:
         another, possibly busy, pod (k8s.io/kubernetes pkg/controller/replicaset, getPodsToDelete)."""
         deadline = time.monotonic() + self.drain_unready_wait_s
         while True:
-            listed = await asyncio.to_thread(self.kube.list_pods, ns, resources.selector_string(name))
+            listed = await asyncio.to_thread(self.kube.list_pods, ns, crd.selector_string(name))
             still = {p["metadata"]["name"] for p in listed if p["metadata"]["name"] in pods
                      and not p["metadata"].get("deletionTimestamp") and any(
                          c.get("type") == "Ready" and c.get("status") == "True"
@@ -788,7 +790,7 @@ class Autoscaler:
         recreated); None when there is no token or the pod did not answer (logged)."""
         token = await self._token(ns, name)
         if token is None:
-            log.warning("%s/%s: no admin Secret %s: cannot %s %s", ns, name, resources.admin_secret_name(name),
+            log.warning("%s/%s: no admin Secret %s: cannot %s %s", ns, name, crd.admin_secret_name(name),
                         method, url)
             return None
         try:
@@ -806,7 +808,7 @@ class Autoscaler:
     async def _push_limits(self, ns: str, name: str, pushes: Sequence[LimitPush]) -> None:
         """PUT /admin/limits on each planned pod."""
         await asyncio.gather(*(self._admin(
-            ns, name, "PUT", f"http://{u.pod.ip}:{api.WORKER_PORT}{admin_api.LIMITS_PATH}",
+            ns, name, "PUT", f"http://{u.pod.ip}:{crd.WORKER_PORT}{admin_api.LIMITS_PATH}",
             admin_api.limits_body(u.limits.max_num_seqs, u.limits.max_waiting)) for u in pushes))
 
     async def _drain(self, ns: str, name: str, pod: str, ip: str | None, on: bool) -> None:
@@ -821,4 +823,4 @@ class Autoscaler:
             log.warning("%s/%s: annotating pod %s failed: %r", ns, name, pod, e)
         if ip is not None:
             await self._admin(ns, name, "POST" if on else "DELETE",
-                              f"http://{ip}:{api.WORKER_PORT}{admin_api.DRAIN_PATH}")
+                              f"http://{ip}:{crd.WORKER_PORT}{admin_api.DRAIN_PATH}")

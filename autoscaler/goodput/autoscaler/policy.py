@@ -176,10 +176,11 @@ How each rule follows from the ideas it rests on:
    The router's fleet-queue bound ``router_max_queued`` is rule 5's TTFT bound applied to the
    fleet's service rate: ``floor((slo_ttft_s - t_first) * mu * ready)``.
 
-13. Every knob is declared once, as a field of :class:`PolicySpec` with a :class:`Knob` (help,
-   bounds, where the InferenceService holds it, unit); the CRD's ``spec.autoscaling`` and
+13. Every knob is declared once, as a field of :class:`~goodput.api.policy.PolicySpec` (the
+   contract package: the operator's CRD reads it too) with a :class:`~goodput.api.policy.Knob`
+   (help, bounds, where the InferenceService holds it, unit); the CRD's ``spec.autoscaling`` and
    ``spec.slo`` fields, :meth:`PolicySpec.from_crd` and the defaults derive from it
-   (:func:`knobs`). A new knob is one new field.
+   (:func:`~goodput.api.policy.knobs`). A new knob is one new field.
 """
 from __future__ import annotations
 
@@ -187,6 +188,8 @@ import math
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
+
+from goodput.api.policy import PolicySpec
 
 # ----------------------------------------------------------------------------------- observations
 
@@ -332,189 +335,6 @@ def attainment(slo_met: float, finished: float, rejected: float) -> float | None
     """
     offered = finished + rejected
     return slo_met / offered if offered > 0 else None
-
-
-# ------------------------------------------------------------------------------------------ knobs
-_KNOB = "goodput.knob"
-
-
-@dataclass(frozen=True)
-class Knob:
-    """How one policy knob is spelled and checked in an InferenceService.
-
-    help: one line (the CRD field's description).
-    crd: the camelCase path under ``.spec`` (``"autoscaling.minReplicas"``); None = under
-        ``autoscaling.tuning`` with the field's name in camelCase (``tpot_margin`` ->
-        ``autoscaling.tuning.tpotMargin``; a ``_s`` suffix reads ``Seconds``).
-    unit: policy value = CRD value * unit (``slo.ttftMs`` in ms -> ``slo_ttft_s``: 0.001).
-    crd_type: the CRD's type when it differs from the field's (whole seconds: int).
-    ge, gt, le: bounds in CRD units, checked by the CRD schema and by ``PolicySpec``.
-    """
-
-    help: str
-    crd: str | None = None
-    unit: float = 1.0
-    crd_type: type | None = None
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-
-
-def knob(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field declaring one knob (``kw``: the other :class:`Knob` fields)."""
-    return field(default=default, metadata={_KNOB: Knob(help, **kw)})
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(w.capitalize() for w in rest)
-
-
-@dataclass(frozen=True)
-class KnobField:
-    """One declared knob: ``name`` (PolicySpec field), ``type`` (int or float), ``default`` (policy
-    units), ``path`` (camelCase keys under ``.spec``), ``crd_type`` and ``crd_default`` (CRD units),
-    ``meta`` (its :class:`Knob`)."""
-
-    name: str
-    type: type
-    default: Any
-    path: tuple[str, ...]
-    crd_type: type
-    crd_default: Any
-    meta: Knob
-
-
-def knobs() -> list[KnobField]:
-    """Every :class:`PolicySpec` knob in declaration order (what the CRD and ``from_crd`` derive
-    from)."""
-    hints = typing.get_type_hints(PolicySpec)
-    out = []
-    for f in fields(PolicySpec):
-        meta = f.metadata.get(_KNOB)
-        if meta is None:
-            continue
-        leaf = _camel(f.name[:-2] + "_seconds" if f.name.endswith("_s") else f.name)
-        path = tuple((meta.crd or "autoscaling.tuning." + leaf).split("."))
-        crd_type = meta.crd_type or hints[f.name]
-        crd_default = crd_type(round(f.default / meta.unit, 9))
-        out.append(KnobField(f.name, hints[f.name], f.default, path, crd_type, crd_default, meta))
-    return out
-
-
-# ------------------------------------------------------------------------------------------ spec
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """What the policy holds the fleet to: every field is a knob (help text beside it). Times in
-    seconds, ratios in 0..1. Raises ValueError on a value out of its knob's bounds or inconsistent
-    bounds (min > max)."""
-
-    min_replicas: int = knob(1, "fewest worker pods (0: scale to zero when idle, with a router)",
-                             crd="autoscaling.minReplicas", ge=0, le=1000)
-    max_replicas: int = knob(4, "most worker pods", crd="autoscaling.maxReplicas", ge=1, le=1000)
-    slo_ttft_s: float = knob(1.0, "time-to-first-token target, milliseconds", crd="slo.ttftMs",
-                             unit=0.001, gt=0)
-    slo_tpot_s: float = knob(0.1, "time-per-output-token target, milliseconds", crd="slo.tpotMs",
-                             unit=0.001, gt=0)
-    attainment_target: float = knob(0.9, "wanted fraction of requests meeting both",
-                                    crd="slo.attainmentTarget", ge=0, le=1)
-    scale_up_window_s: float = knob(30.0, "evidence window before scaling up",
-                                    crd="autoscaling.scaleUpWindowSeconds", crd_type=int, ge=0, le=3600)
-    stabilization_window_s: float = knob(300.0, "scale down only after this long below target",
-                                         crd="autoscaling.stabilizationWindowSeconds", crd_type=int,
-                                         ge=0, le=86400)
-    scale_to_zero_idle_s: float = knob(600.0, "with minReplicas 0 and a router: seconds with nothing "
-                                       "offered, held, queued or in flight before scaling to zero "
-                                       "(docs/router-autoscaler-contract.md)",
-                                       crd="autoscaling.scaleToZeroIdleSeconds", crd_type=int, ge=0)
-    kv_target: float = knob(0.8, "KV cache usage ratio above which to scale up",
-                            crd="autoscaling.targets.kvCacheUsage", ge=0, le=1)
-    queue_target: int = knob(4, "waiting requests per replica above which to scale up",
-                             crd="autoscaling.targets.queueDepth", ge=0)
-    tolerance: float = knob(0.1, "relative band within which replicas do not move (rule 9)", ge=0, le=1)
-    max_scale_up_step: int = knob(4, "replicas one decision may add at least (up to doubling)", ge=1)
-    max_scale_down_step: int = knob(1, "replicas one decision may remove", ge=1)
-    target_utilization: float = knob(0.85, "fraction of a replica's batch the sizing plans to fill",
-                                     gt=0, le=1)
-    panic_ratio: float = knob(2.0, "a recommendation this many times the replicas skips the scale-up "
-                              "window", gt=0)
-    model_load_s: float = knob(60.0, "expected seconds from pod creation to Ready until one is measured",
-                               ge=0)
-    min_num_seqs: int = knob(1, "lower bound of the tuned max_num_seqs", ge=1)
-    max_num_seqs: int = knob(256, "upper bound of the tuned max_num_seqs (engine.maxNumSeqs raises it)",
-                             ge=1)
-    min_waiting: int = knob(1, "lower bound of the max_waiting limit", ge=0)
-    max_waiting: int = knob(1024, "upper bound of the max_waiting limit", ge=0)
-    queue_slack: float = knob(2.0, "how far past the TTFT-bound queue the limit loosens when nothing "
-                              "loads (rule 5)", ge=1)
-    batch_increase: float = knob(0.125, "additive batch growth, fraction of the cap (rule 2)", gt=0)
-    batch_fast_increase: float = knob(1.5, "multiplicative batch growth far from the TPOT SLO (rule 2)",
-                                      ge=1)
-    batch_decrease: float = knob(0.75, "multiplicative batch cut on a TPOT miss or preemption (rule 2)",
-                                 gt=0, le=1)
-    tpot_margin: float = knob(0.8, "fraction of the TPOT SLO the batch grows under (rule 2)", gt=0, le=1)
-    tpot_fast_margin: float = knob(0.5, "fraction of the TPOT SLO the batch grows fast under (rule 2)",
-                                   gt=0, le=1)
-    forecast_alpha: float = knob(0.3, "Holt level smoothing per 5 s (rule 11)", gt=0, le=1)
-    forecast_beta: float = knob(0.1, "Holt trend smoothing per 5 s (rule 11)", ge=0, le=1)
-    length_alpha: float = knob(0.05, "smoothing per 5 s of the mean prompt and output tokens per request "
-                               "(rule 11)", gt=0, le=1)
-    explore_ratio: float = knob(1.75, "a scale-down may raise the work per replica to this many times "
-                                "the most served within the SLO (rule 7)", ge=1)
-    idle_utilization: float = knob(0.3, "below this Little's-law utilization a smaller fleet counts as "
-                                   "carrying the load without proof (rule 7)", ge=0, le=1)
-    floor_release: float = knob(0.75, "below the learned floor only when the work per replica there is "
-                                "under this fraction of the work that failed (rule 7)", gt=0, le=1)
-    floor_quiet_s: float = knob(1800.0, "seconds without a new failure before the learned floor drops "
-                                "one replica (rule 7)", ge=0)
-
-    def __post_init__(self) -> None:
-        for k in knobs():
-            v = getattr(self, k.name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
-                and (k.type is float or isinstance(v, int))
-            crd_v = v / k.meta.unit if ok else v
-            m = k.meta
-            if not ok or (m.ge is not None and crd_v < m.ge - 1e-12) or (m.gt is not None and crd_v <= m.gt) \
-                    or (m.le is not None and crd_v > m.le + 1e-12):
-                raise ValueError(f"{k.name} ({'.'.join(k.path)}) must be a finite {k.type.__name__}"
-                                 f"{_bounds_text(m)}, got {v!r}")
-        if self.max_replicas < max(1, self.min_replicas):
-            raise ValueError(f"need min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
-        if self.min_num_seqs > self.max_num_seqs:
-            raise ValueError(f"need min_num_seqs <= max_num_seqs, got {self.min_num_seqs}..{self.max_num_seqs}")
-        if self.min_waiting > self.max_waiting:
-            raise ValueError(f"need min_waiting <= max_waiting, got {self.min_waiting}..{self.max_waiting}")
-
-    @classmethod
-    def from_crd(cls, spec: Mapping[str, Any]) -> "PolicySpec":
-        """Build from an InferenceService ``.spec`` (camelCase dict as the API server returns it;
-        absent fields take the knobs' defaults; ``engine.maxNumSeqs`` raises the upper bound of
-        the tuned batch). Raises ValueError on values out of bounds or inconsistent."""
-        kw: dict[str, Any] = {}
-        for k in knobs():
-            node: Any = spec
-            for key in k.path:
-                node = node.get(key) if isinstance(node, Mapping) else None
-            if node is not None:
-                try:
-                    v = float(node) * k.meta.unit
-                except (TypeError, ValueError):
-                    raise ValueError(f"{'.'.join(k.path)} must be a number, got {node!r}") from None
-                kw[k.name] = int(round(v)) if k.type is int else v
-        engine = spec.get("engine") or {}
-        if engine.get("maxNumSeqs"):
-            kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), kw.get("max_num_seqs", cls.max_num_seqs))
-        return cls(**kw)
-
-
-def _bounds_text(m: Knob) -> str:
-    parts = [f">= {m.ge}" if m.ge is not None else "", f"> {m.gt}" if m.gt is not None else "",
-             f"<= {m.le}" if m.le is not None else ""]
-    text = " and ".join(p for p in parts if p)
-    return f" {text} (CRD units)" if text else ""
 
 
 # ----------------------------------------------------------------------------------------- state
@@ -1247,7 +1067,7 @@ def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Fore
 
 
 __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation", "Observation",
-           "attainment", "Knob", "KnobField", "knob", "knobs", "PolicySpec", "PolicyState", "Limits",
+           "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
            "tune_cap", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]

@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from goodput.autoscaler import observe
+from goodput.api.policy import PolicySpec
 from goodput.autoscaler.policy import (
     Observation,
     PodObservation,
-    PolicySpec,
     PolicyState,
     StartingPod,
     decide,

@@ -40,9 +40,10 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
-from goodput.operator import api, claims, kube, resources, status as status_mod
+from goodput.api import crd
+from goodput.operator import claims, kube, resources, status as status_mod
 
-RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
+RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
 ROUTER_URL = os.environ.get(resources.ROUTER_URL_ENV) or None  # --router-url: status.url
 
@@ -95,7 +96,7 @@ class OperatorState:
         self.known: set[tuple[str, str]] = set()
         self.known_lock = threading.Lock()
         self.complete: set[tuple[str, str, str]] = set()
-        self.pod_failures: dict[tuple[str, str], dict[str, api.Problem]] = {}
+        self.pod_failures: dict[tuple[str, str], dict[str, crd.Problem]] = {}
         self.pods_lock = threading.Lock()
         self.requests: collections.Counter[str] = collections.Counter()
         self.requests_lock = threading.Lock()
@@ -110,13 +111,13 @@ class OperatorState:
         with self.requests_lock:
             return collections.Counter(self.requests)
 
-    def worker_problem(self, namespace: str, name: str) -> api.Problem | None:
+    def worker_problem(self, namespace: str, name: str) -> crd.Problem | None:
         """The failure to report for this InferenceService's worker pods (first failing pod by name)."""
         with self.pods_lock:
             failing = self.pod_failures.get((namespace, name)) or {}
             return failing[min(failing)] if failing else None
 
-    def set_pod_problem(self, key: tuple[str, str], pod: str, problem: api.Problem | None) -> None:
+    def set_pod_problem(self, key: tuple[str, str], pod: str, problem: crd.Problem | None) -> None:
         with self.pods_lock:
             failing = self.pod_failures.setdefault(key, {})
             if problem is None:
@@ -274,7 +275,7 @@ class _Claims:
 _claims = _Claims()
 
 
-def _worker_problem(namespace: str, name: str) -> api.Problem | None:
+def _worker_problem(namespace: str, name: str) -> crd.Problem | None:
     return state.worker_problem(namespace, name)
 
 
@@ -316,7 +317,7 @@ class ChildRefused(Exception):
     """The API server refused a child write with a 4xx; becomes Degraded (reason ChildRefused)."""
 
     def __init__(self, kind: str, namespace: str, name: str, e: ApiException):
-        self.problem = api.Problem(reason="ChildRefused", message=(
+        self.problem = crd.Problem(reason="ChildRefused", message=(
             f"the API server refused {kind} {namespace}/{name} ({e.status}): {api_message(e)}"))
         super().__init__(self.problem.message)
 
@@ -364,7 +365,7 @@ def _ensure(desired: dict[str, Any], uid: str, logger: logging.Logger,
 def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: logging.Logger,
                    fresh: bool = False) -> None:
     """Create the admin-token Secret once. Raises ChildRefused for a 4xx answer (see ``is_refusal``)."""
-    sname = resources.admin_secret_name(name)
+    sname = crd.admin_secret_name(name)
     if not fresh and _get("v1", "Secret", namespace, sname) is not None:
         return  # created once; the token is never rotated behind running workers' backs
     body = resources.admin_secret(name, namespace, secrets.token_urlsafe(32), owner)
@@ -395,19 +396,19 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
     if not _claims.owns(namespace):
         return None
     with cluster.lock_for(namespace, name):
-        body = _get(api.API_VERSION, api.KIND, namespace, name)
+        body = _get(crd.API_VERSION, crd.KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         meta = body["metadata"]
         uid, generation = meta["uid"], meta.get("generation")
         current = body.get("status") or {}
         try:
-            spec = api.InferenceServiceSpec.model_validate(body.get("spec") or {})
-            problems = api.semantic_problems(spec)
+            spec = crd.InferenceServiceSpec.model_validate(body.get("spec") or {})
+            problems = crd.semantic_problems(spec)
         except pydantic.ValidationError as e:  # e.g. an object stored under an older schema
             spec = None
-            problems = [api.Problem(reason="InvalidSpec", message=_short_validation_error(e))]
-        problems += api.name_problems(name)
+            problems = [crd.Problem(reason="InvalidSpec", message=_short_validation_error(e))]
+        problems += crd.name_problems(name)
 
         deployment: dict[str, Any] | None = None
         service_exists = False
@@ -434,7 +435,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
                     problems.append(e.problem)
                     continue
                 if action == "conflict":
-                    problems.append(api.Problem(reason="ChildConflict", message=(
+                    problems.append(crd.Problem(reason="ChildConflict", message=(
                         f"{desired['kind']} {namespace}/{desired['metadata']['name']} exists and is not "
                         f"controlled by this InferenceService")))
                 if desired["kind"] == "Deployment" and action != "conflict":
@@ -452,7 +453,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             worker_problem=_worker_problem(namespace, name),
             previous_conditions=prev_conditions, now=_now(), router_url=ROUTER_URL)
         if status_mod.status_changed(current, new):
-            cluster.resource(api.API_VERSION, api.KIND).status.patch(
+            cluster.resource(crd.API_VERSION, crd.KIND).status.patch(
                 body={"status": new}, name=name, namespace=namespace,
                 content_type="application/merge-patch+json")
             _post_events(body, prev_conditions, new["conditions"])
@@ -472,7 +473,7 @@ def _post_events(body: dict[str, Any], before: list[dict[str, Any]], after: list
 def post_event(body: dict[str, Any], etype: str, reason: str, message: str) -> None:
     """Create a core/v1 Event about an InferenceService (works from any thread, unlike kopf.event)."""
     meta = body["metadata"]
-    obj = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": meta}
+    obj = {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": meta}
     event = kube.event_body(obj, etype, reason, message, component=resources.MANAGED_BY, now=time.time())
     try:
         cluster.resource("v1", "Event").create(body=event, namespace=meta["namespace"])
@@ -501,9 +502,9 @@ def _short_validation_error(e: pydantic.ValidationError) -> str:
 @kopf.on.startup()
 def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # progress and diff-base in annotations: a structural schema would prune status.kopf
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=api.GROUP, key="last-handled-configuration")
+        prefix=crd.GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # only our own Warning events, not every handler log line
     settings.execution.max_workers = _workers()
     settings.watching.server_timeout = 300
@@ -514,9 +515,9 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # namespaced install has no permission for (kopf would retry the 403 for ~55 s first)
         settings.scanning.disabled = True
         try:
-            cluster.resource(api.API_VERSION, api.KIND)
+            cluster.resource(crd.API_VERSION, crd.KIND)
         except ResourceNotFoundError:
-            raise kopf.PermanentError(f"the {api.KIND} CRD ({api.PLURAL}.{api.GROUP}) is not installed: apply "
+            raise kopf.PermanentError(f"the {crd.KIND} CRD ({crd.PLURAL}.{crd.GROUP}) is not installed: apply "
                                       "crds/ first (a namespaced operator does not watch for it)") from None
         _claims.renew(WATCHED_NAMESPACES)  # before the first handlers run: they reconcile only what is held
         threading.Thread(target=_claim_loop, args=(state.resync_stop, WATCHED_NAMESPACES), name="claims",
@@ -602,7 +603,7 @@ def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logge
     """A child Deployment changed (pods ready, rollout progress, deleted): refresh its owner."""
     observed = None if type == "DELETED" else _plain(body)
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP + "/") \
+        if ref.get("kind") == crd.KIND and ref.get("apiVersion", "").startswith(crd.GROUP + "/") \
                 and ref.get("controller"):
             try:
                 reconcile(namespace, ref["name"], logger, observed_deployment=observed)
@@ -612,14 +613,14 @@ def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logge
 
 
 @kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY,
-                                          resources.LABEL_COMPONENT: "worker"})
+                                          crd.LABEL_COMPONENT: "worker"})
 def on_worker_pod_event(type: str | None, body: kopf.Body, namespace: str, logger: logging.Logger,  # noqa: A002
                         **_: Any) -> None:
     """A worker pod changed: record whether it is failing (crash loop, cannot start) and, when that
     changes what its InferenceService reports, reconcile it (WorkerCrashLoop within seconds of the
     kubelet's report, not at the Deployment's progress deadline)."""
     pod = _plain(body)
-    owner = (pod["metadata"].get("labels") or {}).get(resources.LABEL_ISVC)
+    owner = (pod["metadata"].get("labels") or {}).get(crd.LABEL_ISVC)
     if not owner:
         return
     problem = None if type == "DELETED" else status_mod.pod_failure(pod)

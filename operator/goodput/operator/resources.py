@@ -21,56 +21,20 @@ from collections.abc import Callable
 from decimal import ROUND_UP, Decimal, localcontext
 from typing import Any
 
-from goodput.operator import api
-from goodput.operator.api import InferenceServiceSpec
+from pydantic.alias_generators import to_snake
+
+from goodput.api import crd
+from goodput.api.crd import InferenceServiceSpec, admin_secret_name, selector_labels
 from goodput.worker.admin_api import ADMIN_TOKEN_ENV, ADMIN_TOKEN_KEY  # noqa: F401 - re-exported
-from goodput.worker.engine.config import EngineArgs, settings, to_cli_args
+from goodput.api.settings import settings
+from goodput.worker.engine.config import EngineArgs, to_cli_args
 
 MANAGED_BY = "goodput-operator"
-LABEL_ISVC = f"{api.GROUP}/inferenceservice"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
+ANNOTATION_SPEC_HASH = f"{crd.GROUP}/spec-hash"
 # the worker's kernel policy (cpu_kernels.POLICY_ENV, a torch module; a test keeps the two equal)
 CPU_KERNELS_ENV = "GOODPUT_CPU_KERNELS"
 CONTAINER_NAME = "worker"
 MODEL_VOLUME_NAME = "model"
-
-
-DNS_LABEL_MAX = 63  # RFC 1123 label; also the limit of a label value
-
-
-def child_name(name: str, suffix: str, limit: int = DNS_LABEL_MAX) -> str:
-    """The name of a child of InferenceService ``name``: ``"<name>-<suffix>"`` when it fits in ``limit``
-    characters, else ``name`` cut short + ``-`` + 8 hex digits of SHA-256(``name``) + ``-<suffix>``,
-    exactly ``limit`` long.
-
-    Stable (a pure function of its arguments) and distinct for names that share the kept prefix. Kept
-    within 63 characters so a child name is also a valid DNS label and label value. A cut that ends
-    in ``-`` loses that ``-`` (one character shorter). Raises ValueError when ``suffix`` leaves no room.
-    """
-    full = f"{name}-{suffix}"
-    if len(full) <= limit:
-        return full
-    keep = limit - len(suffix) - 10  # "-" + 8 hex + "-"
-    if keep < 1:
-        raise ValueError(f"suffix {suffix!r} leaves no room for a name within {limit} characters")
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[:keep].rstrip('-')}-{digest}-{suffix}"
-
-
-def admin_secret_name(name: str) -> str:
-    """The admin-token Secret of InferenceService ``name`` (``name-admin``, shortened past 63 chars)."""
-    return child_name(name, "admin")
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    """The labels a Deployment, Service and PDB select worker pods by."""
-    return {LABEL_ISVC: name, LABEL_COMPONENT: "worker"}
-
-
-def selector_string(name: str) -> str:
-    """``selector_labels`` as a label-selector string (status.selector, for the scale subresource)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -84,7 +48,7 @@ def common_labels(name: str) -> dict[str, str]:
 
 def service_url(name: str, namespace: str) -> str:
     """In-cluster URL of the Service (Service name = InferenceService name)."""
-    return f"http://{name}.{namespace}.svc.cluster.local:{api.WORKER_PORT}"
+    return f"http://{name}.{namespace}.svc.cluster.local:{crd.WORKER_PORT}"
 
 
 # ``python -m goodput.operator --router-url URL`` sets this for the handlers (same process).
@@ -104,8 +68,8 @@ def check_router_url(url: str) -> str:
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
     """Controller owner reference to the InferenceService; garbage collection deletes the children."""
     return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.KIND,
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
         "name": name,
         "uid": uid,
         "controller": True,
@@ -122,13 +86,13 @@ def worker_args(spec: InferenceServiceSpec) -> list[str]:
     Unset fields are omitted so the worker's own defaults apply; sizes are passed as whole bytes;
     ``engine.extraArgs`` is appended verbatim.
     """
-    values: dict[str, Any] = {"host": "0.0.0.0", "port": api.WORKER_PORT}
+    values: dict[str, Any] = {"host": "0.0.0.0", "port": crd.WORKER_PORT}
     for s in settings(EngineArgs):
         path = s.meta.crd
         if path is None:
             continue
         obj: Any = spec.engine if path == "engine" else spec
-        for attr in ([s.name] if path == "engine" else path.split(".")):
+        for attr in ([s.name] if path == "engine" else map(to_snake, path.split("."))):
             obj = None if obj is None else getattr(obj, attr)
         values[s.name] = obj
     return ["serve", *to_cli_args(values), *spec.engine.extra_args]
@@ -151,7 +115,7 @@ def _http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str
 
 # Context length assumed for the drain budget when engine.maxModelLen is unset: the bundled
 # SmolLM2's (8k). A GGUF with a longer context should set maxModelLen or the grace period itself.
-DEFAULT_CONTEXT_TOKENS = api.BUNDLED_MODEL_CONTEXT["smollm2"]
+DEFAULT_CONTEXT_TOKENS = crd.BUNDLED_MODEL_CONTEXT["smollm2"]
 DRAIN_MARGIN_SECONDS = 5
 
 
@@ -176,7 +140,7 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["goodput-worker"],
         "args": worker_args(spec),
-        "ports": [{"name": "http", "containerPort": api.WORKER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": crd.WORKER_PORT, "protocol": "TCP"}],
         # the worker writes its fatal start-up error there; the log tail when it could not
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": [
@@ -233,7 +197,7 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     annotations = {
         **spec.pod_template.annotations,
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(api.WORKER_PORT),
+        "prometheus.io/port": str(crd.WORKER_PORT),
         "prometheus.io/path": "/metrics",
     }
     template = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
@@ -286,7 +250,7 @@ def service(name: str, namespace: str, owner: dict[str, Any] | None = None) -> d
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
-            "ports": [{"name": "http", "port": api.WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": "http", "port": crd.WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     })
 

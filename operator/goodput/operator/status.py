@@ -11,7 +11,7 @@ observedGeneration; lastTransitionTime changes only when status flips):
   Progressing  True while the Deployment is rolling out or scaling (RollingOut, ScalingDown,
                WaitingForReplicas, Creating); False when done (Complete) or stuck (ProgressDeadlineExceeded,
                or the spec's own problem reason).
-  Degraded     True for a spec the operator will not roll out (reason from api.semantic_problems, or
+  Degraded     True for a spec the operator will not roll out (reason from crd.semantic_problems, or
                ChildRefused when the API server refused a child), a worker that crashed and has not been
                ready since (WorkerCrashLoop, message: the worker's last error line) or cannot start
                (WorkerCannotStart) or cannot be placed on any node (Unschedulable, message: the
@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Sequence
 
+from goodput.api.crd import Problem, selector_string
 from goodput.operator import resources
-from goodput.operator.api import Problem
 
 
 def find_condition(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
@@ -208,7 +208,7 @@ def compute_status(
         "replicas": total,
         "readyReplicas": ready,
         "updatedReplicas": updated,
-        "selector": resources.selector_string(name),
+        "selector": selector_string(name),
         "url": router_url or (resources.service_url(name, namespace) if service_exists else None),
     }
 

@@ -44,16 +44,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from goodput.operator import api, resources
+from goodput.api import crd
 from goodput.worker.engine.config import EngineArgs
 
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo, ServiceKey
 
 log = logging.getLogger("goodput.router.discovery")
 
-DRAINING_ANNOTATION = api.DRAINING_ANNOTATION
-WORKER_SELECTOR = f"{resources.LABEL_COMPONENT}=worker,{resources.LABEL_ISVC}"
-DEFAULT_STARTUP_TIMEOUT_S = api.ProbeSpec.model_fields["startup_timeout_seconds"].default
+DRAINING_ANNOTATION = crd.DRAINING_ANNOTATION
+WORKER_SELECTOR = f"{crd.LABEL_COMPONENT}=worker,{crd.LABEL_ISVC}"
+DEFAULT_STARTUP_TIMEOUT_S = crd.ProbeSpec.model_fields["startup_timeout_seconds"].default
 GONE = 410
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
 
@@ -62,7 +62,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
 def served_model_name(model_spec: Mapping[str, Any]) -> str:
     """``spec.model`` → the name clients put in ``model``: ``servedModelName``, else the file name
     of ``name`` without ``.gguf`` (``EngineArgs.model_name``, the worker's own rule)."""
-    name = model_spec.get("name") or api.ModelSource.model_fields["name"].default
+    name = model_spec.get("name") or crd.ModelSource.model_fields["name"].default
     return EngineArgs(model=name, served_model_name=model_spec.get("servedModelName") or None).model_name
 
 
@@ -85,7 +85,7 @@ def _http_port(spec: Mapping[str, Any]) -> int:
         for p in c.get("ports") or []:
             if p.get("name") == "http" and isinstance(p.get("containerPort"), int):
                 return p["containerPort"]
-    return api.WORKER_PORT
+    return crd.WORKER_PORT
 
 
 def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] | None:
@@ -94,8 +94,8 @@ def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] |
     cannot take a request yet or any more: no pod IP, or phase Succeeded/Failed."""
     meta, spec, st = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     labels = meta.get("labels") or {}
-    isvc = labels.get(resources.LABEL_ISVC)
-    if not isvc or labels.get(resources.LABEL_COMPONENT) != "worker":
+    isvc = labels.get(crd.LABEL_ISVC)
+    if not isvc or labels.get(crd.LABEL_COMPONENT) != "worker":
         return None
     ns, name = meta.get("namespace") or "", meta["name"]
     ip = st.get("podIP")
@@ -285,13 +285,13 @@ class KubernetesDiscovery:
         for ns in self.namespaces or [None]:
             if ns is None:
                 def isvcs(**kw):
-                    return custom.list_cluster_custom_object(api.GROUP, api.VERSION, api.PLURAL, **kw)
+                    return custom.list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL, **kw)
 
                 def pods(**kw):
                     return core.list_pod_for_all_namespaces(label_selector=WORKER_SELECTOR, **kw)
             else:
                 def isvcs(ns=ns, **kw):
-                    return custom.list_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL, **kw)
+                    return custom.list_namespaced_custom_object(crd.GROUP, crd.VERSION, ns, crd.PLURAL, **kw)
 
                 def pods(ns=ns, **kw):
                     return core.list_namespaced_pod(ns, label_selector=WORKER_SELECTOR, **kw)

@@ -115,7 +115,8 @@ def test_a_failed_build_is_recorded_and_not_repeated_by_the_next_process(env):
 
 
 def test_the_operator_starts_workers_with_the_prebuilt_policy():
-    from goodput.operator import api, resources
+    from goodput.api import crd as api
+    from goodput.operator import resources
     from goodput.worker.model import cpu_kernels
 
     (c,) = resources.pod_template("x", api.InferenceServiceSpec())["spec"]["containers"]

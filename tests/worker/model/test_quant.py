@@ -172,7 +172,7 @@ def test_quantization_flag_reaches_engine_args_and_bad_values_are_refused(capsys
 def test_crd_carries_quantization_and_rejects_unknown_values():
     import pydantic
     from goodput.operator import resources as r
-    from goodput.operator.api import InferenceServiceSpec
+    from goodput.api.crd import InferenceServiceSpec
     from goodput.operator.crdgen import build_crd
 
     spec = InferenceServiceSpec.model_validate({"engine": {"quantization": "int4"}})

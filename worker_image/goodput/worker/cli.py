@@ -15,54 +15,25 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from goodput.worker.engine.config import EngineArgs, SettingField, bounds, check, in_flag_order, settings
-
-
-def _converter(s: SettingField) -> Callable[[str], Any]:
-    """An argparse ``type`` for one setting: parse the text, then check it (a usage error, exit 2,
-    names the flag and the allowed range)."""
-    what = "a size" if s.meta.parse is not None else {int: "an integer", float: "a number"}.get(s.type, "a value")
-
-    def convert(text: str) -> Any:
-        try:
-            value = s.meta.parse(text) if s.meta.parse is not None else s.type(text)
-        except ValueError as e:  # the units parser says what it accepts
-            raise argparse.ArgumentTypeError(str(e) if s.meta.parse else f"expected {what}, got {text!r}") from None
-        try:
-            check(s, value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what} {bounds(s)}, got {text!r}") from None
-        return value
-
-    convert.__name__ = s.name  # argparse names the type in some messages
-    return convert
+from goodput.api.settings import add_flags, from_flags, settings
+from goodput.worker.engine.config import EngineArgs, in_flag_order
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``goodput-worker serve``'s parser, one flag per :class:`EngineArgs` setting (help, bounds,
-    choices and defaults from the field declarations)."""
+    choices and defaults from the field declarations: ``goodput.api.settings.add_flags``)."""
     p = argparse.ArgumentParser(prog="goodput-worker", description="goodput LLM worker")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible HTTP API")
-    for s in in_flag_order(settings(EngineArgs)):
-        shown = "" if s.default is None else f" (default: {s.default})"
-        kw: dict[str, Any] = {"default": s.default, "help": s.meta.help + shown, "dest": s.name}
-        if s.type is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif s.meta.choices is not None:
-            kw["choices"] = s.meta.choices
-        elif s.type is not str:
-            kw["type"] = _converter(s)
-        serve.add_argument(s.flag, **kw)
+    add_flags(serve, in_flag_order(settings(EngineArgs)))
     return p
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """The parsed ``serve`` flags as :class:`EngineArgs`."""
-    return EngineArgs(**{s.name: getattr(ns, s.name) for s in settings(EngineArgs)})
+    return from_flags(ns, EngineArgs)
 
 
 # Kubernetes mounts a file at the container's terminationMessagePath (default /dev/termination-log) and

@@ -1,13 +1,14 @@
 """Worker settings and engine configuration (torch-free): the one declaration of every setting.
 
-Each setting is a dataclass field whose metadata holds a :class:`Setting` (help text, bounds,
-choices, where it lives in an ``InferenceService``). Everything else is derived from these
-fields, so a new setting is one new field here:
+Each setting is a dataclass field made by ``goodput.api.settings.setting`` (help text, bounds,
+choices, where it lives in an ``InferenceService``: the machinery every deployable declares its
+settings with). Everything else is derived from these fields, so a new setting is one new field here:
 
-- ``goodput-worker serve``'s flags (``goodput.worker.cli.build_parser``; as vLLM builds its CLI
-  from its config dataclasses), with ``--help`` text from the metadata;
+- ``goodput-worker serve``'s flags (``goodput.worker.cli.build_parser`` with
+  ``goodput.api.settings.add_flags``; as vLLM builds its CLI from its config dataclasses), with
+  ``--help`` text from the metadata;
 - the operator's worker arguments (:func:`to_cli_args`) and the CRD's ``spec.engine`` schema
-  (``goodput.operator.api.EngineSpec``, a pydantic model built from :func:`settings`);
+  (``goodput.api.crd.EngineSpec``, a pydantic model built from :func:`settings`);
 - validation at construction (a bad value raises ``ValueError`` naming the field and the value).
 
 Flag names follow vLLM's where they mean the same (``--max-num-seqs``, ``--max-num-batched-tokens``,
@@ -20,73 +21,15 @@ cache identity) both inherit them, so they are declared and mapped once.
 from __future__ import annotations
 
 import math
-import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from goodput.worker.engine.units import parse_bytes
+from goodput.api.settings import SettingField, check, flag_value, setting, settings, validate
+from goodput.api.units import parse_bytes
 
 SCHEDULING_POLICIES = ("continuous", "static")
 QUANTIZATIONS = ("none", "int8", "int4")
-_META = "goodput.setting"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """How one setting is spelled and checked outside Python.
-
-    help: one line for ``--help`` and the CRD's description.
-    choices: the allowed values (CLI choices, CRD enum).
-    ge, gt, le: numeric bounds, checked by the CLI, the CRD schema and at construction.
-    parse: text -> value for a setting with units (sizes: :func:`parse_bytes`); the CRD then
-        accepts a number or a string such as ``512Mi``.
-    crd: where an ``InferenceService`` spec holds the value: ``"engine"`` (``spec.engine``, same
-        name in camelCase), an attribute path such as ``"model.name"`` or ``"slo.ttft_ms"``, or
-        None (set by the operator itself, e.g. the listening address).
-    """
-
-    help: str
-    choices: tuple[str, ...] | None = None
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    parse: Callable[[str], Any] | None = None
-    crd: str | None = "engine"
-
-
-def setting(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field declaring one setting (``kw``: the other :class:`Setting` fields)."""
-    return field(default=default, metadata={_META: Setting(help, **kw)})
-
-
-@dataclass(frozen=True)
-class SettingField:
-    """One declared setting: its Python ``name``, ``flag`` (``--max-num-seqs``), value ``type``
-    (int, float, str or bool), whether None is allowed, its default and its :class:`Setting`."""
-
-    name: str
-    flag: str
-    type: type
-    optional: bool
-    default: Any
-    meta: Setting
-
-
-def settings(cls: type = None) -> list[SettingField]:  # type: ignore[assignment]
-    """The settings of a dataclass (default: :class:`EngineArgs`), in declaration order."""
-    cls = cls or EngineArgs
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in fields(cls):
-        meta = f.metadata.get(_META)
-        if meta is None:
-            continue
-        args = typing.get_args(hints[f.name])
-        optional = type(None) in args
-        base = next(a for a in args if a is not type(None)) if args else hints[f.name]
-        out.append(SettingField(f.name, "--" + f.name.replace("_", "-"), base, optional, f.default, meta))
-    return out
 
 
 def in_flag_order(ss: list[SettingField]) -> list[SettingField]:
@@ -95,59 +38,13 @@ def in_flag_order(ss: list[SettingField]) -> list[SettingField]:
     return sorted(ss, key=lambda s: not (s.meta.crd is None or s.meta.crd.startswith("model.")))
 
 
-def check(s: SettingField, value: Any) -> None:
-    """Raise ``ValueError`` naming the setting when ``value`` is not allowed."""
-    if value is None:
-        if not s.optional:
-            raise ValueError(f"{s.name} must be set")
-        return
-    m = s.meta
-    if s.type is bool:
-        ok = isinstance(value, bool)
-    elif s.type is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif s.type is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, s.type)
-    if not ok:
-        raise ValueError(f"{s.name} must be {'a finite number' if s.type is float else 'a ' + s.type.__name__}, "
-                         f"got {value!r}")
-    if m.choices is not None and value not in m.choices:
-        raise ValueError(f"{s.name} must be one of {m.choices}, got {value!r}")
-    if (m.ge is not None and value < m.ge) or (m.gt is not None and value <= m.gt) \
-            or (m.le is not None and value > m.le):
-        raise ValueError(f"{s.name} must be {bounds(s)}, got {value!r}")
-
-
-def bounds(s: SettingField) -> str:
-    """The numeric bounds as text: ``">= 1"``, ``"in 1..65535"``, ``"> 0"``."""
-    m = s.meta
-    lo = m.ge if m.ge is not None else m.gt
-    if lo is not None and m.le is not None:
-        return f"in {_num(lo)}..{_num(m.le)}" if m.ge is not None else f"in ({_num(lo)}, {_num(m.le)}]"
-    if lo is not None:
-        return f"{'>=' if m.ge is not None else '>'} {_num(lo)}"
-    return f"<= {_num(m.le)}" if m.le is not None else "any value"
-
-
-def _num(x: float) -> str:
-    """A number as a flag value: ``1000.0`` -> ``"1000"``, ``250.5`` -> ``"250.5"``."""
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
-
-
-def _validate(obj: Any) -> None:
-    for s in settings(type(obj)):
-        check(s, getattr(obj, s.name))
-
-
 def to_cli_args(values: Mapping[str, Any]) -> list[str]:
     """``goodput-worker serve`` arguments for the given settings (name -> value), in declaration
     order: the inverse of the CLI parser. None means "unset" (the worker's default applies);
     a boolean is spelled ``--flag`` / ``--no-flag`` only when it differs from the default; a
     value with units is passed in its base unit (bytes). Raises ValueError for an unknown name
     or a value the setting refuses."""
-    known = {s.name: s for s in in_flag_order(settings())}
+    known = {s.name: s for s in in_flag_order(settings(EngineArgs))}
     unknown = set(values) - set(known)
     if unknown:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
@@ -163,7 +60,7 @@ def to_cli_args(values: Mapping[str, Any]) -> list[str]:
             if value != s.default:
                 out.append(s.flag if value else "--no-" + s.flag[2:])
         else:
-            out += [s.flag, _num(value) if s.type is float else str(value)]
+            out += [s.flag, flag_value(s, value)]
     return out
 
 
@@ -199,7 +96,7 @@ class EngineArgs(SchedulerSettings):
                          crd="model.name")
     served_model_name: str | None = setting(
         None, "name in /v1/models, requests and metrics (default: --model without .gguf)",
-        crd="model.served_model_name")
+        crd="model.servedModelName")
     revision: str | None = setting(
         None, "model revision for the prefix-cache identity (default: a hash of the GGUF)",
         crd="model.revision")
@@ -223,9 +120,9 @@ class EngineArgs(SchedulerSettings):
     num_threads: int | None = setting(
         None, "torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)", ge=1)
     slo_ttft_ms: float | None = setting(None, "TTFT SLO for goodput_requests_slo_met_total (ms)",
-                                        gt=0, crd="slo.ttft_ms")
+                                        gt=0, crd="slo.ttftMs")
     slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput_requests_slo_met_total (ms)",
-                                        gt=0, crd="slo.tpot_ms")
+                                        gt=0, crd="slo.tpotMs")
     vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)")
     logprobs_mode: str = setting(
         "processed", "log-probabilities returned with logprobs: processed = of the distribution each "
@@ -245,7 +142,7 @@ class EngineArgs(SchedulerSettings):
         ge=1, parse=parse_bytes)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
         if self.quantization != "none" and self.device == "cuda":
             raise ValueError(f"quantization {self.quantization!r} runs on torch's CPU kernels only; "
                              "use device 'cpu', or quantization 'none' on CUDA")
@@ -294,7 +191,7 @@ class EngineConfig(SchedulerSettings):
     rejecting_window_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
         for name in ("num_blocks", "max_model_len") + (("vocab_size",) if self.vocab_size is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,4 +1,5 @@
-"""The InferenceService API: pydantic v2 models of its spec and status — the ONLY schema source.
+"""The InferenceService API: pydantic v2 models of its spec and status — the ONLY schema source —
+and the names and labels every deployable finds its objects by.
 
 ``crdgen`` turns these models into the CustomResourceDefinition (``crds/``); the operator parses every
 object it reads with them; example CRs in ``crds/examples/`` are validated by them in tests.
@@ -9,18 +10,23 @@ server-side instead of refusing them; ``kubectl apply`` (client-side schema vali
 refuses them with ``unknown field "..."``. Checks a schema cannot express (``semantic_problems``) become
 a ``Degraded`` condition and a Kubernetes Event instead.
 
+Names and labels: the API group, version and kind; the worker pods' selector labels
+(:data:`LABEL_ISVC`, :data:`LABEL_COMPONENT`; :func:`selector_labels`), the draining annotation, the
+worker port and the admin-token Secret's name (:func:`admin_secret_name`).
+
 This module is pure: no kopf, no kubernetes client (an import-linter contract enforces it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Any, Literal
 
-from goodput.autoscaler.policy import KnobField, PolicySpec, knobs
+from goodput.api.policy import KnobField, PolicySpec, knobs
 from goodput.worker.admin_api import ADMIN_TOKEN_ENV
-from goodput.worker.engine.config import EngineArgs, SettingField, check, settings
-from goodput.worker.engine.units import parse_bytes
+from goodput.api.settings import SettingField, check, settings
+from goodput.worker.engine.config import EngineArgs
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel, to_snake
 
@@ -42,12 +48,51 @@ WORKER_PORT = 8000
 # request (docs/router-autoscaler-contract.md, "Scale-in").
 DRAINING_ANNOTATION = f"{GROUP}/draining"
 DEFAULT_IMAGE = "goodput/worker:0.1.0"
+# Worker pods carry both; the operator's Deployment, Service and PDB select them by these labels.
+LABEL_ISVC = f"{GROUP}/inferenceservice"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+DNS_LABEL_MAX = 63  # RFC 1123 label; also the limit of a label value
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels a Deployment, Service and PDB select worker pods by."""
+    return {LABEL_ISVC: name, LABEL_COMPONENT: "worker"}
+
+
+def selector_string(name: str) -> str:
+    """``selector_labels`` as a label-selector string (status.selector, for the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def child_name(name: str, suffix: str, limit: int = DNS_LABEL_MAX) -> str:
+    """The name of a child of InferenceService ``name``: ``"<name>-<suffix>"`` when it fits in ``limit``
+    characters, else ``name`` cut short + ``-`` + 8 hex digits of SHA-256(``name``) + ``-<suffix>``,
+    exactly ``limit`` long.
+
+    Stable (a pure function of its arguments) and distinct for names that share the kept prefix. Kept
+    within 63 characters so a child name is also a valid DNS label and label value. A cut that ends
+    in ``-`` loses that ``-`` (one character shorter). Raises ValueError when ``suffix`` leaves no room.
+    """
+    full = f"{name}-{suffix}"
+    if len(full) <= limit:
+        return full
+    keep = limit - len(suffix) - 10  # "-" + 8 hex + "-"
+    if keep < 1:
+        raise ValueError(f"suffix {suffix!r} leaves no room for a name within {limit} characters")
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:keep].rstrip('-')}-{digest}-{suffix}"
+
+
+def admin_secret_name(name: str) -> str:
+    """The admin-token Secret of InferenceService ``name`` (``name-admin``, shortened past 63 chars)."""
+    return child_name(name, "admin")
+
 
 # Kubernetes resource quantity (e.g. "500m", "2", "1.5Gi", "512Mi")
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
-# Byte sizes (``engine.kvCacheMemory``) are parsed by the worker's own units module, so the CRD
-# and the worker accept exactly the same spellings (512Mi, 512MiB, 1GiB, 64M ...).
-__all__ = ["parse_bytes"]
+# Byte sizes (``engine.kvCacheMemory``) are parsed by the setting's own parser
+# (``goodput.api.units.parse_bytes``), so the CRD and the worker accept exactly the same spellings
+# (512Mi, 512MiB, 1GiB, 64M ...).
 
 
 class _Model(BaseModel):
@@ -154,7 +199,7 @@ def _nested(model: Any) -> Any:
 
 
 # The SLO and autoscaling fields are built from the policy's knob declarations
-# (goodput.autoscaler.policy.PolicySpec), so a new knob appears here by itself.
+# (goodput.api.policy.PolicySpec), so a new knob appears here by itself.
 SLOSpec = create_model(
     "SLOSpec", __base__=_Model,
     __doc__="Service-level objectives; a request meets the SLO when TTFT <= ttftMs and TPOT <= tpotMs.",

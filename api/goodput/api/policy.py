@@ -1,0 +1,156 @@
+"""The autoscaling policy's spec: every knob the goodput autoscaler holds a fleet to, declared once.
+
+:class:`PolicySpec` is what ``goodput.autoscaler.policy.decide`` reads; the operator's CRD
+(``goodput.api.crd``: ``spec.slo`` and ``spec.autoscaling``) and :meth:`PolicySpec.from_crd` derive
+from the same field declarations (:func:`knobs`), so a new knob is one new field here. The rules
+the knobs tune are explained in ``goodput.autoscaler.policy``. Standard library only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from goodput.api.settings import Setting, check, setting, settings
+
+
+# ------------------------------------------------------------------------------------------ knobs
+@dataclass(frozen=True)
+class KnobField:
+    """One knob in CRD terms: ``name`` (PolicySpec field), ``type`` (int or float), ``default``
+    (policy units), ``path`` (camelCase keys under ``.spec``), ``crd_type`` and ``crd_default`` (CRD
+    units), ``meta`` (its :class:`~goodput.api.settings.Setting`)."""
+
+    name: str
+    type: type
+    default: Any
+    path: tuple[str, ...]
+    crd_type: type
+    crd_default: Any
+    meta: Setting
+
+
+def knobs() -> list[KnobField]:
+    """Every :class:`PolicySpec` knob in declaration order (what the CRD and ``from_crd`` derive
+    from)."""
+    out = []
+    for s in settings(PolicySpec):
+        crd_type = s.meta.crd_type or s.type
+        out.append(KnobField(s.name, s.type, s.default, tuple(s.meta.crd.split(".")), crd_type,
+                             crd_type(round(s.default / s.meta.unit, 9)), s.meta))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ spec
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What the policy holds the fleet to: every field is a knob (help text beside it). Times in
+    seconds, ratios in 0..1. Raises ValueError on a value out of its knob's bounds or inconsistent
+    bounds (min > max)."""
+
+    min_replicas: int = setting(1, "fewest worker pods (0: scale to zero when idle, with a router)",
+                                crd="autoscaling.minReplicas", ge=0, le=1000)
+    max_replicas: int = setting(4, "most worker pods", crd="autoscaling.maxReplicas", ge=1, le=1000)
+    slo_ttft_s: float = setting(1.0, "time-to-first-token target, milliseconds", crd="slo.ttftMs",
+                                unit=0.001, gt=0)
+    slo_tpot_s: float = setting(0.1, "time-per-output-token target, milliseconds", crd="slo.tpotMs",
+                                unit=0.001, gt=0)
+    attainment_target: float = setting(0.9, "wanted fraction of requests meeting both",
+                                       crd="slo.attainmentTarget", ge=0, le=1)
+    scale_up_window_s: float = setting(30.0, "evidence window before scaling up",
+                                       crd="autoscaling.scaleUpWindowSeconds", crd_type=int, ge=0, le=3600)
+    stabilization_window_s: float = setting(300.0, "scale down only after this long below target",
+                                            crd="autoscaling.stabilizationWindowSeconds", crd_type=int,
+                                            ge=0, le=86400)
+    scale_to_zero_idle_s: float = setting(600.0, "with minReplicas 0 and a router: seconds with nothing "
+                                          "offered, held, queued or in flight before scaling to zero "
+                                          "(docs/router-autoscaler-contract.md)",
+                                          crd="autoscaling.scaleToZeroIdleSeconds", crd_type=int, ge=0)
+    kv_target: float = setting(0.8, "KV cache usage ratio above which to scale up",
+                               crd="autoscaling.targets.kvCacheUsage", ge=0, le=1)
+    queue_target: int = setting(4, "waiting requests per replica above which to scale up",
+                                crd="autoscaling.targets.queueDepth", ge=0)
+    tolerance: float = setting(0.1, "relative band within which replicas do not move (rule 9)", ge=0, le=1,
+                    crd="autoscaling.tuning.tolerance")
+    max_scale_up_step: int = setting(4, "replicas one decision may add at least (up to doubling)", ge=1,
+                    crd="autoscaling.tuning.maxScaleUpStep")
+    max_scale_down_step: int = setting(1, "replicas one decision may remove", ge=1,
+                    crd="autoscaling.tuning.maxScaleDownStep")
+    target_utilization: float = setting(0.85, "fraction of a replica's batch the sizing plans to fill",
+                                        gt=0, le=1, crd="autoscaling.tuning.targetUtilization")
+    panic_ratio: float = setting(2.0, "a recommendation this many times the replicas skips the scale-up "
+                                 "window", gt=0, crd="autoscaling.tuning.panicRatio")
+    model_load_s: float = setting(60.0, "expected seconds from pod creation to Ready until one is measured",
+                                  ge=0, crd="autoscaling.tuning.modelLoadSeconds")
+    min_num_seqs: int = setting(1, "lower bound of the tuned max_num_seqs", ge=1,
+                    crd="autoscaling.tuning.minNumSeqs")
+    max_num_seqs: int = setting(256, "upper bound of the tuned max_num_seqs (engine.maxNumSeqs raises it)",
+                                ge=1, crd="autoscaling.tuning.maxNumSeqs")
+    min_waiting: int = setting(1, "lower bound of the max_waiting limit", ge=0,
+                    crd="autoscaling.tuning.minWaiting")
+    max_waiting: int = setting(1024, "upper bound of the max_waiting limit", ge=0,
+                    crd="autoscaling.tuning.maxWaiting")
+    queue_slack: float = setting(2.0, "how far past the TTFT-bound queue the limit loosens when nothing "
+                                 "loads (rule 5)", ge=1, crd="autoscaling.tuning.queueSlack")
+    batch_increase: float = setting(0.125, "additive batch growth, fraction of the cap (rule 2)", gt=0,
+                    crd="autoscaling.tuning.batchIncrease")
+    batch_fast_increase: float = setting(1.5, "multiplicative batch growth far from the TPOT SLO (rule 2)",
+                                         ge=1, crd="autoscaling.tuning.batchFastIncrease")
+    batch_decrease: float = setting(0.75, "multiplicative batch cut on a TPOT miss or preemption (rule 2)",
+                                    gt=0, le=1, crd="autoscaling.tuning.batchDecrease")
+    tpot_margin: float = setting(0.8, "fraction of the TPOT SLO the batch grows under (rule 2)", gt=0, le=1,
+                    crd="autoscaling.tuning.tpotMargin")
+    tpot_fast_margin: float = setting(0.5, "fraction of the TPOT SLO the batch grows fast under (rule 2)",
+                                      gt=0, le=1, crd="autoscaling.tuning.tpotFastMargin")
+    forecast_alpha: float = setting(0.3, "Holt level smoothing per 5 s (rule 11)", gt=0, le=1,
+                    crd="autoscaling.tuning.forecastAlpha")
+    forecast_beta: float = setting(0.1, "Holt trend smoothing per 5 s (rule 11)", ge=0, le=1,
+                    crd="autoscaling.tuning.forecastBeta")
+    length_alpha: float = setting(0.05, "smoothing per 5 s of the mean prompt and output tokens per request "
+                                  "(rule 11)", gt=0, le=1, crd="autoscaling.tuning.lengthAlpha")
+    explore_ratio: float = setting(1.75, "a scale-down may raise the work per replica to this many times "
+                                   "the most served within the SLO (rule 7)", ge=1,
+                    crd="autoscaling.tuning.exploreRatio")
+    idle_utilization: float = setting(0.3, "below this Little's-law utilization a smaller fleet counts as "
+                                      "carrying the load without proof (rule 7)", ge=0, le=1,
+                    crd="autoscaling.tuning.idleUtilization")
+    floor_release: float = setting(0.75, "below the learned floor only when the work per replica there is "
+                                   "under this fraction of the work that failed (rule 7)", gt=0, le=1,
+                    crd="autoscaling.tuning.floorRelease")
+    floor_quiet_s: float = setting(1800.0, "seconds without a new failure before the learned floor drops "
+                                   "one replica (rule 7)", ge=0, crd="autoscaling.tuning.floorQuietSeconds")
+
+    def __post_init__(self) -> None:
+        for s in settings(PolicySpec):
+            check(s, getattr(self, s.name), name=f"{s.name} ({s.meta.crd})")
+        if self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(f"need min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
+        if self.min_num_seqs > self.max_num_seqs:
+            raise ValueError(f"need min_num_seqs <= max_num_seqs, got {self.min_num_seqs}..{self.max_num_seqs}")
+        if self.min_waiting > self.max_waiting:
+            raise ValueError(f"need min_waiting <= max_waiting, got {self.min_waiting}..{self.max_waiting}")
+
+    @classmethod
+    def from_crd(cls, spec: Mapping[str, Any]) -> "PolicySpec":
+        """Build from an InferenceService ``.spec`` (camelCase dict as the API server returns it;
+        absent fields take the knobs' defaults; ``engine.maxNumSeqs`` raises the upper bound of
+        the tuned batch). Raises ValueError on values out of bounds or inconsistent."""
+        kw: dict[str, Any] = {}
+        for k in knobs():
+            node: Any = spec
+            for key in k.path:
+                node = node.get(key) if isinstance(node, Mapping) else None
+            if node is not None:
+                try:
+                    v = float(node) * k.meta.unit
+                except (TypeError, ValueError):
+                    raise ValueError(f"{'.'.join(k.path)} must be a number, got {node!r}") from None
+                kw[k.name] = int(round(v)) if k.type is int else v
+        engine = spec.get("engine") or {}
+        if engine.get("maxNumSeqs"):
+            kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), kw.get("max_num_seqs", cls.max_num_seqs))
+        return cls(**kw)
+
+
+__all__ = ["KnobField", "knobs", "PolicySpec"]
