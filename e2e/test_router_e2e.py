@@ -41,8 +41,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from goodput.router import metric_names as R
-from goodput.worker import metric_names as W
+from goodput.api import router_metrics as R
+from goodput.api import worker_metrics as W
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, Kubectl, LogFile, wait_for

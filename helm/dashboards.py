@@ -4,8 +4,8 @@
     python helm/dashboards.py --check    # exit 1 when a committed JSON differs from this code
 
 The committed JSON is what the chart ships (ConfigMaps for the Grafana sidecar). Every metric name
-comes from ``goodput.worker.metric_names``, ``goodput.autoscaler.metric_names`` or
-``goodput.router.metric_names``; series labels are the ones the chart's PodMonitor adds
+comes from ``goodput.api.worker_metrics``, ``goodput.autoscaler.metric_names`` or
+``goodput.api.router_metrics``; series labels are the ones the chart's PodMonitor adds
 (``namespace``, ``pod``, ``inferenceservice``) plus the worker's ``model_name``, ``reason``,
 ``finished_reason``, ``state``; the router's own series carry ``namespace`` and ``inferenceservice``
 (the service a request went to; its PodMonitor honours them), ``pod`` (the worker it picked),
@@ -28,8 +28,8 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 
 from goodput.autoscaler import metric_names as A
-from goodput.router import metric_names as R
-from goodput.worker import metric_names as W
+from goodput.api import router_metrics as R
+from goodput.api import worker_metrics as W
 
 OUT = Path(__file__).resolve().parent / "goodput" / "dashboards"
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")

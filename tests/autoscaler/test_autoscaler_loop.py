@@ -323,7 +323,7 @@ class FakeEvents:
 
 
 def test_limit_changes_are_one_event_series_and_the_first_scrape_warns_nothing(rig):
-    from goodput.operator import kube as kube_mod
+    from goodput import kube as kube_mod
     events = FakeEvents()
     recorder = kube_mod.EventRecorder(events, loop.COMPONENT, clock=lambda: NOW)
     rig.kube.event = lambda obj, etype, reason, message, series_key=None: recorder.record(
@@ -344,7 +344,7 @@ def test_limit_changes_are_one_event_series_and_the_first_scrape_warns_nothing(r
 
 
 def test_a_restarted_recorder_continues_the_series():
-    from goodput.operator import kube as kube_mod
+    from goodput import kube as kube_mod
     events = FakeEvents()
     obj = {"apiVersion": "v1", "kind": "X", "metadata": {"name": "svc", "namespace": "ns", "uid": "u"}}
     kube_mod.EventRecorder(events, "c", clock=lambda: NOW).record(obj, "Normal", "R", "one", "k")

@@ -9,9 +9,9 @@ import pytest
 
 from goodput.autoscaler import observe
 from goodput.autoscaler.observe import MetricsParseError, observation, parse_sample
-from goodput.worker.metric_names import TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from goodput.api.worker_metrics import TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
 from goodput.worker.engine.scheduler import SchedulerStats
-from goodput.worker.engine.states import EngineState
+from goodput.api.states import EngineState
 from goodput.worker.metrics import WorkerMetrics
 
 SLO_TTFT_S, SLO_TPOT_S = 0.5, 0.05

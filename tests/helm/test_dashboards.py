@@ -1,6 +1,6 @@
 """The Grafana dashboards of the chart: the committed JSON is what helm/dashboards.py builds, and every
-metric a query names is one of goodput.worker.metric_names / goodput.autoscaler.metric_names /
-goodput.router.metric_names (with the suffix Prometheus gives its type). That each query parses and returns data is checked against a
+metric a query names is one of goodput.api.worker_metrics / goodput.autoscaler.metric_names /
+goodput.api.router_metrics (with the suffix Prometheus gives its type). That each query parses and returns data is checked against a
 real Prometheus in e2e/test_prometheus_e2e.py.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import re
 import pytest
 
 from goodput.autoscaler import metric_names as A
-from goodput.router import metric_names as R
-from goodput.worker import metric_names as W
+from goodput.api import router_metrics as R
+from goodput.api import worker_metrics as W
 
 from conftest import REPO as ROOT
 

@@ -386,7 +386,7 @@ def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
     # the modules the image runs import without torch, triton or fastapi installed
     assert_imports_without(("torch", "triton", "fastapi", "uvicorn"),
                            "import goodput.operator.handlers, goodput.operator.__main__, goodput.autoscaler.metric_names\n"
-                           "import goodput.worker.metric_names\n"
+                           "import goodput.api.worker_metrics\n"
                            "try:\n    import goodput.autoscaler.__main__\nexcept ModuleNotFoundError as e:\n"
                            "    assert e.name.startswith('goodput.autoscaler'), e\n")
     # the router (same image): its server and discovery import without torch or triton

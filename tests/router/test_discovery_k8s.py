@@ -8,7 +8,8 @@ import threading
 
 import pytest
 from goodput.router import discovery_k8s as dk
-from goodput.router.discovery_k8s import FleetMirror, Reflector, pod_record, served_model_name, service_info
+from goodput.api.crd import served_model_name
+from goodput.router.discovery_k8s import FleetMirror, Reflector, pod_record, service_info
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from goodput.router import metric_names as mn
+from goodput.api import router_metrics as mn
 from goodput.router.app import create_app
 from goodput.router.discovery_static import StaticDiscovery
 from prometheus_client.parser import text_string_to_metric_families

@@ -1,8 +1,8 @@
-"""The admin API's contract module (goodput.worker.admin_api) is the one the worker serves: its
+"""The admin API's contract module (goodput.api.admin) is the one the worker serves: its
 paths are the routes, its limits body is what the route's model accepts."""
 from __future__ import annotations
 
-from goodput.worker import admin_api
+from goodput.api import admin as admin_api
 from goodput.worker.server import admin
 from goodput.worker.server.protocol import AdminLimits
 

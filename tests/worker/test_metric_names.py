@@ -4,7 +4,7 @@ import sys
 
 
 def test_metric_names_import_touches_no_prometheus_registry():
-    code = ("import sys; import goodput.worker.metric_names as m; "
+    code = ("import sys; import goodput.api.worker_metrics as m; "
             "assert 'prometheus_client' not in sys.modules, 'imported prometheus_client'; "
             "assert 'torch' not in sys.modules, 'imported torch'; "
             "print(m.REQUESTS_RUNNING)")
@@ -13,6 +13,7 @@ def test_metric_names_import_touches_no_prometheus_registry():
 
 
 def test_worker_metrics_reexports_the_same_names():
-    from goodput.worker import metric_names, metrics
+    from goodput.api import worker_metrics as metric_names
+    from goodput.worker import metrics
     assert metrics.REQUESTS_SLO_MET is metric_names.REQUESTS_SLO_MET
     assert metrics.VLLM_ALIASES is metric_names.VLLM_ALIASES

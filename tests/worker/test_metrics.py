@@ -8,11 +8,11 @@ from __future__ import annotations
 
 
 import pytest
-from goodput.worker import metric_names
+from goodput.api import worker_metrics as metric_names
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import SchedulerStats
-from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
+from goodput.api.states import EngineState, FinishReason, RejectReason
 from goodput.worker.metrics import WorkerMetrics, slo_met
 from prometheus_client.parser import text_string_to_metric_families
 

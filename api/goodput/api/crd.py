@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from goodput.api.policy import KnobField, PolicySpec, knobs
-from goodput.worker.admin_api import ADMIN_TOKEN_ENV
+from goodput.api.admin import ADMIN_TOKEN_ENV
 from goodput.api.settings import SettingField, check, settings
 from goodput.worker.engine.config import EngineArgs
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, create_model
@@ -166,6 +167,14 @@ EngineSpec = create_model(
     "EngineSpec", __base__=_EngineSpecBase,
     __doc__="Worker engine settings; each maps to one goodput-worker serve flag. Unset = worker default.",
     **{s.name: _engine_field(s) for s in ENGINE_SETTINGS})
+
+
+def served_model_name(model_spec: Mapping[str, Any]) -> str:
+    """``spec.model`` (camelCase, as the API returns it) → the name clients put in ``model``:
+    ``servedModelName``, else the file name of ``name`` without ``.gguf`` (``EngineArgs.model_name``,
+    the worker's own rule)."""
+    name = model_spec.get("name") or ModelSource.model_fields["name"].default
+    return EngineArgs(model=name, served_model_name=model_spec.get("servedModelName") or None).model_name
 
 
 def engine_value(engine: Any, name: str) -> Any:

@@ -40,14 +40,14 @@ class Setting:
         CRD then accepts a number or a string such as ``512Mi``.
     crd: where an ``InferenceService`` spec holds the value: ``"engine"`` (``spec.engine``, the
         field's name in camelCase), a camelCase path under ``.spec`` such as ``"model.name"`` or
-        ``"autoscaling.tuning.tpotMargin"``, or None (not in the CRD: set by the operator itself,
-        or a setting of a process the CRD does not describe).
+        ``"autoscaling.tuning.tpotMargin"``, or None (the default: not in the CRD; set by the
+        operator itself, or a setting of a process the CRD does not describe).
     unit: value = CRD value * unit (``slo.ttftMs`` in milliseconds -> ``slo_ttft_s``: 0.001).
     crd_type: the CRD's type when it differs from the field's (whole seconds: int).
     flag: the command-line flag (default: ``--`` + the name with dashes).
     alias: a second, short spelling of the flag (``-n``).
     env: an environment variable whose value, when set and not empty, replaces the default.
-    metavar: the value's name in ``--help``.
+    metavar: the value's name in ``--help`` and in the CLI's messages (``PORT``: "expected a port").
     """
 
     help: str
@@ -56,7 +56,7 @@ class Setting:
     gt: float | None = None
     le: float | None = None
     parse: Callable[[str], Any] | None = None
-    crd: str | None = "engine"
+    crd: str | None = None
     unit: float = 1.0
     crd_type: type | None = None
     flag: str | None = None
@@ -140,12 +140,12 @@ def check(s: SettingField, value: Any, name: str | None = None) -> None:
 
 
 def bounds(s: SettingField) -> str:
-    """The numeric bounds as text: ``">= 1"``, ``"in 1..65535"``, ``"> 0"``; bounds of a setting
+    """The numeric bounds as text: ``">= 1"``, ``"in 1-65535"``, ``"> 0"``; bounds of a setting
     with a unit say so (``"> 0 (CRD units)"``)."""
     m = s.meta
     lo = m.ge if m.ge is not None else m.gt
     if lo is not None and m.le is not None:
-        text = f"in {_num(lo)}..{_num(m.le)}" if m.ge is not None else f"in ({_num(lo)}, {_num(m.le)}]"
+        text = f"in {_num(lo)}-{_num(m.le)}" if m.ge is not None else f"in ({_num(lo)}, {_num(m.le)}]"
     elif lo is not None:
         text = f"{'>=' if m.ge is not None else '>'} {_num(lo)}"
     else:
@@ -173,7 +173,8 @@ def validate(obj: Any) -> None:
 def _converter(s: SettingField) -> Callable[[str], Any]:
     """An argparse ``type`` for one setting: parse the text (``none`` is None for an optional
     setting), then check it (a usage error, exit 2, names the flag and the allowed range)."""
-    what = "a size" if s.meta.parse is not None else {int: "an integer", float: "a number"}.get(s.type, "a value")
+    what = ("a " + s.meta.metavar.lower() if s.meta.metavar else "a size" if s.meta.parse is not None
+            else {int: "an integer", float: "a number"}.get(s.type, "a value"))
 
     def convert(text: str) -> Any:
         if s.optional and text.strip().lower() == "none":

@@ -23,66 +23,60 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
+from dataclasses import dataclass
+
+from goodput.api.settings import add_flags, setting, settings
 
 from goodput.autoscaler.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S
 
 
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
+@dataclass(frozen=True)
+class AutoscalerSettings:
+    """The autoscaler's flags, one declaration each (``goodput.api.settings.setting``)."""
+
+    namespace: str | None = setting(None, "only this namespace", alias="-n")
+    all_namespaces: bool = setting(False, "every namespace (the default)", alias="-A")
+    period: float = setting(5.0, "seconds between reconcile passes", gt=0)
+    metrics_port: int = setting(9091, "port of its own /metrics (0 = off)", ge=0, le=65535, metavar="PORT")
+    metrics_host: str = setting("0.0.0.0", "address of its own /metrics")
+    scrape_timeout: float = setting(2.0, "seconds per pod scrape", gt=0)
+    prometheus_url: str | None = setting(
+        None, "read the workers' metrics from this Prometheus (PromQL) instead of scraping pods")
+    router_namespace: str | None = setting(
+        None, "scrape the Ready router pods (label app.kubernetes.io/component=router) in this namespace")
+    router_metrics_url: list[str] = setting(
+        [], "also scrape this router /metrics URL (repeatable; without Kubernetes discovery)", metavar="URL")
+    once: bool = setting(False, "one pass, print the decisions as JSON, exit")
+    dry_run: bool = setting(False, "decide and report, but write nothing (no scale, limits, status or Events)")
+    leader_elect: bool = setting(
+        True, "reconcile only while holding the Lease (--no-leader-elect: always, one replica only)")
+    lease_name: str = setting("goodput-autoscaler", "name of the Lease")
+    lease_namespace: str = setting("goodput-system", "namespace of the Lease ($POD_NAMESPACE when set)",
+                                   env="POD_NAMESPACE")
+    lease_duration: float = setting(
+        LEASE_DURATION_S, "seconds a standby waits after the holder's last renewal before taking over", gt=0)
+    renew_deadline: float = setting(RENEW_DEADLINE_S, "seconds the holder keeps leading without a successful "
+                                    "renewal", gt=0)
+    retry_period: float = setting(RETRY_PERIOD_S, "seconds between tries to acquire or renew", gt=0)
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0-65535 (0 = no metrics server), got {v}")
-    return v
+_SCOPE = ("namespace", "all_namespaces")
+_LEASE = ("leader_elect", "lease_name", "lease_namespace", "lease_duration", "renew_deadline", "retry_period")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per :class:`AutoscalerSettings` field (``goodput.api.settings.add_flags``);
+    ``--namespace`` and ``--all-namespaces`` exclude each other."""
     p = argparse.ArgumentParser(prog="python -m goodput.autoscaler",
-                                description="goodput autoscaler: replicas and admission limits from goodput",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--namespace", "-n", default=None, help="only this namespace")
-    where.add_argument("--all-namespaces", "-A", action="store_true", help="every namespace (the default)")
-    p.add_argument("--period", type=_positive, default=5.0, help="seconds between reconcile passes")
-    p.add_argument("--metrics-port", type=_port, default=9091, help="port of its own /metrics (0 = off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address of its own /metrics")
-    p.add_argument("--scrape-timeout", type=_positive, default=2.0, help="seconds per pod scrape")
-    p.add_argument("--prometheus-url", default=None,
-                   help="read the workers' metrics from this Prometheus (PromQL) instead of scraping pods")
-    p.add_argument("--router-namespace", default=None,
-                   help="scrape the Ready router pods (label app.kubernetes.io/component=router) in this namespace")
-    p.add_argument("--router-metrics-url", action="append", default=[], metavar="URL",
-                   help="also scrape this router /metrics URL (repeatable; without Kubernetes discovery)")
-    p.add_argument("--once", action="store_true", help="one pass, print the decisions as JSON, exit")
-    p.add_argument("--dry-run", action="store_true",
-                   help="decide and report, but write nothing (no scale, limits, status or Events)")
-    le = p.add_argument_group("leader election (coordination.k8s.io Lease; client-go's defaults)")
-    le.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
-                    help="reconcile only while holding the Lease (--no-leader-elect: always, one replica only)")
-    le.add_argument("--lease-name", default="goodput-autoscaler", help="name of the Lease")
-    le.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "goodput-system",
-                    help="namespace of the Lease (default: $POD_NAMESPACE, else goodput-system)")
-    le.add_argument("--lease-duration", type=_positive, default=LEASE_DURATION_S,
-                    help="seconds a standby waits after the holder's last renewal before taking over")
-    le.add_argument("--renew-deadline", type=_positive, default=RENEW_DEADLINE_S,
-                    help="seconds the holder keeps leading without a successful renewal")
-    le.add_argument("--retry-period", type=_positive, default=RETRY_PERIOD_S,
-                    help="seconds between tries to acquire or renew")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+                                description="goodput autoscaler: replicas and admission limits from goodput")
+    ss = settings(AutoscalerSettings)
+    add_flags(p.add_mutually_exclusive_group(), [s for s in ss if s.name in _SCOPE])
+    add_flags(p, [s for s in ss if s.name not in _SCOPE + _LEASE])
+    add_flags(p.add_argument_group("leader election (coordination.k8s.io Lease; client-go's defaults)"),
+              [s for s in ss if s.name in _LEASE])
     return p
 
 

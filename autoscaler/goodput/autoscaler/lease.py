@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from goodput.operator import kube
+from goodput import kube
 
 log = logging.getLogger("goodput.autoscaler.lease")
 

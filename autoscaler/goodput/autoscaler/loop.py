@@ -42,15 +42,15 @@ import pydantic
 from goodput.autoscaler import observe, policy
 from goodput.autoscaler.metrics import AutoscalerMetrics
 from goodput.api import crd
+from goodput.api.pods import pod_state
 from goodput.api.policy import PolicySpec
-from goodput.operator import kube
-from goodput.worker import admin_api
+from goodput import kube
+from goodput.api import admin as admin_api
 
 log = logging.getLogger("goodput.autoscaler")
 
 COMPONENT = "goodput-autoscaler"
 CONDITION_TYPES = ("MetricsAvailable", "ScalingActive", "AbleToScale")
-DRAINING_ANNOTATION = crd.DRAINING_ANNOTATION
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 DRAIN_DELETION_COST = "-1000"
 # status.autoscaler MetricsAvailable reason while no pod has a rate yet but none failed its scrape
@@ -81,15 +81,10 @@ def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
     return port, path if path.startswith("/") else "/" + path
 
 
-def draining(pod: Mapping[str, Any]) -> bool:
-    """Whether a pod carries ``serving.goodput.dev/draining: "true"`` (set before a scale-in)."""
-    return ((pod.get("metadata") or {}).get("annotations") or {}).get(DRAINING_ANNOTATION) == "true"
-
-
 def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[ReadyPod], list[policy.StartingPod]]:
     """Split worker pods (camelCase dicts as the API returns them) into ready and starting.
 
-    Ready: Ready condition True and a pod IP; its metrics endpoint from the ``prometheus.io/port``
+    Ready: serving (``goodput.api.pods``: Ready condition True, a pod IP, not going away); its metrics endpoint from the ``prometheus.io/port``
     and ``prometheus.io/path`` annotations the operator sets (default 8000, /metrics). Starting: everything else that is alive (Pending, or
     Running but not ready — the model is loading); age from creationTimestamp. Terminating pods
     (deletionTimestamp set), draining ones (annotation ``serving.goodput.dev/draining: "true"``) and
@@ -100,19 +95,18 @@ def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[R
     ready: list[ReadyPod] = []
     starting: list[policy.StartingPod] = []
     for p in pods:
-        meta, st = p.get("metadata") or {}, p.get("status") or {}
-        if meta.get("deletionTimestamp") or st.get("phase") in ("Succeeded", "Failed") or draining(p):
+        meta, s = p.get("metadata") or {}, pod_state(p)
+        if s.going:
             continue
-        cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
-        if cond and cond.get("status") == "True" and st.get("podIP"):
-            since = parse_time(cond.get("lastTransitionTime")) or now
-            created = parse_time(meta.get("creationTimestamp"))
-            ready.append(ReadyPod(meta["name"], meta.get("uid", ""), st["podIP"], max(0.0, now - since),
+        if s.serving:
+            since = parse_time(s.ready_since) or now
+            created = parse_time(s.created)
+            ready.append(ReadyPod(s.name, meta.get("uid", ""), s.ip, max(0.0, now - since),
                                   *_metrics_endpoint(meta),
                                   load_s=max(0.0, since - created) if created is not None else None))
         else:
-            created = parse_time(meta.get("creationTimestamp")) or now
-            starting.append(policy.StartingPod(name=meta["name"], age_s=max(0.0, now - created)))
+            created = parse_time(s.created) or now
+            starting.append(policy.StartingPod(name=s.name, age_s=max(0.0, now - created)))
     return sorted(ready, key=lambda r: r.name), sorted(starting, key=lambda s: s.name)
 
 
@@ -463,14 +457,13 @@ def router_targets(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     their ``prometheus.io/port`` / ``prometheus.io/path`` annotations (default 8080, /metrics)."""
     out = []
     for p in pods:
-        meta, st = p.get("metadata") or {}, p.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-        if meta.get("deletionTimestamp") or not ready or not st.get("podIP"):
+        s = pod_state(p)
+        if not s.serving:
             continue
-        ann = meta.get("annotations") or {}
+        ann = (p.get("metadata") or {}).get("annotations") or {}
         port = ann.get("prometheus.io/port") or ROUTER_PORT
         path = ann.get("prometheus.io/path") or "/metrics"
-        out.append(f"http://{st['podIP']}:{port}{path if path.startswith('/') else '/' + path}")
+        out.append(f"http://{s.ip}:{port}{path if path.startswith('/') else '/' + path}")
     return sorted(out)
 
 
@@ -699,8 +692,7 @@ class Autoscaler:
         """List the pods, scrape the ready ones, turn the scrapes into deltas (I/O)."""
         pods = await asyncio.to_thread(self.kube.list_pods, ns, crd.selector_string(name))
         ready, starting = classify_pods(pods, now)
-        gone = tuple(sorted((p["metadata"]["name"], (p.get("status") or {}).get("podIP")) for p in pods
-                            if draining(p) and not p["metadata"].get("deletionTimestamp")))
+        gone = tuple(sorted((s.name, s.ip) for s in map(pod_state, pods) if s.draining and not s.terminating))
         samples = await self.source.samples(ns, ready) if ready else {}
         observations, unreachable, hits = [], [], {}
         prev = self._prev.get((ns, name), {})
@@ -768,10 +760,7 @@ class Autoscaler:
         deadline = time.monotonic() + self.drain_unready_wait_s
         while True:
             listed = await asyncio.to_thread(self.kube.list_pods, ns, crd.selector_string(name))
-            still = {p["metadata"]["name"] for p in listed if p["metadata"]["name"] in pods
-                     and not p["metadata"].get("deletionTimestamp") and any(
-                         c.get("type") == "Ready" and c.get("status") == "True"
-                         for c in (p.get("status") or {}).get("conditions") or [])}
+            still = {s.name for s in map(pod_state, listed) if s.name in pods and s.ready and not s.terminating}
             if not still or time.monotonic() >= deadline:
                 return still
             await asyncio.sleep(0.5)
@@ -815,8 +804,8 @@ class Autoscaler:
         """Start (``on``) or undo a pod's drain: the annotations the router and the ReplicaSet read,
         then ``POST`` / ``DELETE /admin/drain`` on the worker (``ip`` None: only the annotations). Best
         effort: failures are logged."""
-        ann = {DRAINING_ANNOTATION: "true", DELETION_COST_ANNOTATION: DRAIN_DELETION_COST} if on else \
-            {DRAINING_ANNOTATION: None, DELETION_COST_ANNOTATION: None}
+        ann = {crd.DRAINING_ANNOTATION: "true", DELETION_COST_ANNOTATION: DRAIN_DELETION_COST} if on else \
+            {crd.DRAINING_ANNOTATION: None, DELETION_COST_ANNOTATION: None}
         try:
             await asyncio.to_thread(self.kube.annotate_pod, ns, pod, ann)
         except Exception as e:  # noqa: BLE001 - the drain call below still keeps new work off it

@@ -1,7 +1,7 @@
 """Worker ``/metrics`` text -> one cumulative sample per pod; two samples -> a ``PodObservation``.
 
 Pure (no I/O): the loop fetches the text (or asks Prometheus) and keeps the previous sample.
-Metric names come from :mod:`goodput.worker.metric_names` (the worker's contract, side-effect
+Metric names come from :mod:`goodput.api.worker_metrics` (the worker's contract, side-effect
 free); the text is parsed with ``prometheus_client``'s parser.
 
 Deltas follow Prometheus' ``increase()`` semantics on two raw samples: counter increase = current
@@ -27,8 +27,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodput.autoscaler.policy import HistogramDelta, PodObservation, RouterObservation
-from goodput.router import metric_names as rm
-from goodput.worker import metric_names as m
+from goodput.api import router_metrics as rm
+from goodput.api import worker_metrics as m
 
 
 class MetricsParseError(ValueError):
@@ -66,15 +66,10 @@ HISTOGRAMS: dict[str, str] = {
     "tpot": m.TIME_PER_OUTPUT_TOKEN,
     "queue": m.REQUEST_QUEUE_TIME,
 }
-# PodObservation field -> gauge metric name (the current sample's value, never a delta)
-GAUGES: dict[str, str] = {
-    "running": m.REQUESTS_RUNNING,
-    "waiting": m.REQUESTS_WAITING,
-    "kv_usage": m.KV_CACHE_USAGE_RATIO,
-    "max_num_seqs": m.ADMISSION_MAX_NUM_SEQS,
-    "max_waiting": m.ADMISSION_MAX_WAITING,
-}
-_INT_GAUGES = ("running", "waiting", "max_num_seqs", "max_waiting")
+# PodObservation field -> gauge metric name (the current sample's value, never a delta): the
+# contract's table, which the router reads too
+GAUGES: dict[str, str] = m.LOAD_GAUGES
+_INT_GAUGES = m.COUNT_GAUGES
 
 
 @dataclass(frozen=True)

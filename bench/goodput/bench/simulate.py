@@ -63,7 +63,7 @@ from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
-from goodput.worker.metric_names import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from goodput.api.worker_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
 
 POLICIES = ("goodput", "static-peak", "hpa-queue", "kpa", "saturation")
 FITS_PATH = os.path.join(os.path.dirname(__file__), "step_time_fits.json")

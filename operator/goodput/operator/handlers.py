@@ -41,7 +41,8 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
 from goodput.api import crd
-from goodput.operator import claims, kube, resources, status as status_mod
+from goodput import kube
+from goodput.operator import claims, resources, status as status_mod
 
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))

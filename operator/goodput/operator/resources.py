@@ -25,7 +25,7 @@ from pydantic.alias_generators import to_snake
 
 from goodput.api import crd
 from goodput.api.crd import InferenceServiceSpec, admin_secret_name, selector_labels
-from goodput.worker.admin_api import ADMIN_TOKEN_ENV, ADMIN_TOKEN_KEY  # noqa: F401 - re-exported
+from goodput.api.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_KEY
 from goodput.api.settings import settings
 from goodput.worker.engine.config import EngineArgs, to_cli_args
 

@@ -25,6 +25,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from goodput.api.crd import Problem, selector_string
+from goodput.api.pods import pod_state
 from goodput.operator import resources
 
 
@@ -62,7 +63,7 @@ def pod_failure(pod: dict[str, Any]) -> Problem | None:
     then the pod, exit code and kubelet reason; a pod being deleted is never failing.
     """
     meta = pod.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
+    if pod_state(pod).terminating:
         return None
     scheduled = find_condition((pod.get("status") or {}).get("conditions") or [], "PodScheduled") or {}
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":

@@ -4,31 +4,36 @@
     python -m goodput.router --port 8080 --kubernetes [discovery flags]
 
 Static mode: one ``--static MODEL=URL,URL,...`` per model (repeatable). ``--kubernetes``: the
-InferenceService/pod watch of ``goodput.router.discovery_k8s`` (its own flags). The other flags
-are the fields of :class:`goodput.router.app.RouterSettings` and, prefixed ``--picker-``, of
-:class:`goodput.router.picker.PickConfig`.
+InferenceService/pod watch of ``goodput.router.discovery_k8s`` (its own flags). Every flag is a
+setting declaration (``goodput.api.settings.setting``): the fields of :class:`ProcessSettings`,
+:class:`goodput.router.app.RouterSettings` and, prefixed ``--picker-``, of
+:class:`goodput.router.picker.PickConfig`; a new setting is one new field.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
+from dataclasses import dataclass
+
+from goodput.api.settings import add_flags, from_flags, setting, settings
 
 from goodput.router.app import RouterSettings, create_app
 from goodput.router.discovery_static import StaticDiscovery, parse_static
 from goodput.router.picker import PickConfig
 
 
-def _eps(v: str) -> float | None:
-    return None if v.lower() == "none" else float(v)
+@dataclass(frozen=True)
+class ProcessSettings:
+    """Where the router listens and where it finds its pods (the other flags: :class:`RouterSettings`,
+    :class:`PickConfig`, and with ``--kubernetes`` the discovery's)."""
 
-
-def _bool(v: str) -> bool:
-    return v.lower() in ("1", "true", "yes", "on")
-
-
-_PICKER_TYPES = {"eps": _eps, "respect_limits": _bool}
+    host: str = setting("127.0.0.1", "listen address")
+    port: int = setting(8080, "listen port", ge=0, le=65535)
+    log_level: str = setting("warning", "uvicorn / router log level")
+    static: list[str] = setting([], "a model and its pods' base URLs (repeatable); static discovery",
+                                metavar="MODEL=URL,URL,...")
+    kubernetes: bool = setting(False, "discover InferenceServices and their pods from the Kubernetes API")
 
 
 def _want_kubernetes(argv: list[str]) -> bool:
@@ -36,25 +41,17 @@ def _want_kubernetes(argv: list[str]) -> bool:
 
 
 def build_parser(kubernetes: bool = False) -> argparse.ArgumentParser:
+    """The flags of every setting declaration: :class:`ProcessSettings`, :class:`RouterSettings`,
+    :class:`PickConfig` (prefixed ``--picker-``) and, with ``kubernetes``, the discovery's."""
     p = argparse.ArgumentParser(prog="goodput-router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="listen address")
-    p.add_argument("--port", type=int, default=8080, help="listen port")
-    p.add_argument("--log-level", default="warning", help="uvicorn / router log level")
-    p.add_argument("--static", action="append", default=[], metavar="MODEL=URL,URL,...",
-                   help="a model and its pods' base URLs (repeatable); static discovery")
-    p.add_argument("--kubernetes", action="store_true",
-                   help="discover InferenceServices and their pods from the Kubernetes API")
-    for f in dataclasses.fields(RouterSettings):
-        p.add_argument(f.metadata["flag"], dest=f.name, type=type(f.default), default=f.default,
-                       help=f"{f.metadata['help']} (default {f.default})")
-    for f in dataclasses.fields(PickConfig):
-        p.add_argument("--picker-" + f.name.replace("_", "-"), dest="picker_" + f.name, default=f.default,
-                       type=_PICKER_TYPES.get(f.name, type(f.default)),
-                       help=f"PickConfig.{f.name}, see goodput.router.picker (default {f.default})")
+    add_flags(p, settings(ProcessSettings))
+    add_flags(p, settings(RouterSettings))
+    add_flags(p, settings(PickConfig), prefix="picker-")
     if kubernetes:
         from goodput.router import discovery_k8s
-        discovery_k8s.add_arguments(p)
+        add_flags(p.add_argument_group("Kubernetes discovery (--kubernetes)"),
+                  settings(discovery_k8s.DiscoverySettings))
     return p
 
 
@@ -63,9 +60,9 @@ def parse(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     p = build_parser(_want_kubernetes(argv))
     args = p.parse_args(argv)
-    settings = RouterSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterSettings)})
     try:
-        pick_cfg = PickConfig(**{f.name: getattr(args, "picker_" + f.name) for f in dataclasses.fields(PickConfig)})
+        settings_ = from_flags(args, RouterSettings)
+        pick_cfg = from_flags(args, PickConfig, prefix="picker-")
     except ValueError as e:
         p.error(str(e))
     if args.kubernetes == bool(args.static):
@@ -79,13 +76,13 @@ def parse(argv: list[str] | None = None):
                 parse_static(spec)
         except ValueError as e:
             p.error(str(e))
-        discovery = StaticDiscovery(args.static, startup_timeout_s=settings.hold_timeout_s,
-                                    period_s=settings.scrape_period_s)
+        discovery = StaticDiscovery(args.static, startup_timeout_s=settings_.hold_timeout_s,
+                                    period_s=settings_.scrape_period_s)
         try:
             discovery.services()
         except ValueError as e:
             p.error(str(e))
-    return args, settings, pick_cfg, discovery
+    return args, settings_, pick_cfg, discovery
 
 
 def main(argv: list[str] | None = None) -> None:

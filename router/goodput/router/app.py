@@ -29,17 +29,19 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from goodput.api.errors import error_body
+from goodput.api.settings import setting, validate
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from goodput.router.admission import Admission
-from goodput.router.errors import APIError, error_body, install_error_handlers
+from goodput.router.errors import APIError, install_error_handlers
 from goodput.router.fleet import Discovery, Fleet, Pod, Service
 from goodput.router.metrics import RouterMetrics
 from goodput.router.picker import PickConfig, PrefixIndex
@@ -62,27 +64,31 @@ _RETRYABLE_DATA = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
 _POD_429 = "429 from the pod"
 
 
-def _knob(default: Any, flag: str, help: str) -> Any:
-    return field(default=default, metadata={"flag": flag, "help": help})
-
-
 @dataclass
 class RouterSettings:
-    """The router's knobs, each declared once here: ``python -m goodput.router`` builds one flag
-    per field from the metadata (``--scrape-period`` for ``scrape_period_s``). Units: seconds
-    (``_s``), bytes (``_bytes``)."""
+    """The router's settings, each declared once here (``goodput.api.settings.setting``):
+    ``python -m goodput.router`` builds one flag per field (``--scrape-period`` for
+    ``scrape_period_s``), with its bounds, checked again at construction. Units: seconds (``_s``),
+    bytes (``_bytes``)."""
 
-    scrape_period_s: float = _knob(2.0, "--scrape-period", "seconds between scrapes of each pod's /metrics "
-                                   "(and, static mode, its /ready)")
-    hold_timeout_s: float = _knob(600.0, "--hold-timeout", "longest hold of a request while its service has no "
-                                  "Ready pod, for services without a startup timeout (static mode: all)")
-    queue_timeout_s: float = _knob(60.0, "--queue-timeout", "longest wait in the fleet queue (every pod at its "
-                                   "limits) before 429")
-    retry_after_s: float = _knob(1.0, "--retry-after", "Retry-After (seconds) of the router's 429 and 503")
-    max_body_bytes: int = _knob(8 << 20, "--max-body-bytes", "largest request body in bytes (413 beyond)")
-    connect_timeout_s: float = _knob(5.0, "--connect-timeout", "upstream connect timeout (retried on another "
-                                     "pod)")
-    max_connections: int = _knob(2000, "--max-connections", "upstream connection pool size (keep-alive)")
+    scrape_period_s: float = setting(2.0, "seconds between scrapes of each pod's /metrics (and, static mode, "
+                                     "its /ready)", flag="--scrape-period", gt=0)
+    hold_timeout_s: float = setting(600.0, "longest hold of a request while its service has no Ready pod, for "
+                                    "services without a startup timeout (static mode: all)",
+                                    flag="--hold-timeout", ge=0)
+    queue_timeout_s: float = setting(60.0, "longest wait in the fleet queue (every pod at its limits) before 429",
+                                     flag="--queue-timeout", ge=0)
+    retry_after_s: float = setting(1.0, "Retry-After (seconds) of the router's 429 and 503", flag="--retry-after",
+                                   ge=0)
+    max_body_bytes: int = setting(8 << 20, "largest request body in bytes (413 beyond)", flag="--max-body-bytes",
+                                  ge=1)
+    connect_timeout_s: float = setting(5.0, "upstream connect timeout (retried on another pod)",
+                                       flag="--connect-timeout", gt=0)
+    max_connections: int = setting(2000, "upstream connection pool size (keep-alive)", flag="--max-connections",
+                                   ge=1)
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 class _Disconnected(Exception):

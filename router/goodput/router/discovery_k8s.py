@@ -9,17 +9,17 @@ What the fleet gets (pure functions, table-tested):
 
 - :func:`service_info`: one InferenceService → :class:`ServiceInfo`: ``model`` = the served model
   name the worker answers to (``spec.model.servedModelName``, else ``spec.model.name``'s file name
-  without ``.gguf``: the worker's own rule, ``EngineArgs.model_name``), ``revision`` =
+  without ``.gguf``: the worker's own rule, ``goodput.api.crd.served_model_name``), ``revision`` =
   ``spec.model.revision`` (``""`` unset), ``router_max_queued`` = ``status.admission.routerMaxQueued``
   (None unset), ``startup_timeout_s`` = ``spec.probes.startupTimeoutSeconds`` (the CRD's default
   when absent) — the longest hold of a request while the service has no Ready pod.
 - :func:`pod_record`: one pod → (namespace, InferenceService, pod name, :class:`PodInfo` or None).
   Worker pods are those labelled ``app.kubernetes.io/component=worker`` and
   ``serving.goodput.dev/inferenceservice=<name>`` (the operator's selector labels). URL =
-  ``http://<podIP>:<container port "http">`` (8000 when the port is not named). ``ready`` = the
-  pod's Ready condition is True; ``terminating`` = ``metadata.deletionTimestamp`` is set;
-  ``draining`` = annotation ``serving.goodput.dev/draining: "true"`` (set by the autoscaler before
-  a scale-in). A pod without an IP yet, or finished (Succeeded/Failed), has no record (None): it
+  ``http://<podIP>:<container port "http">`` (8000 when the port is not named). ``ready``,
+  ``terminating`` and ``draining`` as :func:`goodput.api.pods.pod_state` reads them (the Ready
+  condition; ``metadata.deletionTimestamp``; annotation ``serving.goodput.dev/draining: "true"``,
+  set by the autoscaler before a scale-in). A pod without an IP yet, or finished (Succeeded/Failed), has no record (None): it
   cannot take a request. The router sends new requests only to Ready, not terminating, not
   draining pods (``fleet.Pod.routable``); requests in flight finish.
 
@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from goodput.api import crd
-from goodput.worker.engine.config import EngineArgs
+from goodput.api.pods import pod_state
+from goodput.api.settings import setting
 
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo, ServiceKey
 
 log = logging.getLogger("goodput.router.discovery")
 
-DRAINING_ANNOTATION = crd.DRAINING_ANNOTATION
 WORKER_SELECTOR = f"{crd.LABEL_COMPONENT}=worker,{crd.LABEL_ISVC}"
 DEFAULT_STARTUP_TIMEOUT_S = crd.ProbeSpec.model_fields["startup_timeout_seconds"].default
 GONE = 410
@@ -59,13 +59,6 @@ RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
 
 
 # ------------------------------------------------------------------------------------- pure parts
-def served_model_name(model_spec: Mapping[str, Any]) -> str:
-    """``spec.model`` → the name clients put in ``model``: ``servedModelName``, else the file name
-    of ``name`` without ``.gguf`` (``EngineArgs.model_name``, the worker's own rule)."""
-    name = model_spec.get("name") or crd.ModelSource.model_fields["name"].default
-    return EngineArgs(model=name, served_model_name=model_spec.get("servedModelName") or None).model_name
-
-
 def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
     """An InferenceService (a dict as the API returns it, camelCase) → its :class:`ServiceInfo`.
     Missing fields take the CRD's defaults; a non-integer ``routerMaxQueued`` counts as unset."""
@@ -74,7 +67,7 @@ def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
     rmq = ((obj.get("status") or {}).get("admission") or {}).get("routerMaxQueued")
     startup = (spec.get("probes") or {}).get("startupTimeoutSeconds")
     return ServiceInfo(
-        namespace=meta.get("namespace") or "", name=meta["name"], model=served_model_name(model),
+        namespace=meta.get("namespace") or "", name=meta["name"], model=crd.served_model_name(model),
         revision=model.get("revision") or "",
         router_max_queued=rmq if isinstance(rmq, int) and not isinstance(rmq, bool) and rmq >= 0 else None,
         startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S))
@@ -92,21 +85,17 @@ def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] |
     """A pod (camelCase dict) → ``(namespace, InferenceService name, pod name, PodInfo | None)``;
     None when it is not a worker pod of an InferenceService. The PodInfo is None for a pod that
     cannot take a request yet or any more: no pod IP, or phase Succeeded/Failed."""
-    meta, spec, st = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    meta, spec, s = pod.get("metadata") or {}, pod.get("spec") or {}, pod_state(pod)
     labels = meta.get("labels") or {}
     isvc = labels.get(crd.LABEL_ISVC)
     if not isvc or labels.get(crd.LABEL_COMPONENT) != "worker":
         return None
     ns, name = meta.get("namespace") or "", meta["name"]
-    ip = st.get("podIP")
-    if not ip or st.get("phase") in ("Succeeded", "Failed"):
+    if not s.ip or s.finished:
         return ns, isvc, name, None
-    host = f"[{ip}]" if ":" in ip else ip
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-    return ns, isvc, name, PodInfo(
-        name=name, url=f"http://{host}:{_http_port(spec)}", ready=ready,
-        terminating=bool(meta.get("deletionTimestamp")),
-        draining=(meta.get("annotations") or {}).get(DRAINING_ANNOTATION) == "true")
+    host = f"[{s.ip}]" if ":" in s.ip else s.ip
+    return ns, isvc, name, PodInfo(name=name, url=f"http://{host}:{_http_port(spec)}", ready=s.ready,
+                                   terminating=s.terminating, draining=s.draining)
 
 
 class FleetMirror:
@@ -267,14 +256,14 @@ class KubernetesDiscovery:
 
     namespaces: list[str] | None = None
     watch_timeout_s: int = 300
-    api_client: Any = None  # a kubernetes.client.ApiClient; None: goodput.operator.kube.load_config()
+    api_client: Any = None  # a kubernetes.client.ApiClient; None: goodput.kube.load_config()
     reflectors: list[Reflector] = field(default_factory=list)
 
     def _clients(self):
         import kubernetes
 
         if self.api_client is None:
-            from goodput.operator import kube
+            from goodput import kube
             self.api_client = kube.load_config(pool_maxsize=4 * len(self.namespaces or [None]))
         return kubernetes.client.CoreV1Api(self.api_client), kubernetes.client.CustomObjectsApi(self.api_client)
 
@@ -363,18 +352,19 @@ def _watcher(fn: Callable[..., Any], timeout_s: int) -> Callable[[str], Iterator
 
 
 # -------------------------------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``--kubernetes`` mode."""
-    g = p.add_argument_group("Kubernetes discovery (--kubernetes)")
-    g.add_argument("--namespace", action="append", default=[], metavar="NS",
-                   help="watch InferenceServices and pods in NS (repeatable); default: all namespaces")
-    g.add_argument("--all-namespaces", action="store_true", help="watch every namespace (the default)")
-    g.add_argument("--watch-timeout", type=int, default=300, metavar="S",
-                   help="seconds one watch request lasts before the server ends it and it resumes (default 300)")
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """The flags of ``--kubernetes`` mode (``python -m goodput.router`` adds them)."""
+
+    namespace: list[str] = setting([], "watch InferenceServices and pods in NS (repeatable); default: all "
+                                   "namespaces", metavar="NS")
+    all_namespaces: bool = setting(False, "watch every namespace (the default)")
+    watch_timeout: int = setting(300, "seconds one watch request lasts before the server ends it and it resumes",
+                                 ge=1, metavar="S")
 
 
 def from_args(args: argparse.Namespace) -> KubernetesDiscovery:
-    """The discovery ``add_arguments``' flags describe. Raises SystemExit (2) for ``--namespace``
+    """The discovery the :class:`DiscoverySettings` flags describe. Raises SystemExit (2) for ``--namespace``
     with ``--all-namespaces``."""
     if args.namespace and args.all_namespaces:
         raise SystemExit("goodput-router: give --namespace NS (repeatable) or --all-namespaces, not both")
@@ -384,5 +374,5 @@ def from_args(args: argparse.Namespace) -> KubernetesDiscovery:
                                watch_timeout_s=args.watch_timeout)
 
 
-__all__ = ["DRAINING_ANNOTATION", "FleetMirror", "KubernetesDiscovery", "Reflector", "add_arguments",
-           "from_args", "pod_record", "served_model_name", "service_info"]
+__all__ = ["DiscoverySettings", "FleetMirror", "KubernetesDiscovery", "Reflector",
+           "from_args", "pod_record", "service_info"]

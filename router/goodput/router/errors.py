@@ -1,7 +1,6 @@
-"""HTTP errors in the worker's OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+"""HTTP errors in the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 
-The same shape and ``type`` per status as the worker (worker_image/goodput/worker/server/errors.py),
-written here so the router imports nothing of the worker (it runs without torch). Statuses: 400
+The same shape and ``type`` per status as the worker: both take them from ``goodput.api.errors``. Statuses: 400
 bad input (not JSON, not an object, no ``model``), 404 unknown model or route, 413 body over
 ``--max-body-bytes``, 429 fleet queue full (``Retry-After``), 502 upstream failed before its
 answer, 503 no Ready pod after the hold (``Retry-After``) or no pod at all.
@@ -11,20 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
+from goodput.api.errors import error_body, error_type
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 500: "internal_error", 502: "internal_error",
-         503: "service_unavailable", 504: "service_unavailable"}
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error body (as the worker's ``protocol.error_body``)."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
 
 class APIError(Exception):
     """Raise from a handler to answer ``status`` with the OpenAI error body."""
@@ -34,7 +22,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
-        self.type = TYPES.get(status, "invalid_request_error")
+        self.type = error_type(status)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

@@ -1,10 +1,10 @@
-"""The router's Prometheus registry: the series of ``goodput.router.metric_names`` (the table in
+"""The router's Prometheus registry: the series of ``goodput.api.router_metrics`` (the table in
 docs/router-autoscaler-contract.md, "Router metrics"), on a registry of its own."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from goodput.router import metric_names as mn
+from goodput.api import router_metrics as mn
 
 # "_created" series only add noise to scrapes and dashboards (as the worker).
 disable_created_metrics()

@@ -66,6 +66,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from goodput.api.settings import setting, validate
+
 __all__ = [
     "Endpoint", "RouteKey", "Pick", "PickConfig", "PrefixIndex", "chunk_hashes", "route_key",
     "render_messages", "at_limits", "load_bound", "prefix_scores", "rendezvous_key",
@@ -139,39 +141,32 @@ class Pick:
 
 @dataclass(frozen=True)
 class PickConfig:
-    """Knobs of the picker (one declaration each).
+    """Knobs of the picker (one declaration each, ``goodput.api.settings.setting``: the router's
+    ``--picker-*`` flags and the checks at construction derive from it).
 
-    chunk_size: characters of canonical text, or token ids, per chunk (> 0). 256 characters is
-        ~64 tokens of English: 4 KV blocks of 16.
+    chunk_size: characters of canonical text, or token ids, per chunk. 256 characters is ~64 tokens
+        of English: 4 KV blocks of 16.
     eps: the load bound's slack for a request whose preferred pod holds more of its prefix than
         any other: that pod may carry up to ``(1 + eps)`` x the mean in-flight count (rounded up,
         this request included). Smaller spreads load more evenly, larger keeps more
         conversations on their pod. None: no bound at all (``affinity`` routing in the simulator).
     eps_no_affinity: the slack for any other request (no prefix advantage, not a continuation;
-        >= 0; ignored when ``eps`` is None).
-    rendezvous_chunks: how many leading chunks the rendezvous hash keys on (>= 1).
+        ignored when ``eps`` is None).
+    rendezvous_chunks: how many leading chunks the rendezvous hash keys on.
     index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
     respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
     """
 
-    chunk_size: int = 256
-    eps: float | None = 0.25
-    eps_no_affinity: float = 0.0
-    rendezvous_chunks: int = 8
-    index_capacity: int = 1 << 18
-    respect_limits: bool = True
+    chunk_size: int = setting(256, "characters of canonical text, or token ids, per chunk", gt=0)
+    eps: float | None = setting(0.25, "load-bound slack for a request with a prefix advantage (none: no bound)",
+                                ge=0)
+    eps_no_affinity: float = setting(0.0, "load-bound slack for any other request", ge=0)
+    rendezvous_chunks: int = setting(8, "leading chunks the rendezvous hash keys on", ge=1)
+    index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
+    respect_limits: bool = setting(True, "skip pods at their admission limits")
 
     def __post_init__(self) -> None:
-        if self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
-        if self.eps is not None and not self.eps >= 0:
-            raise ValueError(f"eps must be >= 0 or None, got {self.eps}")
-        if not self.eps_no_affinity >= 0:
-            raise ValueError(f"eps_no_affinity must be >= 0, got {self.eps_no_affinity}")
-        if self.rendezvous_chunks < 1:
-            raise ValueError(f"rendezvous_chunks must be >= 1, got {self.rendezvous_chunks}")
-        if self.index_capacity < 1:
-            raise ValueError(f"index_capacity must be >= 1, got {self.index_capacity}")
+        validate(self)
 
 
 # ------------------------------------------------------------------------------------ hashing

@@ -1,6 +1,6 @@
 """Periodic scrape of each pod's ``/metrics`` (Prometheus text, parsed by prometheus_client):
 the worker's running / waiting requests, KV-cache usage and admission limits, written onto the
-fleet's :class:`~goodput.router.fleet.Pod` records (names: ``goodput.worker.metric_names``,
+fleet's :class:`~goodput.router.fleet.Pod` records (names: ``goodput.api.worker_metrics``,
 standard library only)."""
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ import logging
 from collections.abc import Callable
 
 import httpx
-from goodput.worker import metric_names as wmn
+from goodput.api import worker_metrics as wmn
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodput.router.fleet import Fleet, Pod, Service
 
 log = logging.getLogger("goodput.router.scrape")
 
-_FIELDS = {wmn.REQUESTS_RUNNING: "running", wmn.REQUESTS_WAITING: "waiting",
-           wmn.KV_CACHE_USAGE_RATIO: "kv_usage", wmn.ADMISSION_MAX_NUM_SEQS: "max_num_seqs",
-           wmn.ADMISSION_MAX_WAITING: "max_waiting"}
-_INTS = {"running", "waiting", "max_num_seqs", "max_waiting"}
+# metric -> Pod field: the contract's table (the autoscaler reads the same one)
+_FIELDS = {metric: name for name, metric in wmn.LOAD_GAUGES.items()}
+_INTS = set(wmn.COUNT_GAUGES)
 
 
 def parse_pod_metrics(text: str) -> dict[str, float | int]:

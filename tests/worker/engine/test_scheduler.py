@@ -12,7 +12,7 @@ from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
 from goodput.worker.engine.request import FinishReason, Request, RequestStatus
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
-from goodput.worker.engine.states import RejectReason
+from goodput.api.states import RejectReason
 
 
 class FakeClock:

@@ -32,7 +32,7 @@ from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, Scheduler
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import Scheduler, SchedulerStats
-from goodput.worker.engine.states import FinishReason, RejectReason
+from goodput.api.states import FinishReason, RejectReason
 from goodput.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("goodput.worker.engine")

@@ -1,6 +1,6 @@
 """Prometheus metrics of a worker: the collectors and histograms behind every metric name.
 
-The names live in :mod:`goodput.worker.metric_names` (no side effects); the contract (names,
+The names live in :mod:`goodput.api.worker_metrics` (no side effects); the contract (names,
 types, labels, units, vLLM aliases) is ``docs/metrics.md``. The autoscaler and the Grafana
 dashboards read exactly these names.
 
@@ -29,8 +29,8 @@ from prometheus_client.registry import Collector
 
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.scheduler import SchedulerStats
-from goodput.worker.engine.states import FinishReason
-from goodput.worker.metric_names import (
+from goodput.api.states import FinishReason
+from goodput.api.worker_metrics import (
     ADMISSION_MAX_NUM_SEQS,
     ADMISSION_MAX_WAITING,
     CACHE_CONFIG_INFO,

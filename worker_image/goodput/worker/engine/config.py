@@ -69,22 +69,23 @@ class SchedulerSettings:
     """The settings the scheduler reads (units: tokens, requests)."""
 
     block_size: int = setting(16, "tokens per KV block (PagedAttention; Kwon et al., SOSP 2023)",
-                              ge=1, le=256)
+                              ge=1, le=256, crd="engine")
     max_num_seqs: int = setting(
         64, "most requests in the running set (iteration-level batching, Orca OSDI 2022); also the "
-            "initial runtime admission limit", ge=1, le=4096)
+            "initial runtime admission limit", ge=1, le=4096, crd="engine")
     max_num_batched_tokens: int = setting(
         512, "token budget of one step: decodes plus prefill chunks (chunked prefill, "
-             "Sarathi-Serve OSDI 2024)", ge=1, le=1048576)
+             "Sarathi-Serve OSDI 2024)", ge=1, le=1048576, crd="engine")
     max_waiting: int = setting(
         256, "waiting-queue limit (preempted requests included); beyond it requests get 429 with "
-             "Retry-After; 0 refuses every new request (drain)", ge=0, le=1000000)
+             "Retry-After; 0 refuses every new request (drain)", ge=0, le=1000000, crd="engine")
     enable_prefix_caching: bool = setting(
-        True, "reuse KV blocks of identical prompt prefixes (same model revision and cache_salt)")
+        True, "reuse KV blocks of identical prompt prefixes (same model revision and cache_salt)",
+        crd="engine")
     scheduling_policy: str = setting(
         "continuous", "continuous admits whenever a slot and blocks are free; static admits a new "
                       "cohort only when the whole batch finished (a baseline)",
-        choices=SCHEDULING_POLICIES)
+        choices=SCHEDULING_POLICIES, crd="engine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,44 +103,50 @@ class EngineArgs(SchedulerSettings):
         crd="model.revision")
     host: str = setting("127.0.0.1", "address to listen on", crd=None)
     port: int = setting(8000, "TCP port to listen on", ge=1, le=65535, crd=None)
-    dtype: str = setting("bfloat16", "weights and KV cache dtype", choices=("float32", "bfloat16"))
-    device: str = setting("auto", "auto: CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
+    dtype: str = setting("bfloat16", "weights and KV cache dtype", choices=("float32", "bfloat16"),
+                         crd="engine")
+    device: str = setting("auto", "auto: CUDA when available, else CPU", choices=("auto", "cpu", "cuda"),
+                          crd="engine")
     quantization: str = setting(
         "none", "weight-only quantized linears on torch's CPU kernels: int8 per output channel, "
                 "int4 in groups of 32 (a Q4_0/Q4_1 GGUF's own blocks, repacked); none keeps --dtype "
-                "weights. CPU only", choices=QUANTIZATIONS)
+                "weights. CPU only", choices=QUANTIZATIONS, crd="engine")
     kv_cache_memory: int = setting(
         1 << 30, "KV cache budget in bytes; units K/M/G (powers of 1000) or Ki/Mi/Gi, KiB/MiB/GiB "
-                 "(powers of 1024), e.g. 512Mi", ge=1, parse=parse_bytes)
+                 "(powers of 1024), e.g. 512Mi", ge=1, parse=parse_bytes, crd="engine")
     max_model_len: int | None = setting(
         None, "longest prompt + output in tokens (default: the model's context length)",
-        ge=1, le=1048576)
+        ge=1, le=1048576, crd="engine")
     attention_backend: str = setting(
         "auto", "auto: triton on CUDA; on CPU the C++ paged decode kernel (cpu, built on first use) "
-        "when it builds, else the torch reference (torch)", choices=("auto", "torch", "cpu", "triton"))
+        "when it builds, else the torch reference (torch)", choices=("auto", "torch", "cpu", "triton"),
+        crd="engine")
     num_threads: int | None = setting(
-        None, "torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)", ge=1)
+        None, "torch CPU threads (default: torch's choice; 1 is best on an oversubscribed CPU)", ge=1,
+        crd="engine")
     slo_ttft_ms: float | None = setting(None, "TTFT SLO for goodput_requests_slo_met_total (ms)",
                                         gt=0, crd="slo.ttftMs")
     slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput_requests_slo_met_total (ms)",
                                         gt=0, crd="slo.tpotMs")
-    vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)")
+    vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)",
+                                        crd="engine")
     logprobs_mode: str = setting(
         "processed", "log-probabilities returned with logprobs: processed = of the distribution each "
                      "token was sampled from (after penalties, temperature, top-k/top-p); raw = the "
                      "model's log_softmax", choices=("processed", "raw"), crd=None)
-    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"), crd="engine")
     # Request limits the HTTP server enforces (400, or 413 for the body, naming the flag): one
     # request may not make the engine do unbounded work per token (stop strings are searched
     # after every token) nor make the server parse unbounded JSON.
-    max_stop_strings: int = setting(32, "most stop strings in one request (400 beyond)", ge=1, le=1000000)
+    max_stop_strings: int = setting(32, "most stop strings in one request (400 beyond)", ge=1, le=1000000,
+                                    crd="engine")
     max_stop_string_chars: int = setting(1024, "longest stop string, in characters (400 beyond)",
-                                         ge=1, le=1000000)
+                                         ge=1, le=1000000, crd="engine")
     max_stop_token_ids: int = setting(128, "most stop_token_ids in one request (400 beyond)",
-                                      ge=1, le=1000000)
+                                      ge=1, le=1000000, crd="engine")
     max_request_body_bytes: int = setting(
         8 << 20, "largest HTTP request body in bytes (413 beyond); units as --kv-cache-memory",
-        ge=1, parse=parse_bytes)
+        ge=1, parse=parse_bytes, crd="engine")
 
     def __post_init__(self) -> None:
         validate(self)

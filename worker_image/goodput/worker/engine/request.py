@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from goodput.worker.engine.sampling_params import SamplingParams
-from goodput.worker.engine.states import FinishReason
+from goodput.api.states import FinishReason
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 

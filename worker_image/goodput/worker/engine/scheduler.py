@@ -30,7 +30,7 @@ from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput
 from goodput.worker.engine.request import Request, RequestStatus
-from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
+from goodput.api.states import EngineState, FinishReason, RejectReason
 
 
 class AdmissionError(Exception):
@@ -74,7 +74,7 @@ class SchedulerStats:
     admitted - finished is never negative.
 
     Every field ending in ``_total`` is a counter the :class:`Scheduler` keeps under the same
-    name; ``goodput.worker.metric_names.SCHEDULER_COUNTERS`` names its metric (a test checks
+    name; ``goodput.api.worker_metrics.SCHEDULER_COUNTERS`` names its metric (a test checks
     that none is left unexported).
     """
 

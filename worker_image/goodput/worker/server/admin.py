@@ -19,12 +19,13 @@ import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from goodput.worker.admin_api import DRAIN_PATH, LIMITS_PATH, STATE_PATH
+from goodput.api.admin import DRAIN_PATH, LIMITS_PATH, STATE_PATH
 from goodput.worker.server.errors import APIError
-from goodput.worker.server.protocol import AdminLimits, ErrorResponse
+from goodput.api.errors import ErrorResponse
+from goodput.worker.server.protocol import AdminLimits
 from pydantic import ValidationError
 
-router = APIRouter()  # paths from goodput.worker.admin_api (the contract callers use)
+router = APIRouter()  # paths from goodput.api.admin (the contract callers use)
 
 _ERR = {400: "invalid limits", 401: "missing or wrong admin bearer token",
         403: "admin writes disabled (no GOODPUT_ADMIN_TOKEN)", 409: "shutting down (SIGTERM): cannot undo",

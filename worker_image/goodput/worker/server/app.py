@@ -41,7 +41,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from goodput.worker.admin_api import ADMIN_TOKEN_ENV
+from goodput.api.admin import ADMIN_TOKEN_ENV
 from goodput.worker.async_engine import AsyncLLMEngine
 from goodput.worker.engine_args import EngineArgs, build_engine
 from goodput.worker.llm_engine import LLMEngine
@@ -115,7 +115,8 @@ def _truthful_openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description,
                              routes=app.routes)
-        from goodput.worker.server.protocol import ChatCompletionChunk, ErrorResponse
+        from goodput.api.errors import ErrorResponse
+        from goodput.worker.server.protocol import ChatCompletionChunk
         for path_item in schema.get("paths", {}).values():
             for method, op in path_item.items():
                 responses = op.get("responses", {})

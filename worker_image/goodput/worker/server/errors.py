@@ -15,15 +15,10 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from goodput.worker.engine.scheduler import AdmissionError
-from goodput.worker.engine.states import RejectReason
-from goodput.worker.server.protocol import UnsupportedParameter, error_body
+from goodput.api.states import RejectReason
+from goodput.api.errors import error_body, error_type
+from goodput.worker.server.protocol import UnsupportedParameter
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error",
-          500: "internal_error", 503: "service_unavailable"}
-
 
 class APIError(Exception):
     """Raise from a handler to answer ``status`` with the OpenAI error body."""
@@ -33,7 +28,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
-        self.type = type_ or _TYPES.get(status, "invalid_request_error")
+        self.type = type_ or error_type(status)
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.code),

@@ -45,6 +45,7 @@ from goodput.worker.server.tool_calls import (
     required_schema,
     template_messages,
 )
+from goodput.api.errors import ErrorResponse, error_body
 from goodput.worker.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -63,14 +64,12 @@ from goodput.worker.server.protocol import (
     FunctionCall,
     ToolCall,
     DetokenizeResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     UnsupportedParameter,
     UsageInfo,
-    error_body,
     new_id,
     now_s,
 )

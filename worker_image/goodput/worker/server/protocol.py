@@ -100,26 +100,6 @@ class UnsupportedParameter(ValueError):
         super().__init__(message or f"Unsupported parameter: '{param}' is not supported by this server")
 
 
-# ---------------------------------------------------------------------------------------- errors
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
-
-
 # -------------------------------------------------------------------------------------- requests
 
 class StreamOptions(_NullMeansDefault):

@@ -1,7 +1,7 @@
 """Metric names of a worker: the Prometheus contract, with no side effects.
 
 Importing this module touches no Prometheus registry and imports nothing but the standard
-library and the engine's enums (``goodput.worker.engine.states``, standard library only), so the
+library and the engine's enums (``goodput.api.states``, standard library only), so the
 autoscaler, the Grafana dashboards' tests and the benchmarks can use the same names as the worker
 that exports them (``goodput.worker.metrics``). The contract, with types, labels, units and the
 vLLM aliases, is documented in ``docs/metrics.md``; a test compares that table with a live scrape.
@@ -10,7 +10,7 @@ every series.
 """
 from __future__ import annotations
 
-from goodput.worker.engine.states import EngineState, FinishReason, RejectReason
+from goodput.api.states import EngineState, FinishReason, RejectReason
 
 # Label values, derived from the engine's enums (one source).
 ENGINE_STATES = tuple(s.value for s in EngineState)
@@ -27,6 +27,17 @@ ENGINE_STATE = "goodput_engine_state"
 ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
 CACHE_CONFIG_INFO = "goodput_cache_config_info"
+# What one scrape says about a worker's load and limits, as both readers hold it: the router's
+# fleet (``goodput.router.fleet.Pod``) and the autoscaler's ``PodObservation`` fields -> gauge (the
+# current sample, summed over its series). One table for both.
+LOAD_GAUGES: dict[str, str] = {
+    "running": REQUESTS_RUNNING,
+    "waiting": REQUESTS_WAITING,
+    "kv_usage": KV_CACHE_USAGE_RATIO,
+    "max_num_seqs": ADMISSION_MAX_NUM_SEQS,
+    "max_waiting": ADMISSION_MAX_WAITING,
+}
+COUNT_GAUGES = ("running", "waiting", "max_num_seqs", "max_waiting")  # whole numbers; the rest ratios
 # Counters (read from the scheduler's stats at scrape time, except SLO_MET).
 REQUESTS_ADMITTED = "goodput_requests_admitted"
 REQUESTS_REJECTED = "goodput_requests_rejected"

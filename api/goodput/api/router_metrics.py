@@ -3,7 +3,7 @@
 Standard library only (an import-linter contract checks it), so the autoscaler, the dashboards
 and the tests use the same names as the router that exports them (``goodput.router.metrics``).
 The table with types, labels and meanings is docs/router-autoscaler-contract.md ("Router
-metrics"). Conventions as the worker's (``goodput.worker.metric_names``): base units (seconds),
+metrics"). Conventions as the worker's (``goodput.api.worker_metrics``): base units (seconds),
 counters spelled without ``_total`` (prometheus_client appends it).
 """
 from __future__ import annotations

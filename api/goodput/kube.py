@@ -1,4 +1,6 @@
-"""Kubernetes helpers shared by the operator and the autoscaler: one copy each.
+"""Kubernetes helpers shared by the operator, the autoscaler and the router (``goodput.kube``, beside
+the contract package ``goodput.api``; the only shared code that may use a Kubernetes client): one copy
+each.
 
 - :func:`rfc3339` / :func:`parse_time`: the API's time format (RFC 3339, UTC, seconds,
   ``2027-01-15T08:00:00Z``; ``metav1.Time``), from and to Unix seconds.

@@ -1,6 +1,6 @@
 """The engine's named outcomes: why a request finished, why it was refused, what state the engine
 is in. Plain ``str`` enums (standard library only), so a value is its own label in JSON, logs and
-Prometheus, and :mod:`goodput.worker.metric_names` derives its label values from them.
+Prometheus, and :mod:`goodput.api.worker_metrics` derives its label values from them.
 """
 from __future__ import annotations
 
