@@ -72,11 +72,11 @@ class PolicySpec:
     queue_target: int = setting(4, "waiting requests per replica above which to scale up",
                                 crd="autoscaling.targets.queueDepth", ge=0)
     tolerance: float = setting(0.1, "relative band within which replicas do not move (rule 9)", ge=0, le=1,
-                    crd="autoscaling.tuning.tolerance")
+                               crd="autoscaling.tuning.tolerance")
     max_scale_up_step: int = setting(4, "replicas one decision may add at least (up to doubling)", ge=1,
-                    crd="autoscaling.tuning.maxScaleUpStep")
+                                     crd="autoscaling.tuning.maxScaleUpStep")
     max_scale_down_step: int = setting(1, "replicas one decision may remove", ge=1,
-                    crd="autoscaling.tuning.maxScaleDownStep")
+                                       crd="autoscaling.tuning.maxScaleDownStep")
     target_utilization: float = setting(0.85, "fraction of a replica's batch the sizing plans to fill",
                                         gt=0, le=1, crd="autoscaling.tuning.targetUtilization")
     panic_ratio: float = setting(2.0, "a recommendation this many times the replicas skips the scale-up "
@@ -84,40 +84,40 @@ class PolicySpec:
     model_load_s: float = setting(60.0, "expected seconds from pod creation to Ready until one is measured",
                                   ge=0, crd="autoscaling.tuning.modelLoadSeconds")
     min_num_seqs: int = setting(1, "lower bound of the tuned max_num_seqs", ge=1,
-                    crd="autoscaling.tuning.minNumSeqs")
+                                crd="autoscaling.tuning.minNumSeqs")
     max_num_seqs: int = setting(256, "upper bound of the tuned max_num_seqs (engine.maxNumSeqs raises it)",
                                 ge=1, crd="autoscaling.tuning.maxNumSeqs")
     min_waiting: int = setting(1, "lower bound of the max_waiting limit", ge=0,
-                    crd="autoscaling.tuning.minWaiting")
+                               crd="autoscaling.tuning.minWaiting")
     max_waiting: int = setting(1024, "upper bound of the max_waiting limit", ge=0,
-                    crd="autoscaling.tuning.maxWaiting")
+                               crd="autoscaling.tuning.maxWaiting")
     queue_slack: float = setting(2.0, "how far past the TTFT-bound queue the limit loosens when nothing "
                                  "loads (rule 5)", ge=1, crd="autoscaling.tuning.queueSlack")
     batch_increase: float = setting(0.125, "additive batch growth, fraction of the cap (rule 2)", gt=0,
-                    crd="autoscaling.tuning.batchIncrease")
+                                    crd="autoscaling.tuning.batchIncrease")
     batch_fast_increase: float = setting(1.5, "multiplicative batch growth far from the TPOT SLO (rule 2)",
                                          ge=1, crd="autoscaling.tuning.batchFastIncrease")
     batch_decrease: float = setting(0.75, "multiplicative batch cut on a TPOT miss or preemption (rule 2)",
                                     gt=0, le=1, crd="autoscaling.tuning.batchDecrease")
     tpot_margin: float = setting(0.8, "fraction of the TPOT SLO the batch grows under (rule 2)", gt=0, le=1,
-                    crd="autoscaling.tuning.tpotMargin")
+                                 crd="autoscaling.tuning.tpotMargin")
     tpot_fast_margin: float = setting(0.5, "fraction of the TPOT SLO the batch grows fast under (rule 2)",
                                       gt=0, le=1, crd="autoscaling.tuning.tpotFastMargin")
     forecast_alpha: float = setting(0.3, "Holt level smoothing per 5 s (rule 11)", gt=0, le=1,
-                    crd="autoscaling.tuning.forecastAlpha")
+                                    crd="autoscaling.tuning.forecastAlpha")
     forecast_beta: float = setting(0.1, "Holt trend smoothing per 5 s (rule 11)", ge=0, le=1,
-                    crd="autoscaling.tuning.forecastBeta")
+                                   crd="autoscaling.tuning.forecastBeta")
     length_alpha: float = setting(0.05, "smoothing per 5 s of the mean prompt and output tokens per request "
                                   "(rule 11)", gt=0, le=1, crd="autoscaling.tuning.lengthAlpha")
     explore_ratio: float = setting(1.75, "a scale-down may raise the work per replica to this many times "
                                    "the most served within the SLO (rule 7)", ge=1,
-                    crd="autoscaling.tuning.exploreRatio")
+                                   crd="autoscaling.tuning.exploreRatio")
     idle_utilization: float = setting(0.3, "below this Little's-law utilization a smaller fleet counts as "
                                       "carrying the load without proof (rule 7)", ge=0, le=1,
-                    crd="autoscaling.tuning.idleUtilization")
+                                      crd="autoscaling.tuning.idleUtilization")
     floor_release: float = setting(0.75, "below the learned floor only when the work per replica there is "
                                    "under this fraction of the work that failed (rule 7)", gt=0, le=1,
-                    crd="autoscaling.tuning.floorRelease")
+                                   crd="autoscaling.tuning.floorRelease")
     floor_quiet_s: float = setting(1800.0, "seconds without a new failure before the learned floor drops "
                                    "one replica (rule 7)", ge=0, crd="autoscaling.tuning.floorQuietSeconds")
 

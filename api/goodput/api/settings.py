@@ -133,7 +133,7 @@ def check(s: SettingField, value: Any, name: str | None = None) -> None:
         raise ValueError(f"{name} must be {'one of' if s.type is not list else 'in'} {m.choices}, got {value!r}")
     if s.type in (int, float):
         v = value / m.unit
-        tol = 0.0 if m.unit == 1.0 else 1e-12   # value / unit rounds: 0.5 s / 0.001 = 499.99999999999994 ms
+        tol = 0.0 if m.unit == 1.0 else 1e-12   # value / unit rounds: 0.7 s / 0.001 = 699.9999999999999 ms
         if (m.ge is not None and v < m.ge - tol) or (m.gt is not None and v <= m.gt) \
                 or (m.le is not None and v > m.le + tol):
             raise ValueError(f"{name} must be {bounds(s)}, got {value!r}")
