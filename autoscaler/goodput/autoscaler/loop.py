@@ -39,13 +39,12 @@ from typing import Any, Protocol
 import httpx
 import pydantic
 
-from goodput.autoscaler import observe, policy
-from goodput.autoscaler.metrics import AutoscalerMetrics
-from goodput.api import crd
+from goodput import kube
+from goodput.api import admin as admin_api, crd
 from goodput.api.pods import pod_state
 from goodput.api.policy import PolicySpec
-from goodput import kube
-from goodput.api import admin as admin_api
+from goodput.autoscaler import observe, policy
+from goodput.autoscaler.metrics import AutoscalerMetrics
 
 log = logging.getLogger("goodput.autoscaler")
 
@@ -84,8 +83,8 @@ def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
 def classify_pods(pods: Sequence[Mapping[str, Any]], now: float) -> tuple[list[ReadyPod], list[policy.StartingPod]]:
     """Split worker pods (camelCase dicts as the API returns them) into ready and starting.
 
-    Ready: serving (``goodput.api.pods``: Ready condition True, a pod IP, not going away); its metrics endpoint from the ``prometheus.io/port``
-    and ``prometheus.io/path`` annotations the operator sets (default 8000, /metrics). Starting: everything else that is alive (Pending, or
+    Ready: serving (``goodput.api.pods.pod_state``: Ready condition True and a pod IP); its metrics
+    endpoint from the ``prometheus.io/port`` and ``prometheus.io/path`` annotations the operator sets (default 8000, /metrics). Starting: everything else that is alive (Pending, or
     Running but not ready — the model is loading); age from creationTimestamp. Terminating pods
     (deletionTimestamp set), draining ones (annotation ``serving.goodput.dev/draining: "true"``) and
     finished ones (Succeeded/Failed) are neither: they are capacity that is going away. Ages in seconds, never negative. Sorted by name.

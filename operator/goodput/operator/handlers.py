@@ -40,8 +40,8 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
-from goodput.api import crd
 from goodput import kube
+from goodput.api import crd
 from goodput.operator import claims, resources, status as status_mod
 
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)

@@ -24,8 +24,8 @@ from typing import Any
 from pydantic.alias_generators import to_snake
 
 from goodput.api import crd
-from goodput.api.crd import InferenceServiceSpec, admin_secret_name, selector_labels
 from goodput.api.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_KEY
+from goodput.api.crd import InferenceServiceSpec, admin_secret_name, selector_labels
 from goodput.api.settings import settings
 from goodput.worker.engine.config import EngineArgs, to_cli_args
 
