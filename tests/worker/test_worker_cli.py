@@ -7,7 +7,7 @@ from goodput.worker.cli import build_parser, engine_args_from
 from goodput.worker.engine.config import EngineArgs, settings
 from goodput.worker.engine.units import parse_bytes
 
-# The public flag names (README, operator), spelled as users type them.
+# The public flag names (docs/worker.md, operator), spelled as users type them.
 PUBLIC_FLAGS = [
     "--model", "--host", "--port", "--dtype", "--kv-cache-memory", "--block-size", "--max-num-seqs",
     "--max-num-batched-tokens", "--max-model-len", "--max-waiting", "--no-enable-prefix-caching",
