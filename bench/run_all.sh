@@ -7,7 +7,8 @@
 # per-request timelines under bench/results/raw/ (ignored by git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup.sh
+# the bench extra and the HF baseline (transformers) come with the test set-up
+.venv/bin/python -c "import matplotlib, transformers" 2>/dev/null || bash scripts/setup.sh --test
 . .venv/bin/activate
 # the llama.cpp baseline (cached wheel, separate venv); experiment 5 skips it when missing
 bash bench/setup_baselines.sh --with-llama-cpp-python || echo "llama.cpp baselines unavailable; continuing without them" >&2

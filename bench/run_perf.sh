@@ -10,7 +10,8 @@
 # machine: the results file records the load average before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup.sh
+# the bench extra and the HF baseline (transformers) come with the test set-up
+.venv/bin/python -c "import matplotlib, transformers" 2>/dev/null || bash scripts/setup.sh --test
 . .venv/bin/activate
 # llama.cpp's llama-server, built once into ~/.cache/goodput-bench (20-40 min the first time)
 PYTHON=python bash bench/setup_baselines.sh || echo "llama-server baseline unavailable; continuing without it" >&2

@@ -325,6 +325,10 @@ cmd_down() {
   say "down"
 }
 
+# The control plane's processes, the node, the pods, and for each running pod the host processes that
+# run its containers (a pod's containers run as host processes in the pod's network namespace: found as
+# the namespace whose eth0 has the pod IP; listed are the namespace's processes whose parent is outside
+# it). `kill PID` kills a container's process by hand; the kubelet restarts it (restartCount + 1).
 cmd_status() {
   local f
   for f in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet; do
@@ -333,7 +337,35 @@ cmd_status() {
   [ -f "$RUN/kubeconfig" ] || { echo "not running ($RUN has no kubeconfig)"; return 0; }
   kctl get nodes -o wide 2>&1 || true
   kctl get pods -A -o wide 2>&1 || true
-  ip netns list 2>/dev/null | grep "^$NET_PREFIX-" || true
+  local -A netns_of=() inside=()
+  local n ip pods ns pod pid ppid
+  for n in $(ip netns list 2>/dev/null | awk '{print $1}'); do
+    ip=$(ip -n "$n" -4 -o addr show dev eth0 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
+    [ -n "$ip" ] && netns_of[$ip]=$n
+  done
+  pods=$(kctl get pods -A --field-selector=status.phase=Running \
+    -o jsonpath='{range .items[*]}{.metadata.namespace}{" "}{.metadata.name}{" "}{.status.podIP}{"\n"}{end}' 2>/dev/null) \
+    || return 0
+  echo
+  echo "pod processes (kill PID to kill one by hand; the kubelet restarts it):"
+  printf '%-20s %-40s %-12s %-10s %8s %10s %8s  %s\n' NAMESPACE POD IP NETNS PID ELAPSED RSS_MIB COMMAND
+  while read -r ns pod ip; do
+    [ -n "$ip" ] || continue
+    n=${netns_of[$ip]:-}
+    if [ -z "$n" ]; then
+      printf '%-20s %-40s %-12s %-10s %8s\n' "$ns" "$pod" "$ip" "-" "-"
+      continue
+    fi
+    inside=()
+    for pid in $(ip netns pids "$n" 2>/dev/null); do inside[$pid]=1; done
+    for pid in $(printf '%s\n' "${!inside[@]}" | sort -n); do
+      ppid=$(ps -o ppid= -p "$pid" 2>/dev/null | tr -d ' ') || continue
+      [ -n "${inside[$ppid]:-}" ] && continue   # a child of a listed process
+      ps -o etime=,rss=,args= -p "$pid" 2>/dev/null | awk -v ns="$ns" -v pod="$pod" -v ip="$ip" -v n="$n" -v pid="$pid" \
+        '{et=$1; rss=$2; $1=""; $2=""; sub(/^ +/, ""); printf "%-20s %-40s %-12s %-10s %8s %10s %8d  %s\n", ns, pod, ip, n, pid, et, rss/1024, substr($0, 1, 120)}' || true
+    done
+  done <<<"$pods"
+  return 0
 }
 
 cmd_env() {

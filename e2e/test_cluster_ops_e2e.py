@@ -10,13 +10,17 @@
   `helm uninstall` it takes the namespace back.
 - `kubectl logs` and `kubectl logs -f` of a pod: the API server reaches the test kubelet's log endpoint
   at the node's only address, InternalIP 127.0.0.1.
+- `bash e2e/cluster.sh status` names the host process that runs each pod's container: killing that PID
+  by hand restarts the container (restartCount 1), and status then names the new process.
 
 Test traffic goes only to 127.0.0.1 (the API server, the kubelet) and pod IPs in 10.244.0.0/24.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -200,3 +204,56 @@ def test_kubectl_logs_and_follow_reach_the_test_kubelet_on_loopback(kubectl: Kub
             p.wait(timeout=10)
     finally:
         kubectl.run("-n", ns, "delete", "pod", "counter", "--wait=false", check=False)
+
+
+# ------------------------------------------------------------------------------- cluster.sh status
+SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(3600)\n"
+
+
+def status_rows(ns: str, pod: str) -> list[dict[str, str]]:
+    """The "pod processes" rows of `bash e2e/cluster.sh status` for one pod."""
+    out = subprocess.run(["bash", str(Path(__file__).parent / "cluster.sh"), "status"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    table = out.split("pod processes", 1)[1].splitlines()[2:]
+    rows = []
+    for line in table:
+        f = line.split(None, 7)
+        if len(f) == 8 and f[:2] == [ns, pod]:
+            rows.append(dict(zip(("ns", "pod", "ip", "netns", "pid", "elapsed", "rss", "command"), f)))
+    return rows
+
+
+@pytest.mark.timeout(240)
+def test_status_names_the_process_of_each_pod_and_killing_it_restarts_the_container(kubectl: Kubectl, ns: str,
+                                                                                     diag):
+    command = [Path(sys.executable).name, "-u", "-c", SLEEPER, f"marker-{uuid.uuid4().hex[:8]}"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper", "namespace": ns},
+           "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+               "name": "sleep", "image": "local", "command": command}]}}
+    kubectl.run("apply", "-f", "-", input=yaml.safe_dump(pod))
+    try:
+        def running(restarts: int) -> dict[str, Any] | None:
+            p = kubectl.json("-n", ns, "get", "pod", "sleeper")
+            cs = (p.get("status") or {}).get("containerStatuses") or []
+            return p if cs and "running" in cs[0]["state"] and cs[0]["restartCount"] == restarts else None
+
+        ip = wait_for(lambda: running(0), 120, "pod sleeper running", on_timeout=diag)["status"]["podIP"]
+        (row,) = wait_for(lambda: status_rows(ns, "sleeper"), 30, "sleeper in cluster.sh status", on_timeout=diag)
+        pid = int(row["pid"])
+        # the row's process is the pod's: its argv is the container's command, its network namespace the
+        # one whose address is the pod IP
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        assert [a.decode() for a in argv][-len(command):] == command
+        assert row["ip"] == ip
+        inside = subprocess.run(["ip", "-n", row["netns"], "-4", "-o", "addr", "show", "dev", "eth0"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+        assert f" {ip}/" in inside
+        assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/var/run/netns/{row['netns']}").st_ino
+        os.kill(pid, signal.SIGKILL)   # by hand, as a user testing a crash would
+        wait_for(lambda: running(1), 120, "sleeper restarted after its process was killed", on_timeout=diag)
+        (again,) = wait_for(lambda: [r for r in status_rows(ns, "sleeper") if int(r["pid"]) != pid], 30,
+                            "the restarted process in cluster.sh status", on_timeout=diag)
+        argv = Path(f"/proc/{again['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
+        assert [a.decode() for a in argv][-len(command):] == command
+    finally:
+        kubectl.run("-n", ns, "delete", "pod", "sleeper", "--wait=false", check=False)

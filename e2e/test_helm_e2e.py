@@ -431,7 +431,7 @@ def test_dashboards_render_to_png_from_the_real_prometheus(ns: str, prometheus: 
     """Every panel of both dashboards drawn from this Prometheus with the dashboards' own queries (after
     the load of the previous test). Written to $GOODPUT_E2E_LOGS/dashboards, and to
     $GOODPUT_DASHBOARD_PNG_DIR when set: `GOODPUT_DASHBOARD_PNG_DIR=docs/dashboards bash e2e/run.sh
-    e2e/test_helm_e2e.py` regenerates the pictures in docs/ (README, "Dashboards as pictures")."""
+    e2e/test_helm_e2e.py` regenerates the pictures in docs/ (docs/kubernetes.md, "Dashboards as pictures")."""
     outs = [logs_dir / "dashboards"]
     if os.environ.get("GOODPUT_DASHBOARD_PNG_DIR"):
         outs.append(Path(os.environ["GOODPUT_DASHBOARD_PNG_DIR"]).resolve())
@@ -507,7 +507,7 @@ def test_helm_upgrade_rolls_the_operator_with_the_new_value(kubectl: Kubectl, re
 
 @pytest.mark.timeout(300)
 def test_a_kubectl_applied_crd_moves_under_the_chart(kubectl: Kubectl, release: str, ns: str, diag):
-    """README: `cluster.sh up` applied the CRD with kubectl; Helm 4 takes it over with server-side apply."""
+    """docs/kubernetes.md: `cluster.sh up` applied the CRD with kubectl; Helm 4 takes it over with server-side apply."""
     crd = "inferenceservices.serving.goodput.dev"
     before = kubectl.json("get", "crd", crd)["metadata"]
     assert "meta.helm.sh/release-name" not in (before.get("annotations") or {})
@@ -543,7 +543,7 @@ def test_helm_uninstall_leaves_no_operator_objects(kubectl: Kubectl, release: st
     # InferenceService with its workers
     assert kubectl.run("get", "crd", "inferenceservices.serving.goodput.dev", check=False).returncode == 0
     assert kubectl.run("-n", ns, "get", "gisvc", NAME, check=False).returncode == 0
-    # ... with its workers still running (README: delete the InferenceServices first to stop them)
+    # ... with its workers still running (docs/kubernetes.md: delete the InferenceServices first to stop them)
     workers = [p for p in kubectl.json("-n", ns, "get", "pods", "-l",
                                        f"serving.goodput.dev/inferenceservice={NAME}")["items"] if ready(p)]
     assert workers and all(processes_of(p["metadata"]["name"]) for p in workers)

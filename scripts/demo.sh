@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job (README command 1): set up .venv, start a goodput worker with the bundled
-# SmolLM2-135M-Instruct on 127.0.0.1, ask it a real chat question, print the answer, stop it.
+# The main job (README command 1): set up .venv with the runtime only (scripts/setup.sh; the test
+# clients are the test command's), start a goodput worker with the bundled SmolLM2-135M-Instruct on
+# 127.0.0.1, ask it a real chat question on its OpenAI-compatible API, print the answer, stop it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,13 +18,15 @@ for _ in $(seq 1 240); do
   sleep 0.5
 done
 grep -iE "kv cache|capacity" "$LOG" || true
+# POST /v1/chat/completions as any OpenAI client sends it (httpx: a runtime dependency)
 python - "$PORT" <<'PY'
 import sys
-from openai import OpenAI
-client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
+import httpx
 question = "What is the capital of France?"
-reply = client.chat.completions.create(
-    model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=48, temperature=0)
-print(f"Q: {question}\nA: {reply.choices[0].message.content}")
-print(f"usage: {reply.usage}")
+r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", timeout=120, json={
+    "model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 48, "temperature": 0})
+r.raise_for_status()
+reply = r.json()
+print(f"Q: {question}\nA: {reply['choices'][0]['message']['content']}")
+print(f"usage: {reply['usage']}")
 PY

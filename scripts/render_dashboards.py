@@ -11,7 +11,7 @@ them (``gridPos``: 24 columns, rows of 30 px in Grafana): time series as lines n
 variables become ``$namespace``/``$inferenceservice`` (regex matches, ``.*`` when not given) and
 ``$pod`` = ``.*``; ``$__rate_interval`` becomes ``--rate-interval``. Writes ``<out>/<dashboard>.png``
 and prints, per panel, how many series it drew. The e2e suite runs it on its own Prometheus (see
-``e2e/test_helm_e2e.py``; README, "Dashboards as pictures").
+``e2e/test_helm_e2e.py``; docs/kubernetes.md, "Dashboards as pictures").
 
 Exit code 1 when a panel has no series (its title is printed), 2 on a Prometheus error.
 """

@@ -4,7 +4,7 @@
 # kube-apiserver + etcd + controller-manager on 127.0.0.1 (needs root, as CI has).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 . .venv/bin/activate
 export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 

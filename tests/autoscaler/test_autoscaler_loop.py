@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import httpx
 import pytest
@@ -96,10 +97,11 @@ def test_conditions_keep_transition_time_while_status_holds():
          "message": "2 pods starting"}]
 
 
-def _decision(replicas, reason="Steady", limits=None, state=None, ok=True):
+def _decision(replicas, reason="Steady", limits=None, state=None, ok=True, current=1):
+    """A policy decision; its message as the policy writes it ("<current> -> <replicas> replicas ...")."""
     return policy.Decision(
         replicas=replicas, limits=limits if limits is not None else {"p1": policy.Limits(8, 4)},
-        reason=reason, message=f"{reason} with numbers", state=state or policy.PolicyState(),
+        reason=reason, message=f"{current} -> {replicas} replicas with numbers", state=state or policy.PolicyState(),
         conditions={"MetricsAvailable": (ok, "Scraped" if ok else "PodsUnreachable", ""),
                     "ScalingActive": (True, "Active", ""), "AbleToScale": (True, "Ready", "")})
 
@@ -108,7 +110,7 @@ def test_autoscaler_status_records_only_changes_and_caps_history():
     s = loop.autoscaler_status(None, _decision(2, "ScaleUpGoodput"), current_replicas=1, now=NOW)
     assert s["desiredReplicas"] == 2 and s["lastScaleTime"] == T(NOW)
     assert s["decisions"] == [{"time": T(NOW), "replicas": 2, "reason": "ScaleUpGoodput", "maxNumSeqs": 8,
-                               "maxWaiting": 4, "message": "ScaleUpGoodput with numbers"}]
+                               "maxWaiting": 4, "message": "1 -> 2 replicas with numbers"}]
     same = loop.autoscaler_status(s, _decision(2, "ScaleUpGoodput"), current_replicas=2, now=NOW + 5)
     assert same["decisions"] == s["decisions"] and same["lastScaleTime"] == T(NOW)  # nothing new
     cur = s
@@ -202,9 +204,10 @@ def rig(monkeypatch):
         kube, scaler, calls, script, puts, src, stats)
 
 
-def test_scale_up_goes_through_scale_subresource_with_status_and_event(rig):
+def test_scale_up_goes_through_scale_subresource_with_status_and_event(rig, caplog):
     rig.script.append(_decision(2, "ScaleUpSaturation", state=policy.PolicyState()))
-    asyncio.run(rig.scaler.tick())
+    with caplog.at_level(logging.INFO, logger="goodput.autoscaler"):
+        asyncio.run(rig.scaler.tick())
     _, obs, spec, state = rig.calls[0]
     assert state is None and obs.current_replicas == 1 and [p.name for p in obs.ready] == ["p1"]
     assert obs.ready[0].interval_s == 0.0 and obs.unreachable == () and obs.starting == ()
@@ -215,7 +218,10 @@ def test_scale_up_goes_through_scale_subresource_with_status_and_event(rig):
         "ScaleUpSaturation"
     assert patch["admission"]["maxNumSeqs"] == 8 and patch["admission"]["maxWaiting"] == 4
     assert [(e[0], e[1]) for e in rig.kube.events] == [("Normal", "ScaleUpSaturation")]
-    assert "replicas 1 -> 2" in rig.kube.events[0][2]
+    applied = "1 -> 2 replicas with numbers; limits max_num_seqs 8 max_waiting 4 (1 pod)"
+    assert rig.kube.events[0][2] == applied
+    # the log line names the reason once, then what was done
+    assert "ns/svc: ScaleUpSaturation: " + applied in [r.getMessage() for r in caplog.records]
     assert rig.puts == []  # the pod already has limits 8/4: nothing to PUT
 
 
@@ -291,10 +297,14 @@ def test_spec_engine_limits_bound_the_pushed_limits(rig):
     # crds/examples/local.yaml sets maxWaiting 8: the autoscaler tunes below it, never above
     rig.kube.obj["spec"]["engine"] = {"maxNumSeqs": 4, "maxWaiting": 8}
     rig.script.append(_decision(1, "Steady", {"p1": policy.Limits(64, 1024)}))
-    asyncio.run(rig.scaler.tick())
+    decided = asyncio.run(rig.scaler.tick())
     assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":4,"max_waiting":8}')]
     adm = rig.kube.obj["status"]["admission"]
     assert (adm["maxNumSeqs"], adm["maxWaiting"]) == (4, 8)
+    # every message (status record, --once output) says the limits in force, not the policy's 64/1024
+    applied = "1 -> 1 replicas with numbers; limits max_num_seqs 4 max_waiting 8 (1 pod)"
+    assert rig.kube.obj["status"]["autoscaler"]["decisions"][-1]["message"] == applied
+    assert decided[("ns", "svc")].message == applied
 
 
 class FakeEvents:

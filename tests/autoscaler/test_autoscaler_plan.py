@@ -37,8 +37,10 @@ def seen(samples, hits=None, starting=0, draining=()):
     return loop.Observed(ready, obs.starting, tuple(draining), samples, obs, hits or {})
 
 
-def decision(replicas, limits, reason="Steady", conditions=OK):
-    return policy.Decision(replicas=replicas, limits=limits, reason=reason, message=f"{reason} because",
+def decision(replicas, limits, reason="Steady", conditions=OK, current=None):
+    """A policy decision; its message as the policy writes it ("<current> -> <replicas> replicas ...")."""
+    msg = f"{replicas if current is None else current} -> {replicas} replicas because"
+    return policy.Decision(replicas=replicas, limits=limits, reason=reason, message=msg,
                            conditions=dict(conditions), state=policy.PolicyState())
 
 
@@ -52,7 +54,8 @@ L = policy.Limits
 def test_steady_with_limits_in_force_writes_nothing_but_the_first_record():
     stored = {"autoscaler": {"conditions": STORED_OK, "decisions": [
         {"time": "old", "replicas": 2, "reason": "Steady", "maxNumSeqs": 8, "maxWaiting": 16,
-         "message": "Steady because"}], "desiredReplicas": 2, "policyState": {},
+         "message": "2 -> 2 replicas because; limits max_num_seqs 8 max_waiting 16 (2 pods)"}],
+        "desiredReplicas": 2, "policyState": {},
         "lastDecisionTime": "old"}, "admission": {"maxNumSeqs": 8, "maxWaiting": 16}}
     stored["autoscaler"]["policyState"] = loop.drop_nulls(policy.PolicyState().to_dict())
     for c in stored["autoscaler"]["conditions"]:
@@ -60,19 +63,22 @@ def test_steady_with_limits_in_force_writes_nothing_but_the_first_record():
     p = loop.make_plan(stored, spec(2), seen({"a": sample(), "b": sample()}),
                        decision(2, {"a": L(8, 16), "b": L(8, 16)}), NOW)
     assert p == loop.Plan(scale_to=None, drain=(), undrain=(), pushes=(), status_patch={}, events=(),
-                          limits={"a": L(8, 16), "b": L(8, 16)})
+                          limits={"a": L(8, 16), "b": L(8, 16)},
+                          message="2 -> 2 replicas because; limits max_num_seqs 8 max_waiting 16 (2 pods)")
 
 
 def test_scale_up_pushes_changed_limits_and_posts_one_event():
     p = loop.make_plan({}, spec(1), seen({"a": sample(seqs=8, mw=16)}),
-                       decision(3, {"a": L(12, 16)}, "ScaleUpGoodput"), NOW)
+                       decision(3, {"a": L(12, 16)}, "ScaleUpGoodput", current=1), NOW)
     assert p.scale_to == 3 and p.drain == ()
     assert p.pushes == (loop.LimitPush(pod("a", "10.244.0.1"), L(12, 16)),)
     assert p.status_patch["admission"] == {"maxNumSeqs": 12, "maxWaiting": 16, "updatedAt": TS}
     a = p.status_patch["autoscaler"]
     assert (a["desiredReplicas"], a["lastScaleTime"], a["decisions"][-1]["replicas"]) == (3, TS, 3)
     # the first decision: no condition existed before, so none flips; no earlier limits to change from
-    assert p.events == (loop.EventSpec("Normal", "ScaleUpGoodput", "replicas 1 -> 3: ScaleUpGoodput because"),)
+    # the message says the transition and the limits once; the reason is the Event's reason, not repeated
+    assert p.events == (loop.EventSpec("Normal", "ScaleUpGoodput", "1 -> 3 replicas because; limits max_num_seqs 12 "
+                                                                   "max_waiting 16 (1 pod)"),)
 
 
 # (limits decided, spec engine limits, limits expected on the pod and in status.admission)
@@ -94,6 +100,15 @@ def test_spec_engine_limits_are_upper_bounds(case):
     assert (p.status_patch["admission"]["maxNumSeqs"], p.status_patch["admission"]["maxWaiting"]) == want
     assert (p.status_patch["autoscaler"]["decisions"][-1]["maxNumSeqs"],
             p.status_patch["autoscaler"]["decisions"][-1]["maxWaiting"]) == want
+    # the message reports the limits in force (after the bounds), not the policy's
+    applied = f"1 -> 1 replicas because; limits max_num_seqs {want[0]} max_waiting {want[1]} (1 pod)"
+    assert p.message == applied and p.status_patch["autoscaler"]["decisions"][-1]["message"] == applied
+
+
+def test_decision_message_states_the_limits_in_force():
+    assert loop.decision_message("2 -> 2 replicas", {"a": L(4, 6), "b": L(8, 4)}) == \
+        "2 -> 2 replicas; limits max_num_seqs 4..8 max_waiting 4..6 (2 pods)"
+    assert loop.decision_message("1 -> 0 replicas", {}) == "1 -> 0 replicas; no ready pod to limit"
 
 
 # (candidates (name, in_flight, prefix hits), k, expected names)
@@ -201,7 +216,7 @@ EVENT_CASES = {
     "metrics back: normal": (_stored(metrics="False", reason="MetricsMissing"), 2, _cond(True), (8, 16), (),
                              [E("Normal", "MetricsScraped", "MetricsAvailable True: x", "MetricsAvailable=True")]),
     "replicas change": (_stored(), 3, _cond(True), (8, 16), (),
-                        [E("Normal", "Steady", "replicas 2 -> 3: Steady because")]),
+                        [E("Normal", "Steady", "2 -> 3 replicas because")]),
     "limits change: one series": (_stored(), 2, _cond(True), (8, 12), (),
                                   [E("Normal", "AdmissionLimits", "limits maxNumSeqs=8 maxWaiting=12",
                                      "AdmissionLimits")]),
@@ -214,5 +229,5 @@ EVENT_CASES = {
 @pytest.mark.parametrize("case", EVENT_CASES)
 def test_plan_events(case):
     stored, replicas, conds, limits, unreachable, want = EVENT_CASES[case]
-    d = decision(replicas, {"a": L(*limits)}, "Steady", conds)
+    d = decision(replicas, {"a": L(*limits)}, "Steady", conds, current=2)
     assert loop.plan_events(stored, d, 2, d.limits, unreachable) == want

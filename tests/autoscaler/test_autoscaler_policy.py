@@ -123,6 +123,11 @@ def test_scale_up_from_little_law():
     p = pod("a", admitted=200, finished=50)
     d = decide(0.0, Observation((p,), (), (), 1), SPEC, None)
     assert (d.replicas, d.reason) == (4, "ScaleUpGoodput")
+    # the message says what was decided, once: no reason (d.reason), no limits (the loop adds the
+    # ones in force after the spec's bounds); the AbleToScale condition names the reason once
+    assert d.message.startswith("1 -> 4 replicas (1 ready, 0 starting); offered 40.00 req/s")
+    assert "ScaleUpGoodput" not in d.message and "max_waiting" not in d.message
+    assert d.conditions["AbleToScale"] == (True, "ReadyForNewScale", f"ScaleUpGoodput: {d.message}")
 
 
 def test_starting_pods_are_capacity_that_is_coming():

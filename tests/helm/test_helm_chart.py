@@ -172,6 +172,39 @@ def test_autoscaler_in_one_namespace_or_refused(helm: str):
     assert r.returncode != 0 and "the autoscaler watches one namespace or all of them" in r.stderr
 
 
+def values_comment(key: str) -> str:
+    """The comment block right above top-level ``key`` in values.yaml, as one line of text."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    i = next(n for n, ln in enumerate(lines) if ln.startswith(f"{key}:"))
+    block = []
+    while i > 0 and lines[i - 1].startswith("#"):
+        i -= 1
+        block.insert(0, lines[i].lstrip("# ").strip())
+    return " ".join(block)
+
+
+CRD_WATCH = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+
+
+def test_cluster_permissions_in_each_mode_are_what_values_yaml_says(helm: str):
+    """watchNamespaces empty: ClusterRoles, the operator's with the CRD list/watch; a list: Roles only,
+    nothing cluster-scoped but the CRD itself (the operator then disables kopf's CRD and Namespace
+    scanning: goodput.operator.handlers; e2e/test_cluster_ops_e2e.py runs such a release with no
+    forbidden line in its log). The values.yaml comment says the same."""
+    cluster = by_kind(template(helm))
+    assert CRD_WATCH <= rules_set(cluster[("ClusterRole", "", "rel-goodput-operator")]["rules"])
+    scoped = by_kind(template(helm, "--set", "watchNamespaces={team-a}"))
+    assert sorted(kind for kind, ns, _ in scoped if not ns) == ["CustomResourceDefinition"]
+    for (kind, ns, name), o in scoped.items():
+        if kind == "Role":
+            assert not CRD_WATCH & rules_set(o["rules"]), (ns, name)
+    assert container(scoped[("Deployment", "goodput-system", "rel-goodput-operator")])["args"][0] == \
+        "--namespace=team-a"
+    doc = values_comment("watchNamespaces")
+    assert "ClusterRole + ClusterRoleBinding" in doc and "nothing cluster-wide" in doc, doc
+    assert "stays cluster-wide" not in doc, doc
+
+
 def test_non_default_values(helm: str):
     objs = template(helm, "--set", "watchNamespaces={team-a,team-b}", "--set", "autoscaler.enabled=false",
                     "--set", "crds.install=false", "--set", "image.tag=1.2.3", "--set", "image.repository=r.io/cp",

@@ -8,7 +8,7 @@ from goodput.api.settings import settings
 from goodput.api.units import parse_bytes
 from goodput.worker.engine.config import EngineArgs
 
-# The public flag names (README, operator), spelled as users type them.
+# The public flag names (docs/worker.md, operator), spelled as users type them.
 PUBLIC_FLAGS = [
     "--model", "--host", "--port", "--dtype", "--kv-cache-memory", "--block-size", "--max-num-seqs",
     "--max-num-batched-tokens", "--max-model-len", "--max-waiting", "--no-enable-prefix-caching",

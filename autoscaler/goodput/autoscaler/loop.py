@@ -204,6 +204,20 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
     return out
 
 
+def decision_message(message: str, limits: Mapping[str, policy.Limits]) -> str:
+    """The message of a decision as applied: the policy's ``message`` (the numbers behind the
+    replicas) and the admission limits in force, ``limits`` after the spec's bounds (a range over
+    the pods when they differ). E.g. ``"...; limits max_num_seqs 8 max_waiting 4..6 (3 pods)"``."""
+    if not limits:
+        return f"{message}; no ready pod to limit"
+    def span(xs: list[int]) -> str:
+        return str(xs[0]) if min(xs) == max(xs) else f"{min(xs)}..{max(xs)}"
+    seqs = span([v.max_num_seqs for v in limits.values()])
+    waiting = span([v.max_waiting for v in limits.values()])
+    n = len(limits)
+    return f"{message}; limits max_num_seqs {seqs} max_waiting {waiting} ({n} pod{'s' if n != 1 else ''})"
+
+
 def engine_bounds(spec: crd.InferenceServiceSpec) -> policy.Limits | None:
     """The upper bounds of the limits the autoscaler may set: ``spec.engine.maxNumSeqs`` and
     ``spec.engine.maxWaiting`` (what the user wrote is the most a replica admits; the autoscaler
@@ -274,7 +288,7 @@ def plan_events(prev_as: Mapping[str, Any], decision: policy.Decision, current_r
         out.append(EventSpec("Warning", "FailedUpdateScale",
                              f"replicas {current_replicas} -> {decision.replicas}: {scale_error}", "FailedUpdateScale"))
     elif decision.replicas != current_replicas:
-        out.append(EventSpec("Normal", decision.reason, f"replicas {current_replicas} -> {decision.replicas}: {msg}"))
+        out.append(EventSpec("Normal", decision.reason, msg))
     before = {c.get("type"): c for c in prev_as.get("conditions") or []}
     for ctype, (ok, reason, cmsg) in decision.conditions.items():
         status = "True" if ok else "False"
@@ -331,7 +345,8 @@ class Plan:
     that no scale-in will remove (replicas went back up): annotation removed, ``DELETE
     /admin/drain``; scale_to: the new ``spec.replicas`` (None = unchanged); pushes: limits to PUT;
     status_patch: the JSON merge patch of ``status`` ({} = no write); events; limits: the limits in
-    force after apply (the decision's, bounded by the spec), by pod.
+    force after apply (the decision's, bounded by the spec), by pod; message: the decision's message
+    with those limits (:func:`decision_message`).
     """
 
     scale_to: int | None
@@ -341,6 +356,7 @@ class Plan:
     status_patch: dict[str, Any]
     events: tuple[EventSpec, ...]
     limits: dict[str, policy.Limits]
+    message: str = ""
 
 
 def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: Observed,
@@ -366,7 +382,8 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
     if scale_error is not None:
         conditions["AbleToScale"] = (False, "FailedUpdateScale",
                                      f"the scale subresource refused replicas={decision.replicas}: {scale_error}")
-    shown = dataclasses.replace(decision, conditions=conditions, limits=limits)
+    shown = dataclasses.replace(decision, conditions=conditions, limits=limits,
+                                message=decision_message(decision.message, limits))
     scale_to = decision.replicas if decision.replicas != current and scale_error is None else None
     drain: tuple[ReadyPod, ...] = ()
     undrain: tuple[tuple[str, str | None], ...] = ()
@@ -398,7 +415,7 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
         patch["admission"] = {**adm, "updatedAt": rfc3339(now)}
     events = plan_events(prev_as, shown, current, limits, seen.observation.unreachable, scale_error)
     return Plan(scale_to=scale_to, drain=drain, undrain=undrain, pushes=tuple(pushes), status_patch=patch,
-                events=tuple(events), limits=limits)
+                events=tuple(events), limits=limits, message=shown.message)
 
 
 # ----------------------------------------------------------------------------------------- metrics I/O
@@ -653,7 +670,7 @@ class Autoscaler:
             applied = plan.scale_to if plan.scale_to is not None else spec.replicas
             self.metrics.record(ns, name, dataclasses.replace(decision, limits=plan.limits),
                                 decision.replicas if self.dry_run else applied, len(seen.ready), len(seen.starting))
-        return dataclasses.replace(decision, limits=plan.limits)
+        return dataclasses.replace(decision, limits=plan.limits, message=plan.message)
 
     async def _observe_routers(self) -> dict[observe.ServiceKey, policy.RouterObservation] | None:
         if self.routers is None:
@@ -733,8 +750,7 @@ class Autoscaler:
         if plan.scale_to is not None:
             try:
                 await asyncio.to_thread(self.kube.scale, ns, name, plan.scale_to)
-                log.info("%s/%s: replicas %d -> %d (%s: %s)", ns, name, spec.replicas, plan.scale_to,
-                         decision.reason, decision.message)
+                log.info("%s/%s: %s: %s", ns, name, decision.reason, plan.message)
             except Exception as e:  # noqa: BLE001 - reported as AbleToScale=False
                 log.warning("%s/%s: scaling to %d failed: %r", ns, name, plan.scale_to, e)
                 await asyncio.gather(*(self._drain(ns, name, p.name, p.ip, False) for p in plan.drain))

@@ -445,7 +445,9 @@ class Decision:
     reason: CamelCase (ScaleUpGoodput, ScaleUpSaturation, ScaleUpForecast, ScaleUpMinReplicas,
         ScaleFromZero, ScaleDownMaxReplicas, ScaleDownIdle, ScaleDown, ScaleToZeroIdle,
         HoldStarting, HoldStabilizing, HoldMissingMetrics, Steady).
-    message: one sentence with the numbers behind the decision.
+    message: one sentence with the numbers behind the decision, from ``"<current> -> <replicas>
+        replicas (...)"`` on; not its reason (``reason`` says it), not the limits (the loop appends
+        the ones in force after the spec's bounds: ``loop.decision_message``).
     conditions: type -> (status, reason, message) for MetricsAvailable, ScalingActive, AbleToScale.
     state: the state to pass to the next call.
     router_max_queued: the bound of the router's fleet queue (``status.admission.routerMaxQueued``;
@@ -971,7 +973,9 @@ def conditions(obs: Observation, fleet: Fleet, metrics_ok: bool, reason: str, me
         "MetricsAvailable": (metrics_ok, "MetricsScraped" if metrics_ok else "MetricsMissing", metrics_msg),
         "ScalingActive": (active, "ValidMetricFound" if active else "ScalingDisabled",
                           f"replicas between {spec.min_replicas} and {spec.max_replicas}"),
-        "AbleToScale": (not holding, reason if holding else "ReadyForNewScale", message),
+        # the decision's reason once: as the condition's reason while holding, else before the message
+        "AbleToScale": (not holding, reason if holding else "ReadyForNewScale",
+                         message if holding else f"{reason}: {message}"),
     }
 
 
@@ -1047,7 +1051,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     ql = queue_limits(fleet, len(obs.ready), caps.coming, out.replicas - obs.current_replicas, spec,
                       fleet.service_s if fleet.service_s is not None else st.service_s)
     limits = {p.name: Limits(caps.caps[p.name], ql.max_waiting) for p in obs.ready}
-    message = _message(obs, fleet, caps, sz, fc, out, ql, spec, st)
+    message = _message(obs, fleet, caps, sz, fc, out, spec, st)
     return Decision(out.replicas, limits, out.reason, message,
                     conditions(obs, fleet, metrics_ok, out.reason, message, spec),
                     next_state(now, obs, fleet, caps, sz, fc, win, proof, out, metrics_ok, spec, st),
@@ -1055,15 +1059,17 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
 
 
 def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast, out: Replicas,
-             ql: QueueLimits, spec: PolicySpec, st: PolicyState) -> str:
+             spec: PolicySpec, st: PolicyState) -> str:
+    """The numbers behind the replica decision, without its reason (``Decision.reason`` says it) and
+    without the admission limits (``Decision.limits``; the loop bounds them by the spec and reports
+    the ones in force)."""
     att = "n/a" if fleet.attainment is None else f"{fleet.attainment:.3f}"
     floor = f", floor {st.floor}" if st.floor else ""
-    return (f"{out.reason}: {obs.current_replicas} -> {out.replicas} replicas ({len(obs.ready)} ready, "
+    return (f"{obs.current_replicas} -> {out.replicas} replicas ({len(obs.ready)} ready, "
             f"{caps.coming} starting); offered {fleet.offered_rps:.2f} req/s (forecast {fc.rps:.2f} in "
             f"{fc.horizon_s:.0f} s), in flight {fleet.in_flight}, demand {sz.demand:.1f} seqs, "
             f"{sz.per_replica:.1f} seqs per replica, attainment {att} (target {spec.attainment_target}), "
-            f"rejected {fleet.rejected:.0f}, preemptions {fleet.preempted:.0f}{floor}; limits max_num_seqs "
-            f"median {_median(list(caps.caps.values())) or '-'} max_waiting {ql.max_waiting}")
+            f"rejected {fleet.rejected:.0f}, preemptions {fleet.preempted:.0f}{floor}")
 
 
 __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation", "Observation",

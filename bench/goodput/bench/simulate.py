@@ -624,7 +624,7 @@ def make_trace(name: str, seed: int = 0, hardware: str = "h200", duration: float
         # model, so 100 ms would be missed by every request in flight whenever prompts arrive
         # (DistServe's SLOs for 66B-175B models are of this order)
         # steady: 5 req/s for 30 min, which 2 replicas carry at 1.000 attainment and 1 at 0.63
-        # (its prefill token budget saturates: see the README)
+        # (its prefill token budget saturates: see docs/autoscaling.md)
         kw = dict(rate=5.0, duration=1800.0) if name == "steady" else {}
         t = synthetic_trace(name, seed, slo=(1.0, 0.15), max_replicas=10, initial_replicas=2, **kw)
     # static-peak's N: the smallest static fleet found to meet >= 99 % attainment on the trace

@@ -1,6 +1,6 @@
 """Pure: which operator reconciles a namespace when releases overlap (one Lease per namespace).
 
-The rule (README, "Two releases"): **a namespaced operator owns the namespaces it lists.**
+The rule (docs/kubernetes.md, "Namespaced mode and two releases"): **a namespaced operator owns the namespaces it lists.**
 
 - An operator started with exact ``--namespace`` names claims each of them with a
   ``coordination.k8s.io/v1`` Lease named :data:`LEASE_NAME` in that namespace, renewed every

@@ -17,6 +17,7 @@ cos/sin computed in float32 and cast to the model dtype, residual stream in the 
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,7 +31,19 @@ from goodput.worker.model.quant import Int4Linear, Int8Linear, Q4Blocks, check_s
 
 def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _onednn_packs_bf16())
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """Whether this CPU has oneDNN's bf16 linear path: packing needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and an AVX2-only CPU raises ``RuntimeError`` ("bf16 path needs the cpu support
+    ..."); asked once with a tiny weight, so such a CPU runs the plain matmul instead."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Linear:
