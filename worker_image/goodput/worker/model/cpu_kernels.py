@@ -83,8 +83,11 @@ def _cpu_flags() -> str:
 
 def cache_dir() -> Path:
     """Where built kernels live: ``$GOODPUT_CPU_KERNELS_DIR`` or ``<worker cache>/cpu-kernels``."""
-    from goodput.worker.model.gguf_loader import default_cache_dir  # lazy: the image's kernel stage has torch only
-    return Path(os.environ.get(DIR_ENV) or default_cache_dir() / "cpu-kernels")
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    # the worker image's kernel stage sets DIR_ENV and has only this module, cpu_isa and torch
+    from goodput.worker.model.gguf_loader import default_cache_dir
+    return default_cache_dir() / "cpu-kernels"
 
 
 def _key(*parts: str) -> str:
