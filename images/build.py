@@ -242,16 +242,41 @@ class Cache:
         return out
 
 
-def build_image(image: str, refs: tuple[str, str], bases: dict[str, str], wheels: Path) -> None:
-    """``buildah build`` of images/<image>/Containerfile into buildah's storage as both ``refs``."""
+def build_image(image: str, refs: tuple[str, str], build_args: dict[str, str], contexts: dict[str, Path]) -> None:
+    """``buildah build`` of images/<image>/Containerfile into buildah's storage as both ``refs``;
+    ``build_args`` and ``contexts`` (named build contexts: ``wheels``, ``kernel-cache``): those the
+    Containerfile uses are passed."""
     containerfile = ROOT / "images" / image / "Containerfile"
+    text = containerfile.read_text()
     log(f"buildah build {containerfile.relative_to(ROOT)} -> {refs[0]}, {refs[1]}")
-    args = [f"{arg}={bases[name]}" for arg, name in (("BASE", "base"), ("BUILDER", "builder"))
-            if f"ARG {arg}=" in containerfile.read_text()]
+    args = [f"{arg}={value}" for arg, value in build_args.items() if f"ARG {arg}=" in text]
+    named = [f"{name}={path}" for name, path in contexts.items() if f"--from={name} " in text]
     run("buildah", "build", "--layers", "--pull=never", "--network=none", "--format=oci",
-        *(x for a in args for x in ("--build-arg", a)),
-        "--build-context", f"wheels={wheels}", "-f", str(containerfile),
-        "-t", refs[0], "-t", refs[1], str(ROOT), env=buildah_env())
+        *(x for a in args for x in ("--build-arg", a)), *(x for c in named for x in ("--build-context", c)),
+        "-f", str(containerfile), "-t", refs[0], "-t", refs[1], str(ROOT), env=buildah_env())
+
+
+def save_kernels(ref: str, dest: Path) -> None:
+    """Keep the worker image's C++ kernel builds (``/opt/goodput/cpu-kernels``; file names hash their
+    sources, flags and torch version) in ``dest``, the next build's ``kernel-cache`` context: a
+    build whose kernel sources did not change compiles nothing, even on a machine whose buildah
+    storage is new (CI). ``dest`` ends up holding exactly this image's builds."""
+    env = buildah_env()
+    c = run("buildah", "from", "--pull=never", ref, env=env, capture=True).strip()
+    try:
+        built = Path(run("buildah", "mount", c, env=env, capture=True).strip()) / "opt/goodput/cpu-kernels"
+        dest.mkdir(parents=True, exist_ok=True)
+        names = {f.name for f in built.glob("*.so")}
+        for f in built.glob("*.so"):
+            if not (dest / f.name).exists():
+                shutil.copyfile(f, dest / f".{f.name}.tmp")
+                os.replace(dest / f".{f.name}.tmp", dest / f.name)
+        for old in dest.iterdir():
+            if old.name not in names:
+                old.unlink()
+    finally:
+        subprocess.run(["buildah", "umount", c], env=env, capture_output=True)
+        subprocess.run(["buildah", "rm", c], env=env, capture_output=True)
 
 
 def pause_image(refs: tuple[str, str], base: str) -> None:
@@ -291,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("GOODPUT_IMAGES_CACHE")
                                                        or Path.home() / ".cache/goodput/images-cache"))
     ap.add_argument("--wheels-only", action="store_true", help="only make the wheels directory and print it")
+    ap.add_argument("--kernel-levels", default=os.environ.get("GOODPUT_KERNEL_LEVELS") or "all",
+                    help="the worker's prebuilt C++ kernel levels: all (default), none, or e.g. avx2,baseline "
+                         "(each level compiles for ~3 CPU-minutes once; later builds reuse it)")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     cache = Cache(a.cache)
@@ -309,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         bases[name] = cache.base_image(name, tarball, keys[name])
     a.out.mkdir(parents=True, exist_ok=True)
     archives = {image: a.out / f"{image}.oci.tar" for image in names}
-    inputs = {image: digest(keys["base"], keys["builder"], wheels.name, tree_digest(SOURCES),
+    kernel_cache = a.cache / "cpu-kernels"
+    kernel_cache.mkdir(exist_ok=True)
+    build_args = {"BASE": bases["base"], "BUILDER": bases["builder"], "KERNEL_LEVELS": a.kernel_levels}
+    inputs = {image: digest(*build_args.values(), wheels.name, tree_digest(SOURCES),
                             (ROOT / "images" / image / "Containerfile").read_text(), *names[image])
               for image in IMAGES} | {"pause": digest(keys["base"], *names["pause"])}
     for image, refs in names.items():
@@ -318,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
             if image == "pause":
                 pause_image(refs, bases["base"])
             else:
-                build_image(image, refs, bases, wheels)
+                build_image(image, refs, build_args, {"wheels": wheels, "kernel-cache": kernel_cache})
+                if image == "worker":
+                    save_kernels(refs[0], kernel_cache)
             write_archive(refs, cached)
             for old in a.cache.glob(f"archive-{image}-*.oci.tar"):  # keep one archive per image
                 if old != cached:

@@ -5,6 +5,7 @@ against real CPUs' flag sets and the compiler's own definition of each level.
 from __future__ import annotations
 
 import ast
+import os
 import importlib.util
 import re
 import shutil
@@ -144,7 +145,8 @@ def test_the_kernel_stage_copies_everything_cpu_kernels_imports():
         elif isinstance(node, ast.Import):
             imported |= {a.name.replace(".", "/") for a in node.names if a.name.startswith("goodput")}
     assert imported and imported <= copied, imported - copied
-    assert "--all-levels" in stage and "worker_image/goodput/worker/model/csrc" in stage
+    assert '--levels "${KERNEL_LEVELS}"' in stage and "ARG KERNEL_LEVELS=all" in stage
+    assert "worker_image/goodput/worker/model/csrc" in stage
 
 
 @pytest.mark.parametrize("image", ["worker", "control-plane"])
@@ -255,3 +257,50 @@ def test_the_kernel_stage_files_alone_name_and_find_the_builds(tmp_path):
     from goodput.worker.model import cpu_kernels
     assert r.stdout.split() == ["/opt/goodput/cpu-kernels", cpu_kernels.kernel_name("avx512bf16"),
                                 cpu_kernels.kernel_name("baseline")]
+
+
+TINY = """
+#include <Python.h>
+#define GP_CAT(a, b) a##b
+#define GP_INIT(n) GP_CAT(PyInit_, n)
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "tiny", nullptr, -1, nullptr};
+PyMODINIT_FUNC GP_INIT(TORCH_EXTENSION_NAME)(void) {
+    PyObject *m = PyModule_Create(&def);
+    PyModule_AddIntConstant(m, "answer", 42);
+    return m;
+}
+"""
+# the image's build (--level ... --prune) and a worker's start (prebuilt), with a tiny source
+TINY_PRELUDE = ("import os, sys, logging\nfrom pathlib import Path\nfrom goodput.worker.model import cpu_kernels as k\n"
+                "k.SOURCES = [Path(os.environ['GP_TINY_SRC'])]\nk.CFLAGS = ['-O0', '-march=native']\n"
+                "k._PORTABLE_CFLAGS = ['-O0']\n")
+TINY_BUILD = TINY_PRELUDE + "sys.exit(k.main(sys.argv[1:]))\n"
+TINY_START = TINY_PRELUDE + ("logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+                             "m = k.load()\nprint('LOADED', m.answer if m is not None else None, k.load_error())\n")
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_levels_build_without_loading_and_a_start_loads_the_best_one_this_cpu_runs(tmp_path):
+    """Real builds of a tiny extension for two levels, one of which (avx512bf16) this CPU may lack:
+    built (compile only), never imported where it cannot run; a start with
+    GOODPUT_CPU_KERNELS=prebuilt loads the right one and logs it; --prune keeps exactly the builds."""
+    (tmp_path / "tiny.cpp").write_text(TINY)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "goodput_cpu_kernels_avx2_000000000000.so").write_text("an older build")
+    env = dict(os.environ, GOODPUT_CPU_KERNELS_DIR=str(cache), GP_TINY_SRC=str(tmp_path / "tiny.cpp"),
+               TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), GOODPUT_CPU_KERNELS="prebuilt")
+    r = subprocess.run([sys.executable, "-c", TINY_BUILD, "--levels", "avx512bf16,baseline", "--prune"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    built = sorted(f.name for f in cache.iterdir())
+    assert [n.split("_")[3] for n in built] == ["avx512bf16", "baseline"], built
+    flags = cpu_isa.cpu_flags(Path("/proc/cpuinfo").read_text())
+    avx512_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"} <= flags
+    expected = "avx512bf16" if avx512_bf16 else "baseline"
+    r = subprocess.run([sys.executable, "-c", TINY_START], env=env, capture_output=True, text=True, timeout=300)
+    assert "LOADED 42 None" in r.stdout, r.stdout + r.stderr
+    assert f"C++ CPU kernels: level {expected} " in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-c", TINY_START], env=env | {"GOODPUT_CPU_KERNELS_LEVEL": "avx2"},
+                       capture_output=True, text=True, timeout=300)
+    assert "LOADED None" in r.stdout and "GOODPUT_CPU_KERNELS_LEVEL=avx2 is not among the built levels" in r.stdout

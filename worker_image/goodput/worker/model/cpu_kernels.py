@@ -15,7 +15,7 @@ Building and loading are separate steps, so a worker never compiles while it sta
   kernel if the builder dies), and the builder that gets the lock first checks for the file again:
   concurrent starts build at most once. A build that fails writes ``<name>.failed`` (the compiler's
   last error line), so no later process pays for the same failing compile; ``--force`` retries.
-- **Prebuilt levels** (``--level NAME`` / ``--all-levels``; the worker image's build): the same
+- **Prebuilt levels** (``--levels all`` or ``--levels avx2,baseline``; the worker image's build): the same
   sources compiled for an instruction-set level of ``cpu_isa.LEVELS`` (``-march=x86-64-v4``
   ``-mavx512bf16``, ``x86-64-v4``, ``x86-64-v3``, ``x86-64-v2``) instead of ``-march=native``, as
   ``goodput_cpu_kernels_<level>_<12 hex>.so`` (the hash leaves this CPU's flags out): an image built
@@ -229,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m goodput.worker.model.cpu_kernels [--force]``: build into the cache; prints the file."""
     ap = argparse.ArgumentParser(description="Build goodput's C++ CPU kernels once into their cache.")
     ap.add_argument("--force", action="store_true", help="retry a build that failed before for these sources")
-    ap.add_argument("--level", action="append", choices=list(cpu_isa.BY_NAME), default=[],
-                    help="build this prebuilt instruction-set level instead of -march=native (repeatable)")
-    ap.add_argument("--all-levels", action="store_true", help="build every prebuilt level (the worker image)")
+    ap.add_argument("--levels", type=_levels, metavar="all|none|LEVEL,...",
+                    help="build these prebuilt instruction-set levels (cpu_isa.LEVELS: "
+                         f"{', '.join(cpu_isa.BY_NAME)}) instead of one for this CPU (-march=native)")
+    ap.add_argument("--prune", action="store_true",
+                    help="then delete every other file of the cache directory (older builds, locks)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    levels: list[str | None] = list(cpu_isa.BY_NAME) if a.all_levels else a.level or [None]
+    levels: list[str | None] = [None] if a.levels is None else a.levels
     for level in levels:
         try:
             build(force=a.force, level=level)
@@ -242,7 +244,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"CPU kernels unavailable ({e}); the worker uses the torch reference ops", file=sys.stderr)
             return 1
         print(f"CPU kernels (paged decode attention, fused layer ops): ready in {cache_dir() / kernel_name(level)}.so")
+    if a.prune:
+        keep = {f"{kernel_name(level)}.so" for level in levels}
+        for f in cache_dir().iterdir():
+            if f.name not in keep:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
     return 0
+
+
+def _levels(text: str) -> list[str]:
+    """``--levels``: "all", "none" or level names separated by commas or spaces."""
+    names = text.replace(",", " ").split()
+    if names == ["all"]:
+        return list(cpu_isa.BY_NAME)
+    if names == ["none"]:
+        return []
+    if unknown := [n for n in names if n not in cpu_isa.BY_NAME]:
+        raise argparse.ArgumentTypeError(f"unknown level(s) {', '.join(unknown)}; known: {', '.join(cpu_isa.BY_NAME)}")
+    return names
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, threads: int | None = None,
