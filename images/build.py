@@ -12,8 +12,10 @@ Steps, each cached under ``~/.cache/goodput/images-cache`` by a hash of its inpu
    host's pip (the images' Python is Debian's 3.11: the host's must be 3.11 too).
 3. **Images**: ``buildah build`` of ``images/<image>/Containerfile`` with ``BASE``/``BUILDER`` = the
    local bases, the wheels as build context ``wheels``, ``--network=none``, ``--pull=never``,
-   ``--layers`` (the worker's C++ kernel stage is rebuilt only when its sources change). The pause
-   image is the base with ``sleep infinity``.
+   ``--layers``. The worker's C++ kernels (``--kernel-levels``, default all levels) come from the
+   build context ``kernel-cache`` (``cpu-kernels/``, the last image's builds, content-addressed)
+   when their sources did not change, so they compile once per kernel source, not per build. The
+   pause image is the base with ``sleep infinity``.
 4. **Archives** (``$GOODPUT_IMAGES``, default ``~/.cache/goodput/images``): ``<image>.oci.tar``, an
    OCI layout (``oci-archive``) holding the image under two names, ``docker.io/goodput/<image>:<version>``
    (the chart's and the operator's default) and ``...:<version>-g<commit>[-dirty]``; ``images.env``
@@ -358,11 +360,24 @@ def main(argv: list[str] | None = None) -> int:
                     old.unlink()
         publish(cached, archives[image])
         log(f"{archives[image]}: {names[image][0]}, {names[image][1]} ({cached.stat().st_size / 2**20:.0f} MiB)")
+    untag_old(names)
     (a.out / "images.env").write_text(env_text(names, archives))
     (a.out / "images.json").write_text(json.dumps({i: {"names": names[i], "archive": str(archives[i]),
                                                        "inputs": inputs[i]} for i in names}, indent=1) + "\n")
     log(f"done in {time.monotonic() - t0:.0f} s: {a.out / 'images.env'}")
     return 0
+
+
+def untag_old(names: dict[str, tuple[str, str]]) -> None:
+    """Remove this project's images of earlier builds (``localhost/goodput/*`` under other tags) from
+    buildah's storage: each commit tags a new image, and a worker image is ~1.6 GB. Layers that
+    the current images or the layer cache still use stay."""
+    env = buildah_env()
+    current = {f"localhost/{n}" for pair in names.values() for n in pair}
+    listed = run("buildah", "images", "--format", "{{.Name}}:{{.Tag}}", env=env, capture=True).split()
+    for ref in listed:
+        if ref.startswith(f"localhost/{REPOSITORY}/") and ref not in current:
+            subprocess.run(["buildah", "rmi", ref], env=env, capture_output=True)
 
 
 def publish(cached: Path, out: Path) -> None:

@@ -57,6 +57,7 @@ def image_rootfs(archive: str, name: str):
     finally:
         subprocess.run(["buildah", "umount", c], env=env, capture_output=True)
         subprocess.run(["buildah", "rm", c], env=env, capture_output=True)
+        subprocess.run(["buildah", "rmi", f"{REGISTRY_PREFIX}{name}"], env=env, capture_output=True)
 
 
 class Container:
