@@ -407,7 +407,7 @@ def test_values_yaml_documents_every_field():
 
 
 def test_control_plane_image_packages_match_pyproject_and_need_no_torch():
-    text = (ROOT / "images" / "control-plane" / "Dockerfile").read_text()
+    text = (ROOT / "images" / "control-plane" / "Containerfile").read_text()
     import re
     import tomllib
 

@@ -15,7 +15,13 @@ Building and loading are separate steps, so a worker never compiles while it sta
   kernel if the builder dies), and the builder that gets the lock first checks for the file again:
   concurrent starts build at most once. A build that fails writes ``<name>.failed`` (the compiler's
   last error line), so no later process pays for the same failing compile; ``--force`` retries.
-- **Load** (:func:`load`): imports ``<name>.so`` from the cache — no compiler, ninja or source
+- **Prebuilt levels** (``--levels all`` or ``--levels avx2,baseline``; the worker image's build): the same
+  sources compiled for an instruction-set level of ``cpu_isa.LEVELS`` (``-march=x86-64-v4``
+  ``-mavx512bf16``, ``x86-64-v4``, ``x86-64-v3``, ``x86-64-v2``) instead of ``-march=native``, as
+  ``goodput_cpu_kernels_<level>_<12 hex>.so`` (the hash leaves this CPU's flags out): an image built
+  on one machine runs on any x86-64 node.
+- **Load** (:func:`load`): imports ``<name>.so`` from the cache, else the best prebuilt level this
+  CPU runs (``cpu_isa.pick``; ``GOODPUT_CPU_KERNELS_LEVEL`` forces one; the log says which and why) — no compiler, ninja or source
   timestamps involved (torch's JIT loader re-runs ninja in every new process and recompiles whenever a
   source's mtime is newer than its output, e.g. after a checkout). With ``GOODPUT_CPU_KERNELS`` unset
   or ``1``, a miss builds as above (library use, tests); with ``prebuilt`` — what the operator sets in
@@ -43,7 +49,7 @@ from types import ModuleType
 
 import torch
 
-from goodput.worker.model.gguf_loader import default_cache_dir
+from goodput.worker.model import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -51,34 +57,61 @@ SOURCES = [Path(__file__).with_name("csrc") / f
            for f in ("paged_attention.cpp", "layer_ops.cpp", "block_linear.cpp", "bindings.cpp")]
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+_PORTABLE_CFLAGS = [f for f in CFLAGS if not f.startswith("-march=")]  # + a level's -march flags
 LDFLAGS = ["-fopenmp"]
 POLICY_ENV = "GOODPUT_CPU_KERNELS"  # 0 | prebuilt | 1 (default): see the module docstring
 DIR_ENV = "GOODPUT_CPU_KERNELS_DIR"
+LEVEL_ENV = "GOODPUT_CPU_KERNELS_LEVEL"  # force one prebuilt level (cpu_isa.LEVELS' names)
 BUILD_COMMAND = "python -m goodput.worker.model.cpu_kernels"
 _error: str | None = None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return ""
+
+
+def _cpu_flags() -> str:
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return line
     import platform
     return platform.processor() or platform.machine()
 
 
 def cache_dir() -> Path:
     """Where built kernels live: ``$GOODPUT_CPU_KERNELS_DIR`` or ``<worker cache>/cpu-kernels``."""
-    return Path(os.environ.get(DIR_ENV) or default_cache_dir() / "cpu-kernels")
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    # the worker image's kernel stage sets DIR_ENV and has only this module, cpu_isa and torch
+    from goodput.worker.model.gguf_loader import default_cache_dir
+    return default_cache_dir() / "cpu-kernels"
 
 
-def kernel_name() -> str:
-    """``goodput_cpu_kernels_<12 hex>`` of the current sources, flags, CPU and torch version."""
+def _key(*parts: str) -> str:
     src = "\0".join(p.read_text() for p in SOURCES)
-    key = hashlib.sha256("\0".join([src, " ".join(CFLAGS), _cpu_flags(), torch.__version__]).encode())
-    return f"goodput_cpu_kernels_{key.hexdigest()[:12]}"
+    return hashlib.sha256("\0".join([src, *parts, torch.__version__]).encode()).hexdigest()[:12]
+
+
+def kernel_name(level: str | None = None) -> str:
+    """The build's file name: for this CPU (``level`` None), ``goodput_cpu_kernels_<12 hex>`` of the
+    sources, flags, CPU flags and torch version; for a prebuilt level,
+    ``goodput_cpu_kernels_<level>_<12 hex>`` of the sources, the level's flags and torch's version.
+    Raises KeyError for a level not in ``cpu_isa.LEVELS``."""
+    if level is None:
+        return f"goodput_cpu_kernels_{_key(' '.join(CFLAGS), _cpu_flags())}"
+    return f"goodput_cpu_kernels_{level}_{_key(' '.join(_cflags(level)))}"
+
+
+def _cflags(level: str | None) -> list[str]:
+    return CFLAGS if level is None else _PORTABLE_CFLAGS + list(cpu_isa.BY_NAME[level].cflags)
+
+
+def built_levels(d: Path) -> list[str]:
+    """The prebuilt levels (names) whose file for the current sources and torch is in ``d``."""
+    return [lv.name for lv in cpu_isa.LEVELS if (d / f"{kernel_name(lv.name)}.so").exists()]
 
 
 def _import(name: str, path: Path) -> ModuleType:
@@ -94,22 +127,25 @@ def _last_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def build(force: bool = False) -> ModuleType:
-    """Compile the kernels into the cache unless there already (at most once across processes).
+def build(force: bool = False, level: str | None = None) -> ModuleType:
+    """Compile the kernels into the cache unless there already (at most once across processes):
+    for this CPU (``-march=native``), or for a prebuilt ``level`` of ``cpu_isa.LEVELS``.
 
-    Returns the loaded module. Raises RuntimeError when the build fails, or failed before for these
-    sources (``<name>.failed``; ``force=True`` removes that record and tries again).
+    Returns the loaded module (a level this CPU cannot run is built but not imported: returns None).
+    Raises RuntimeError when the build fails, or failed before for these sources
+    (``<name>.failed``; ``force=True`` removes that record and tries again).
     """
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    name = kernel_name()
+    name = kernel_name(level)
+    runs_here = level is None or cpu_isa.BY_NAME[level].needs <= cpu_isa.cpu_flags(_cpuinfo())
     so, failed = d / f"{name}.so", d / f"{name}.failed"
     with open(d / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same name: wait for its result
         if force:
             failed.unlink(missing_ok=True)
         if so.exists():
-            return _import(name, so)
+            return _import(name, so) if runs_here else None
         if failed.exists():
             raise RuntimeError(f"an earlier build of these sources failed ({failed.read_text().strip()}); "
                                f"`{BUILD_COMMAND} --force` retries")
@@ -118,12 +154,18 @@ def build(force: bool = False) -> ModuleType:
 
         work = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=d))
         try:
-            mod = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                                     extra_ldflags=LDFLAGS, build_directory=str(work), verbose=False)
+            kw = dict(name=name, sources=[str(p) for p in SOURCES], extra_cflags=_cflags(level),
+                      extra_ldflags=LDFLAGS, build_directory=str(work), verbose=False)
+            if runs_here:
+                mod = cpp_extension.load(**kw)
+            else:  # compile only: importing code for instructions this CPU lacks could die of SIGILL
+                cpp_extension._write_ninja_file_and_build_library(
+                    **kw, extra_cuda_cflags=None, extra_sycl_cflags=None, extra_include_paths=None,
+                    with_cuda=False, with_sycl=False)
             tmp = d / f".{name}.so.{os.getpid()}"
             shutil.copyfile(work / f"{name}.so", tmp)
             os.replace(tmp, so)  # atomic: a loader sees the whole file or none
-            return mod
+            return mod if runs_here else None
         except Exception as e:  # noqa: BLE001 - record any build failure for the next processes
             tmp = d / f".{name}.failed.{os.getpid()}"
             tmp.write_text(_last_line(e) + "\n")
@@ -135,14 +177,24 @@ def build(force: bool = False) -> ModuleType:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The kernels' extension module, or None (see :func:`load_error`): the cached build, else a new
-    build unless ``GOODPUT_CPU_KERNELS=prebuilt`` (never compile: the torch path instead)."""
+    """The kernels' extension module, or None (see :func:`load_error`): the cached build for this CPU,
+    else the best prebuilt level it runs (``cpu_isa.pick``), else a new build unless
+    ``GOODPUT_CPU_KERNELS=prebuilt`` (never compile: the torch path instead). Logs which and why."""
     global _error
     try:
         name = kernel_name()
         so = cache_dir() / f"{name}.so"
-        if so.exists():
+        if so.exists() and not os.environ.get(LEVEL_ENV):
+            log.info("C++ CPU kernels: %s, built on this machine for its CPU (-march=native)", so)
             return _import(name, so)
+        built = built_levels(so.parent)
+        if built or os.environ.get(LEVEL_ENV):
+            level, why = cpu_isa.pick(cpu_isa.cpu_flags(_cpuinfo()), built, os.environ.get(LEVEL_ENV))
+            if level is None:
+                raise RuntimeError(f"no prebuilt level of the C++ CPU kernels fits: {why}")
+            so = so.parent / f"{kernel_name(level.name)}.so"
+            log.info("C++ CPU kernels: level %s (%s) from %s: %s", level.name, " ".join(level.cflags), so.name, why)
+            return _import(so.stem, so)
         if os.environ.get(POLICY_ENV, "1") == "prebuilt":
             failed = so.with_suffix(".failed")
             why = f"building them failed: {failed.read_text().strip()}" if failed.exists() else "not built"
@@ -177,15 +229,39 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m goodput.worker.model.cpu_kernels [--force]``: build into the cache; prints the file."""
     ap = argparse.ArgumentParser(description="Build goodput's C++ CPU kernels once into their cache.")
     ap.add_argument("--force", action="store_true", help="retry a build that failed before for these sources")
+    ap.add_argument("--levels", type=_levels, metavar="all|none|LEVEL,...",
+                    help="build these prebuilt instruction-set levels (cpu_isa.LEVELS: "
+                         f"{', '.join(cpu_isa.BY_NAME)}) instead of one for this CPU (-march=native)")
+    ap.add_argument("--prune", action="store_true",
+                    help="then delete every other file of the cache directory (older builds, locks)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        build(force=a.force)
-    except RuntimeError as e:
-        print(f"CPU kernels unavailable ({e}); the worker uses the torch reference ops", file=sys.stderr)
-        return 1
-    print(f"CPU kernels (paged decode attention, fused layer ops): ready in {cache_dir() / kernel_name()}.so")
+    levels: list[str | None] = [None] if a.levels is None else a.levels
+    for level in levels:
+        try:
+            build(force=a.force, level=level)
+        except RuntimeError as e:
+            print(f"CPU kernels unavailable ({e}); the worker uses the torch reference ops", file=sys.stderr)
+            return 1
+        print(f"CPU kernels (paged decode attention, fused layer ops): ready in {cache_dir() / kernel_name(level)}.so")
+    if a.prune:
+        keep = {f"{kernel_name(level)}.so" for level in levels}
+        for f in cache_dir().iterdir():
+            if f.name not in keep:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
     return 0
+
+
+def _levels(text: str) -> list[str]:
+    """``--levels``: "all", "none" or level names separated by commas or spaces."""
+    names = text.replace(",", " ").split()
+    if names == ["all"]:
+        return list(cpu_isa.BY_NAME)
+    if names == ["none"]:
+        return []
+    if unknown := [n for n in names if n not in cpu_isa.BY_NAME]:
+        raise argparse.ArgumentTypeError(f"unknown level(s) {', '.join(unknown)}; known: {', '.join(cpu_isa.BY_NAME)}")
+    return names
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, threads: int | None = None,

@@ -30,6 +30,8 @@ from goodput.worker.model.quant import Int4Linear, Int8Linear, Q4Blocks, check_s
 
 
 def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    # oneDNN's bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on other CPUs (e.g. AVX2-only
+    # nodes) the reorder raises, so the weights stay plain and F.linear runs them
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _onednn_packs_bf16())
 
