@@ -206,7 +206,7 @@ def test_the_images_carry_the_names_the_chart_and_operator_use():
     repository = re.search(r"^  repository: (\S+)$", values, re.M).group(1)
     app_version = re.search(r"^appVersion: \"?([^\"\s]+)", chart, re.M).group(1)
     assert f"{repository}:{app_version}" == build.image_name("control-plane", version)
-    from goodput.operator.api import DEFAULT_IMAGE
+    from goodput.api.crd import DEFAULT_IMAGE
     assert DEFAULT_IMAGE == build.image_name("worker", version)
     reqs = build.requirements(pyproject, ("operator", "router"))
     assert reqs[0] == build.TORCH and set(pyproject["project"]["dependencies"]) <= set(reqs)
