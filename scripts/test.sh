@@ -9,7 +9,7 @@ bash scripts/setup.sh --test
 export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 echo "== static checks"
-ruff check --select E9,F63,F7,F82,F401 $(ls -d api operator autoscaler worker_image bench router tests e2e helm 2>/dev/null)
+ruff check --select E9,F63,F7,F82,F401 $(ls -d api operator autoscaler worker_image bench router tests e2e helm images 2>/dev/null)
 lint-imports
 python -m goodput.operator.crdgen --check
 python helm/dashboards.py --check
