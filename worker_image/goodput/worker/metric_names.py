@@ -27,6 +27,7 @@ ENGINE_STATE = "goodput_engine_state"
 ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
 CACHE_CONFIG_INFO = "goodput_cache_config_info"
+ENGINE_INSTANCE_INFO = "goodput_engine_instance_info"  # label instance_id (goodput.worker.identity)
 # Counters (read from the scheduler's stats at scrape time, except SLO_MET).
 REQUESTS_ADMITTED = "goodput_requests_admitted"
 REQUESTS_REJECTED = "goodput_requests_rejected"
