@@ -72,6 +72,8 @@ class Pod:
     the last scrape of the pod's ``/metrics`` (None = not scraped yet): ``running``, ``waiting``
     (goodput_requests_running / _waiting), ``kv_usage`` (goodput_kv_cache_usage_ratio, 0..1),
     ``max_num_seqs``, ``max_waiting`` (goodput_admission_max_num_seqs / _max_waiting).
+    ``instance``: the engine id the pod last reported (answer header or scrape; None = not yet;
+    goodput.worker.identity): a change is a restart in place.
     """
 
     info: PodInfo
@@ -81,6 +83,7 @@ class Pod:
     kv_usage: float | None = None
     max_num_seqs: int | None = None
     max_waiting: int | None = None
+    instance: str | None = None
 
     @property
     def name(self) -> str:
