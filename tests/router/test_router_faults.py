@@ -22,6 +22,7 @@ import httpx
 import pytest
 from goodput.router.app import POD_HEADER, RouterSettings, create_app
 from goodput.router.discovery_static import StaticDiscovery
+from goodput.router.fleet import PodInfo, ServiceInfo
 from goodput.router.serve import protocol_class
 from router_stub import ServerThread, StubState, make_stub
 from test_router_app import HANG_GUARD_S, fleet, pod_of, router_metrics, sample, wait_until
@@ -274,3 +275,44 @@ def test_a_body_that_stops_arriving_is_answered_408_and_closed():
         assert head.startswith(b"HTTP/1.1 408")
         err = json.loads(body)["error"]
         assert err["code"] == "body_timeout" and "--body-timeout" in err["message"]
+
+
+# ---------------------------------------------------------------------------------- one name, one service
+
+
+class _ThreeClaimants:
+    """Kubernetes-like discovery: three InferenceServices in two namespaces, all serving "smollm2"
+    (no servedModelName); ``urls[i]`` is the one Ready pod of service i."""
+
+    def __init__(self, urls):
+        self.urls = urls
+        self.infos = [ServiceInfo("team-b", "chat", "smollm2", created="2026-12-01T11:00:00Z"),
+                      ServiceInfo("team-a", "big", "smollm2", created="2026-12-01T10:00:00Z"),
+                      ServiceInfo("team-a", "small", "smollm2", created="2026-12-01T12:00:00Z")]
+
+    async def run(self, fleet):
+        for info, url in zip(self.infos, self.urls):
+            fleet.set_service(info)
+            fleet.replace_pods(info.namespace, info.name, [PodInfo(name=f"{info.name}-0", url=url)])
+
+
+def test_one_model_name_one_service():
+    """The earliest created service owns the name: every request goes to it, /v1/models lists the
+    name once and says which services are refused (today: listed three times, the request goes to
+    the first by key, silently)."""
+    stubs = [StubState("smollm2", n) for n in ("CHAT", "BIG", "SMALL")]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(ServerThread(make_stub(st))).url for st in stubs]
+        r = stack.enter_context(ServerThread(create_app(_ThreeClaimants(urls), RouterSettings(scrape_period_s=0.05))))
+        wait_until(lambda: httpx.get(r.url + "/ready").status_code == 200, "router ready")
+        models = httpx.get(r.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["smollm2"]
+        assert models[0]["inferenceservice"] == "team-a/big"
+        assert models[0]["refused_inferenceservices"] == ["team-a/small", "team-b/chat"]
+        for i in range(6):
+            resp = httpx.post(r.url + "/v1/completions", json={"model": "smollm2", "prompt": f"q{i}"},
+                              timeout=HANG_GUARD_S)
+            assert resp.status_code == 200 and resp.headers[POD_HEADER] == "big-0"
+        assert [st.received() for st in stubs] == [0, 6, 0]
+        missing = httpx.post(r.url + "/v1/completions", json={"model": "nope", "prompt": "x"}).json()
+        assert missing["error"]["message"].count("'smollm2'") == 1  # the 404 names each served model once

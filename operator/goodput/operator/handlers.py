@@ -40,7 +40,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
-from goodput.operator import api, claims, kube, resources, status as status_mod
+from goodput.operator import api, claims, kube, model_names, resources, status as status_mod
 
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
@@ -89,6 +89,8 @@ class OperatorState:
     pod_failures: (namespace, InferenceService) -> {pod name: Problem} from the worker pod watch.
     requests: API requests the reconciles sent, by HTTP method (kopf's own watches not included).
     resync_stop: set to end the resync thread.
+    model_claims: (namespace, name) -> its served model name and creation time, from the watch and
+    each reconcile's read (``model_names``: the earliest created service owns a name).
     """
 
     def __init__(self) -> None:
@@ -100,6 +102,17 @@ class OperatorState:
         self.requests: collections.Counter[str] = collections.Counter()
         self.requests_lock = threading.Lock()
         self.resync_stop = threading.Event()
+        self.model_claims: dict[tuple[str, str], model_names.Claim] = {}
+
+    def set_claim(self, key: tuple[str, str], body: dict[str, Any] | None) -> list[api.Problem]:
+        """Record ``body``'s model-name claim (None: gone); the problems of ``key``'s claim now."""
+        with self.known_lock:
+            claim = model_names.claim_of(body) if body is not None else None
+            if claim is None:
+                self.model_claims.pop(key, None)
+            else:
+                self.model_claims[key] = claim
+            return model_names.problems(key, dict(self.model_claims))
 
     def count_request(self, method: str) -> None:
         with self.requests_lock:
@@ -129,6 +142,7 @@ class OperatorState:
     def forget(self, namespace: str, name: str) -> None:
         with self.known_lock:
             self.known.discard((namespace, name))
+            self.model_claims.pop((namespace, name), None)
             for key in [k for k in list(self.complete) if k[:2] == (namespace, name)]:
                 self.complete.discard(key)
 
@@ -408,6 +422,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             spec = None
             problems = [api.Problem(reason="InvalidSpec", message=_short_validation_error(e))]
         problems += api.name_problems(name)
+        name_taken = state.set_claim((namespace, name), body)  # a later service claiming a served name
 
         deployment: dict[str, Any] | None = None
         service_exists = False
@@ -451,11 +466,16 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             deployment=deployment, service_exists=service_exists, problems=problems,
             worker_problem=_worker_problem(namespace, name),
             previous_conditions=prev_conditions, now=_now(), router_url=ROUTER_URL)
+        accepted = model_names.condition(name_taken, generation, prev_conditions, _now())
+        new["conditions"] = [*new["conditions"], accepted]
         if status_mod.status_changed(current, new):
             cluster.resource(api.API_VERSION, api.KIND).status.patch(
                 body={"status": new}, name=name, namespace=namespace,
                 content_type="application/merge-patch+json")
             _post_events(body, prev_conditions, new["conditions"])
+            ev = model_names.event(status_mod.find_condition(prev_conditions, model_names.CONDITION), accepted)
+            if ev is not None:
+                post_event(body, *ev)
         return new
 
 
@@ -555,13 +575,16 @@ def on_spec(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None
 
 
 @kopf.on.event(*RESOURCE)
-def track(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
-    """Remember which InferenceServices exist, for the resync loop (no finalizer, unlike kopf.timer)."""
+def track(type: str | None, namespace: str, name: str, body: Any = None, **_: Any) -> None:  # noqa: A002
+    """Remember which InferenceServices exist, for the resync loop (no finalizer, unlike kopf.timer),
+    and the served model name each claims (``model_names``)."""
     if type == "DELETED":
         state.forget(namespace, name)
     else:
         with state.known_lock:
             state.known.add((namespace, name))
+        if body is not None:
+            state.set_claim((namespace, name), _plain(body))
 
 
 def _resync_loop(stop: threading.Event) -> None:

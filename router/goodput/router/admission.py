@@ -186,7 +186,8 @@ class Admission:
         try:
             done, _ = await asyncio.wait({fut}, timeout=timeout)
             if not done:
-                raise APIError(503, f"no Ready pod serves {svc.info.model!r} after waiting {timeout:g} s "
+                raise APIError(503, f"no Ready pod serves {svc.info.model!r} (InferenceService "
+                                    f"{'/'.join(p for p in svc.key if p)}) after waiting {timeout:g} s "
                                     "(scaling from zero or starting); retry later", code="no_ready_pod",
                                headers=self._retry_after())
             fut.result()  # raises the 404 of a removed service

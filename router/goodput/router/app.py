@@ -151,7 +151,7 @@ def _model(body: dict[str, Any]) -> str:
 
 
 def _unknown_model(model: str, fleet: Fleet) -> APIError:
-    known = ", ".join(repr(s.info.model) for s in fleet.services()) or "none"
+    known = ", ".join(repr(s.info.model) for s in fleet.models()) or "none"
     return APIError(404, f"The model '{model}' does not exist (served here: {known})", param="model",
                     code="model_not_found")
 
@@ -469,6 +469,17 @@ class Router:
         return fallback
 
 
+def _with_service(card: dict[str, Any], svc: Service, fleet: Fleet) -> dict[str, Any]:
+    """The model card plus where the name goes: ``inferenceservice`` (``namespace/name``; static
+    mode: the model) and, when other services claim the same name, ``refused_inferenceservices``
+    (they get no request: docs/router-faults.md, "One model name, one service")."""
+    out = {**card, "inferenceservice": "/".join(p for p in svc.key if p)}
+    refused = ["/".join(s.key) for s in fleet.shadowed(svc.info.model)]
+    if refused:
+        out["refused_inferenceservices"] = refused
+    return out
+
+
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -514,8 +525,9 @@ def create_app(discovery: Discovery, settings: RouterSettings | None = None, fle
 
     @app.get("/v1/models")
     async def models():
-        cards = await asyncio.gather(*(router.card(s) for s in router.fleet.services()))
-        return {"object": "list", "data": sorted(cards, key=lambda c: c["id"])}
+        services = router.fleet.models()  # one per served name: the service that owns it
+        cards = await asyncio.gather(*(router.card(s) for s in services))
+        return {"object": "list", "data": [_with_service(c, s, router.fleet) for c, s in zip(cards, services)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
@@ -532,7 +544,7 @@ def create_app(discovery: Discovery, settings: RouterSettings | None = None, fle
     async def ready():
         if not router.fleet.synced:
             return JSONResponse({"status": "starting"}, status_code=503)
-        return {"status": "ready", "models": [s.info.model for s in router.fleet.services()]}
+        return {"status": "ready", "models": [s.info.model for s in router.fleet.models()]}
 
     @app.get("/metrics")
     async def metrics():
