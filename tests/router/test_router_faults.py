@@ -316,3 +316,59 @@ def test_one_model_name_one_service():
         assert [st.received() for st in stubs] == [0, 6, 0]
         missing = httpx.post(r.url + "/v1/completions", json={"model": "nope", "prompt": "x"}).json()
         assert missing["error"]["message"].count("'smollm2'") == 1  # the 404 names each served model once
+
+
+def test_a_real_worker_restarted_in_place_loses_its_cache_knowledge():
+    """The same with real worker servers (tests/fake_engine.py's engine behind the worker's own
+    app and its x-goodput-instance header): the worker process on one port is replaced by a new
+    one on the same port; its first answer tells the router, which stops sending the warm prefix
+    back to it by affinity."""
+    from fake_engine import ByteTokenizer, make_engine
+    from goodput.router.picker import PickConfig
+    from goodput.worker.engine_args import EngineArgs
+    from goodput.worker.server.app import create_app as worker_app
+
+    class Tok(ByteTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return list(text.encode())
+
+    def engine(args):
+        eng = make_engine(num_blocks=64)
+        eng.tokenizer = Tok()
+        return eng
+
+    def start(port=None) -> ServerThread:
+        w = ServerThread(worker_app(EngineArgs(model="fake", served_model_name="m1"), engine_factory=engine,
+                                    admin_token=""), port=port).__enter__()
+        wait_until(lambda: httpx.get(w.url + "/ready").status_code == 200, "worker ready")
+        return w
+
+    workers = [start(), start()]
+    try:
+        disc = StaticDiscovery([f"m1={workers[0].url},{workers[1].url}"], period_s=3600)
+        app = create_app(disc, RouterSettings(scrape_period_s=3600), pick_cfg=PickConfig(chunk_size=8))
+        with ServerThread(app) as r:
+            wait_until(lambda: httpx.get(r.url + "/ready").status_code == 200, "router ready")
+            body = {"model": "m1", "prompt": "a warm shared prefix", "max_tokens": 2}
+            home = httpx.post(r.url + "/v1/completions", json=body, timeout=HANG_GUARD_S).headers[POD_HEADER]
+            assert httpx.post(r.url + "/v1/completions", json=body, timeout=HANG_GUARD_S).headers[POD_HEADER] == home
+            assert sample(r.url, "goodput_router_decisions_total", reason="affinity") == 1
+            i = next(k for k, w in enumerate(workers) if w.url.endswith(home))
+            workers[i].__exit__(None, None, None)   # the engine goes away ...
+            workers[i] = start(workers[i].port)     # ... and a new one starts on the same address
+            prompts = iter(range(10_000))
+            wait_until(lambda: _answered_by_real(r, home, next(prompts)), "an answer from the new engine")
+            assert sample(r.url, "goodput_router_pod_restarts_total", namespace="", inferenceservice="m1",
+                          pod=home) == 1
+            assert httpx.post(r.url + "/v1/completions", json=body, timeout=HANG_GUARD_S).status_code == 200
+            assert sample(r.url, "goodput_router_decisions_total", reason="affinity") == 1
+    finally:
+        for w in workers:
+            w.__exit__(None, None, None)
+
+
+def _answered_by_real(r, home: str, i: int) -> bool:
+    resp = httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": f"x{i}", "max_tokens": 1},
+                      timeout=HANG_GUARD_S)
+    assert resp.status_code == 200, resp.text
+    return resp.headers.get(POD_HEADER) == home
