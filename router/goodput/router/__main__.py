@@ -66,6 +66,9 @@ def parse(argv: list[str] | None = None):
     settings = RouterSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterSettings)})
     try:
         pick_cfg = PickConfig(**{f.name: getattr(args, "picker_" + f.name) for f in dataclasses.fields(PickConfig)})
+        settings.outlier_config()
+        if settings.header_timeout_s <= 0 or settings.body_timeout_s <= 0:
+            raise ValueError("--header-timeout and --body-timeout must be > 0")
     except ValueError as e:
         p.error(str(e))
     if args.kubernetes == bool(args.static):
