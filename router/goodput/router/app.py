@@ -432,13 +432,16 @@ class Router:
 
     async def by_model(self, request: Request, path: str) -> Response:
         """``/tokenize``, ``/detokenize``: any routable pod of the model's service (the least
-        loaded; one other on a connection error); 503 when none is Ready."""
+        loaded, pods set aside by outlier ejection last; one other on a connection error); 503
+        when none is Ready."""
         raw = await _read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         model = _model(_parse(raw))
         svc = self.fleet.for_model(model)
         if svc is None:
             raise _unknown_model(model, self.fleet)
-        pods = sorted(svc.routable_pods(), key=lambda p: p.in_flight)
+        routable = svc.routable_pods()
+        now = time.monotonic()  # pods set aside by outlier ejection last, not never
+        pods = sorted(routable, key=lambda p: (not self.outliers.admits((*svc.key, p.name), now), p.in_flight))
         if not pods:
             raise APIError(503, f"no Ready pod serves {model!r}; retry later", code="no_ready_pod",
                            headers={"Retry-After": str(max(1, round(self.settings.retry_after_s)))})
