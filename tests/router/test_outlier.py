@@ -143,3 +143,27 @@ def test_the_window_sweep_ejects_an_intermittent_failer():
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError):
         OutlierConfig(**bad)
+
+
+def test_admission_skips_set_aside_pods_and_a_retry_skips_due_ones():
+    from goodput.router.admission import Admission
+    from goodput.router.fleet import Fleet, PodInfo, ServiceInfo
+    from goodput.router.metrics import RouterMetrics
+    from goodput.router.picker import PickConfig, PrefixIndex, route_key
+
+    fleet = Fleet()
+    fleet.set_service(ServiceInfo("ns", "svc", "m"))
+    fleet.replace_pods("ns", "svc", [PodInfo(n, f"http://{n}") for n in "abc"])
+    t = [0.0]
+    o = Outliers(OutlierConfig(consecutive_failures=1, base_ejection_s=10))
+    adm = Admission(fleet, RouterMetrics(), PrefixIndex(), PickConfig(), outliers=o, clock=lambda: t[0])
+    svc = fleet.service(("ns", "svc"))
+    assert len(o.record(key("a"), FAILURE, 0.0, PEERS)) == 1
+    picked = {adm.try_pick(svc, route_key("m", "", None, prompt=f"p{i}"))[0].name for i in range(30)}
+    assert picked == {"b", "c"}
+    t[0] = 10.0  # a is due: a first pick may be its probe, a retry never
+    retry = {adm.try_pick(svc, route_key("m", "", None, prompt=f"p{i}"), exclude=frozenset({"b"}))[0].name
+             for i in range(30)}
+    assert retry == {"c"}
+    # only a set-aside pod left for a retry: none (the failed pod's own answer goes to the client)
+    assert adm.try_pick(svc, route_key("m", "", None, prompt="z"), exclude=frozenset({"b", "c"})) is None

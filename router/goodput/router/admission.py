@@ -106,13 +106,16 @@ class Admission:
         return pod, choice
 
     def _in_service(self, svc: Service, pods: list[Pod], retry: bool) -> list[Pod]:
-        """``pods`` less those outlier ejection set aside; all of them when that leaves none and
+        """``pods`` less those outlier ejection set aside (a retry: also those due for their
+        probe, so a retry never lands on a doubtful pod); all of them when that leaves none and
         this is not a retry."""
         if self.outliers is None:
             return pods
         now = self.clock()
+        if retry:
+            return [p for p in pods if not self.outliers.set_aside((*svc.key, p.name))]
         ok = [p for p in pods if self.outliers.admits((*svc.key, p.name), now)]
-        return ok if ok or retry else pods
+        return ok or pods
 
     def release(self, svc: Service, pod: Pod) -> None:
         """The response from ``pod`` ended: ``in_flight -= 1`` and let a queued request in (a
