@@ -372,3 +372,27 @@ def _answered_by_real(r, home: str, i: int) -> bool:
                       timeout=HANG_GUARD_S)
     assert resp.status_code == 200, resp.text
     return resp.headers.get(POD_HEADER) == home
+
+
+def _measure() -> None:
+    """``PYTHONPATH=tests:tests/router python tests/router/test_router_faults.py``: the numbers of the two stub-pod findings
+    (60 requests, 4 at a time, three pods of which one fails), printed."""
+    a, b, bad = StubState("m1", "A"), StubState("m1", "B"), StubState("m1", "C", fail_status=500)
+    with fleet({"m1": [a, b, bad]}) as r:
+        ok = sum(x.status_code == 200 for x in _send_all(r.url))
+        print(f"one pod answering 500: {ok}/{N} succeeded; the bad pod was sent {bad.received()} "
+              f"(the others {a.received()}, {b.received()})")
+    srv = _ResetAfterAccept()
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    srv.started.wait(HANG_GUARD_S)
+    a, b = StubState("m1", "A"), StubState("m1", "B")
+    with fleet({"m1": [a, b]}, extra_urls={"m1": [f"http://127.0.0.1:{srv.port}"]}) as r:
+        ok = sum(x.status_code == 200 for x in _send_all(r.url))
+        print(f"one pod resetting after accept: {ok}/{N} succeeded; the bad pod was sent {srv.posts} "
+              f"(the others {a.received()}, {b.received()})")
+    srv.loop.call_soon_threadsafe(srv.stop.set)
+
+
+if __name__ == "__main__":
+    _measure()
