@@ -400,7 +400,8 @@ class Router:
         was_out = self.outliers.set_aside(key)
         current = self.fleet.service(svc.key) or svc
         now = time.monotonic()
-        for e in self.outliers.record(key, v, now, [p.name for p in current.routable_pods()]):
+        peers = [name for name, p in current.pods.items() if p.routable]
+        for e in self.outliers.record(key, v, now, peers):
             why = f"{detail}; " if e.pod == key and detail else ""
             log.warning("%s (%s%s)", e.describe(), why, "returns through one probe request after that")
             self.metrics.ejections.labels(*e.pod, e.reason).inc()
