@@ -1,10 +1,10 @@
-"""Overlapping releases: the Lease rule of goodput.operator.claims, case by case (times by hand)."""
+"""Overlapping releases: the Lease rule of goodput.api.claims, case by case (times by hand)."""
 
 import datetime
 
 import pytest
 
-from goodput.operator import claims
+from goodput.api import claims
 
 UTC = datetime.timezone.utc
 T = datetime.datetime(2026, 12, 1, 15, 0, 0, tzinfo=UTC)

@@ -11,6 +11,7 @@ limits, 503 ``draining``) and records what reached it. Its generate routes strea
 - ``hold``: a ``threading.Event`` every request waits on before answering (keeps it in flight);
 - ``draining``: /ready 503 ``{"status": "draining"}`` and generate 503 code ``draining``;
 - ``refuse``: generate answers 429 (its queue is full);
+- ``fail_status``: generate answers that status at once (e.g. 500), OpenAI error body;
 - ``metrics_when_ready``: /metrics 503 while ``draining`` (limits unknown until Ready);
 - ``max_num_seqs`` / ``max_waiting``: exported on /metrics when set.
 """
@@ -38,6 +39,8 @@ class StubState:
     hold: threading.Event | None = None
     draining: bool = False
     refuse: bool = False  # generate answers 429 queue_full
+    fail_status: int | None = None  # generate answers this status at once (a pod failing fast)
+    instance: str | None = None  # sent as x-goodput-instance and on /metrics (goodput.api.identity)
     metrics_when_ready: bool = False  # /metrics answers 503 while draining (a pod still loading)
     max_num_seqs: int | None = None
     max_waiting: int | None = None
@@ -59,8 +62,24 @@ async def _wait(ev_or_sem) -> None:
         await asyncio.sleep(0.005)
 
 
+class _InstanceHeader:
+    """Pure ASGI middleware: ``x-goodput-instance: st.instance`` on every answer (when set)."""
+
+    def __init__(self, app, st: StubState):
+        self.app, self.st = app, st
+
+    async def __call__(self, scope, receive, send):
+        async def send_with_id(message):
+            if message["type"] == "http.response.start" and self.st.instance is not None:
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-goodput-instance", self.st.instance.encode())]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
 def make_stub(st: StubState) -> FastAPI:
     app = FastAPI()
+    app.add_middleware(_InstanceHeader, st=st)
 
     @app.get("/ready")
     async def ready():
@@ -73,6 +92,8 @@ def make_stub(st: StubState) -> FastAPI:
         if st.metrics_when_ready and st.draining:
             return PlainTextResponse("loading\n", status_code=503)
         lines = [f'goodput_requests_running{{model_name="{st.model}"}} 0']
+        if st.instance is not None:
+            lines.append(f'goodput_engine_instance_info{{model_name="{st.model}",instance_id="{st.instance}"}} 1')
         if st.max_num_seqs is not None:
             lines.append(f'goodput_admission_max_num_seqs{{model_name="{st.model}"}} {st.max_num_seqs}')
         if st.max_waiting is not None:
@@ -100,6 +121,9 @@ def make_stub(st: StubState) -> FastAPI:
             return JSONResponse({"error": {"message": "draining", "type": "service_unavailable",
                                            "param": None, "code": "draining"}},
                                 status_code=503, headers={"Retry-After": "1"})
+        if st.fail_status is not None:
+            return JSONResponse({"error": {"message": "engine failure", "type": "internal_error", "param": None,
+                                           "code": None}}, status_code=st.fail_status)
         if st.refuse:
             return JSONResponse({"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
                                            "code": "queue_full"}}, status_code=429, headers={"Retry-After": "1"})

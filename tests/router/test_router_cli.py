@@ -24,6 +24,9 @@ def test_static_flags_become_settings_and_discovery():
     ["--static", "a=127.0.0.1:1"],                               # not a URL
     ["--static", "a=http://x:1", "--static", "a=http://y:1"],    # a model twice
     ["--static", "a=http://x:1", "--picker-chunk-size", "0"],    # bad picker knob
+    ["--static", "a=http://x:1", "--outlier-consecutive-failures", "0"],  # bad outlier knob
+    ["--static", "a=http://x:1", "--outlier-base-ejection", "60", "--outlier-max-ejection", "30"],
+    ["--static", "a=http://x:1", "--header-timeout", "0"],
 ])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 from goodput.api import router_metrics as mn
-from goodput.router.app import create_app
+from goodput.router.app import RouterSettings, create_app
 from goodput.router.discovery_static import StaticDiscovery
 from prometheus_client.parser import text_string_to_metric_families
 from router_stub import ServerThread, StubState, make_stub
@@ -33,15 +33,22 @@ def doc_table() -> dict[str, tuple[str, set[str]]]:
 def test_router_metrics_match_the_contract_table():
     table = doc_table()
     names = {mn.HELD_REQUESTS, mn.QUEUED_REQUESTS, mn.REQUESTS, mn.DECISIONS, mn.QUEUE_WAIT, mn.OVERHEAD,
-             mn.UPSTREAM_TTFT}
+             mn.UPSTREAM_TTFT, mn.POD_IN_FLIGHT, mn.EJECTED_PODS, mn.EJECTIONS, mn.POD_RESTARTS}
     assert set(table) == names
-    st = StubState("m1", "A")
-    with ServerThread(make_stub(st)) as stub:
-        with ServerThread(create_app(StaticDiscovery([f"m1={stub.url}"], period_s=0.05))) as r:
+    st, bad = StubState("m1", "A", instance="a-1"), StubState("m1", "B", fail_status=500)
+    with ServerThread(make_stub(st)) as stub, ServerThread(make_stub(bad)) as bad_stub:
+        disc = StaticDiscovery([f"m1={stub.url},{bad_stub.url}"], period_s=0.05)
+        with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.05))) as r:
             while httpx.get(r.url + "/ready").status_code != 200:
                 pass
-            # one request so every labelled family has a sample
-            assert httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": "x"}).status_code == 200
+            # requests until B is ejected, and A's engine restarts: every labelled family has a sample
+            i = 0
+            while not bad.received() or "goodput_router_ejections_total{" not in httpx.get(r.url + "/metrics").text:
+                i += 1
+                assert httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": f"x{i}"}).status_code == 200
+            st.instance = "a-2"
+            while "goodput_router_pod_restarts_total{" not in httpx.get(r.url + "/metrics").text:
+                pass
             fams = {f.name: f for f in text_string_to_metric_families(httpx.get(r.url + "/metrics").text)
                     if f.name.startswith("goodput_router_")}
     assert set(fams) == set(table)

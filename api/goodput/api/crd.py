@@ -298,7 +298,7 @@ class _StatusModel(_Model):
     )
 
 
-ConditionType = Literal["Ready", "Progressing", "Degraded"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "ModelNameAccepted"]  # the last: goodput.operator.model_names
 
 
 class Condition(_StatusModel):

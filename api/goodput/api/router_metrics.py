@@ -11,9 +11,14 @@ from __future__ import annotations
 # Gauges, labels (namespace, inferenceservice); the autoscaler reads these.
 HELD_REQUESTS = "goodput_router_held_requests"
 QUEUED_REQUESTS = "goodput_router_queued_requests"
+# Gauges read from the fleet at scrape time: labels (namespace, inferenceservice, pod) / SERVICE_LABELS.
+POD_IN_FLIGHT = "goodput_router_pod_in_flight_requests"
+EJECTED_PODS = "goodput_router_ejected_pods"
 # Counters (exported as <name>_total).
 REQUESTS = "goodput_router_requests"
 DECISIONS = "goodput_router_decisions"
+EJECTIONS = "goodput_router_ejections"
+POD_RESTARTS = "goodput_router_pod_restarts"
 # Histograms (seconds).
 QUEUE_WAIT = "goodput_router_queue_wait_seconds"
 OVERHEAD = "goodput_router_overhead_seconds"
@@ -23,10 +28,13 @@ UPSTREAM_TTFT = "goodput_router_upstream_ttft_seconds"
 SERVICE_LABELS = ("namespace", "inferenceservice")
 REQUEST_LABELS = ("namespace", "inferenceservice", "model", "pod", "outcome")
 DECISION_LABELS = ("reason",)
+POD_LABELS = ("namespace", "inferenceservice", "pod")
+EJECTION_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 
 # Label values.
 OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
 DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
+EJECTION_REASONS = ("consecutive_failures", "success_rate", "failure_percentage", "probe_failed")
 
 # What the autoscaler reads (sample names as scraped).
 REQUESTS_TOTAL = REQUESTS + "_total"

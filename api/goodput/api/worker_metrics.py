@@ -27,6 +27,7 @@ ENGINE_STATE = "goodput_engine_state"
 ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
 CACHE_CONFIG_INFO = "goodput_cache_config_info"
+ENGINE_INSTANCE_INFO = "goodput_engine_instance_info"  # label instance_id (goodput.api.identity)
 # What one scrape says about a worker's load and limits, as both readers hold it: the router's
 # fleet (``goodput.router.fleet.Pod``) and the autoscaler's ``PodObservation`` fields -> gauge (the
 # current sample, summed over its series). One table for both.

@@ -102,8 +102,11 @@ async def _main(ns: argparse.Namespace) -> int:
             from goodput.autoscaler.loop import RouterScraper
             routers = RouterScraper(http, ns.scrape_timeout, ns.router_metrics_url,
                                     kube if ns.router_namespace else None, ns.router_namespace)
+        from goodput.autoscaler.claims import NamespaceClaims
         scaler = Autoscaler(kube, source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics,
-                            dry_run=ns.dry_run, routers=routers)
+                            dry_run=ns.dry_run, routers=routers,
+                            # all namespaces: skip those a namespaced release claims (as the operators)
+                            claims=None if ns.namespace else NamespaceClaims(kube.operator_lease))
         if ns.once:
             try:
                 decisions = await scaler.tick()

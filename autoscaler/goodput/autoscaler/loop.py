@@ -538,7 +538,7 @@ class Kube:
 
     RBAC it needs (e2e/autoscaler-rbac.yaml): inferenceservices get/list/watch, inferenceservices/
     status patch, inferenceservices/scale get/patch, pods list/patch, secrets get, events
-    create/get/patch, leases get/create/update.
+    create/get/patch, leases get/create/update (all namespaces: get, the operators' namespace claims).
     """
 
     def __init__(self, api_client: Any | None = None) -> None:
@@ -556,6 +556,19 @@ class Kube:
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self.pods.get(namespace=namespace, label_selector=selector).to_dict().get("items") or []
+
+    def operator_lease(self, namespace: str) -> dict[str, Any] | None:
+        """The operator's namespace Lease (goodput.api.claims.LEASE_NAME), None when absent."""
+        from kubernetes.client.exceptions import ApiException
+
+        from goodput.api import claims
+        try:
+            return self.dyn.resources.get(api_version="coordination.k8s.io/v1", kind="Lease").get(
+                name=claims.LEASE_NAME, namespace=namespace).to_dict()
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
 
     def admin_token(self, namespace: str, name: str) -> str | None:
         from kubernetes.client.exceptions import ApiException
@@ -598,8 +611,11 @@ class Autoscaler:
     def __init__(self, kube: Any, source: MetricsSource, http: httpx.AsyncClient, *,
                  namespace: str | None = None, period_s: float = 5.0, metrics: AutoscalerMetrics | None = None,
                  wall_clock=time.time, dry_run: bool = False, routers: RouterScraper | None = None,
-                 drain_unready_wait_s: float = 30.0):
+                 drain_unready_wait_s: float = 30.0, claims: Any = None):
         self.kube, self.source, self.http = kube, source, http
+        # an all-namespaces autoscaler skips the namespaces a namespaced release claims
+        # (goodput.autoscaler.claims.NamespaceClaims; None: every namespace listed is decided here)
+        self.claims = claims
         # a scale-in waits up to this long for its drained pods to be reported unready (see apply)
         self.drain_unready_wait_s = drain_unready_wait_s
         self.routers = routers  # None: no router in front of the services (Observation.router None)
@@ -640,6 +656,10 @@ class Autoscaler:
         self._router_view = await self._observe_routers()
         todo = [o for o in objs if ((o.get("spec") or {}).get("autoscaling") or {}).get("enabled")
                 and not o["metadata"].get("deletionTimestamp")]
+        if self.claims is not None:
+            namespaces = sorted({o["metadata"]["namespace"] for o in todo})
+            mine = await asyncio.to_thread(lambda: {ns for ns in namespaces if self.claims.owns(ns)})
+            todo = [o for o in todo if o["metadata"]["namespace"] in mine]
         results = await asyncio.gather(*(self.reconcile(o) for o in todo), return_exceptions=True)
         out = {}
         for o, r in zip(todo, results):

@@ -173,6 +173,9 @@ How each rule follows from the ideas it rests on:
    by the router -> 1 replica at once (ScaleFromZero, no window). ``min_replicas == 0``, a router
    scraped, and nothing offered, held, queued or in flight for ``scale_to_zero_idle_s`` -> 0
    (ScaleToZeroIdle); without a router nothing could wake the service again, so it stays at 1.
+   A pass that cannot see (a ready pod unreachable) counts as busy; a pass with no rates yet (a
+   first scrape: new pods, a restarted autoscaler, a new leader) is no evidence either way and
+   moves no idle clock (scale to zero itself still waits for rates).
    The router's fleet-queue bound ``router_max_queued`` is rule 5's TTFT bound applied to the
    fleet's service rate: ``floor((slo_ttft_s - t_first) * mu * ready)``.
 
@@ -1011,7 +1014,8 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
         floor, floor_time = floor - 1, now    # decays one replica per quiet period
         if floor <= max(1, spec.min_replicas):
             floor, fail, floor_time = 0, 0.0, None
-    busy = not _idle(fleet) or (obs.router is not None and obs.router.held > 0) or not metrics_ok
+    # unreachable pods: cannot tell, so busy; no rates yet (first scrape, a new leader): no evidence
+    busy = not _idle(fleet) or (obs.router is not None and obs.router.held > 0) or bool(obs.unreachable)
     return replace(
         st, recommendations=[list(e) for e in win.recommendations], caps=dict(caps.caps),
         service_s=fleet.service_s if fleet.service_s is not None else st.service_s,

@@ -10,7 +10,7 @@ pass to ``kopf run`` (e.g. ``--verbose``, ``--liveness http://0.0.0.0:8080/healt
 
 With exact namespace names (``--namespace a --namespace b``) the operator neither lists nor watches
 Namespaces or CRDs (so it needs no cluster-wide permission; the CRD must exist when it starts) and
-claims each namespace with a Lease (see ``goodput.operator.claims``); with globs kopf needs
+claims each namespace with a Lease (see ``goodput.api.claims``); with globs kopf needs
 ``namespaces: [list, watch]``.
 """
 

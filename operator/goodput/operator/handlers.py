@@ -41,8 +41,8 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
 from goodput import kube
-from goodput.api import crd
-from goodput.operator import claims, resources, status as status_mod
+from goodput.api import claims, crd
+from goodput.operator import model_names, resources, status as status_mod
 
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 RESYNC_SECONDS = float(os.environ.get("GOODPUT_OPERATOR_RESYNC_SECONDS", "60"))
@@ -91,6 +91,8 @@ class OperatorState:
     pod_failures: (namespace, InferenceService) -> {pod name: Problem} from the worker pod watch.
     requests: API requests the reconciles sent, by HTTP method (kopf's own watches not included).
     resync_stop: set to end the resync thread.
+    model_claims: (namespace, name) -> its served model name and creation time, from the watch and
+    each reconcile's read (``model_names``: the earliest created service owns a name).
     """
 
     def __init__(self) -> None:
@@ -102,6 +104,17 @@ class OperatorState:
         self.requests: collections.Counter[str] = collections.Counter()
         self.requests_lock = threading.Lock()
         self.resync_stop = threading.Event()
+        self.model_claims: dict[tuple[str, str], model_names.Claim] = {}
+
+    def set_claim(self, key: tuple[str, str], body: dict[str, Any] | None) -> list[crd.Problem]:
+        """Record ``body``'s model-name claim (None: gone); the problems of ``key``'s claim now."""
+        with self.known_lock:
+            claim = model_names.claim_of(body) if body is not None else None
+            if claim is None:
+                self.model_claims.pop(key, None)
+            else:
+                self.model_claims[key] = claim
+            return model_names.problems(key, dict(self.model_claims))
 
     def count_request(self, method: str) -> None:
         with self.requests_lock:
@@ -131,6 +144,7 @@ class OperatorState:
     def forget(self, namespace: str, name: str) -> None:
         with self.known_lock:
             self.known.discard((namespace, name))
+            self.model_claims.pop((namespace, name), None)
             for key in [k for k in list(self.complete) if k[:2] == (namespace, name)]:
                 self.complete.discard(key)
 
@@ -410,6 +424,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             spec = None
             problems = [crd.Problem(reason="InvalidSpec", message=_short_validation_error(e))]
         problems += crd.name_problems(name)
+        name_taken = state.set_claim((namespace, name), body)  # a later service claiming a served name
 
         deployment: dict[str, Any] | None = None
         service_exists = False
@@ -453,11 +468,16 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             deployment=deployment, service_exists=service_exists, problems=problems,
             worker_problem=_worker_problem(namespace, name),
             previous_conditions=prev_conditions, now=_now(), router_url=ROUTER_URL)
+        accepted = model_names.condition(name_taken, generation, prev_conditions, _now())
+        new["conditions"] = [*new["conditions"], accepted]
         if status_mod.status_changed(current, new):
             cluster.resource(crd.API_VERSION, crd.KIND).status.patch(
                 body={"status": new}, name=name, namespace=namespace,
                 content_type="application/merge-patch+json")
             _post_events(body, prev_conditions, new["conditions"])
+            ev = model_names.event(status_mod.find_condition(prev_conditions, model_names.CONDITION), accepted)
+            if ev is not None:
+                post_event(body, *ev)
         return new
 
 
@@ -557,13 +577,16 @@ def on_spec(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None
 
 
 @kopf.on.event(*RESOURCE)
-def track(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
-    """Remember which InferenceServices exist, for the resync loop (no finalizer, unlike kopf.timer)."""
+def track(type: str | None, namespace: str, name: str, body: Any = None, **_: Any) -> None:  # noqa: A002
+    """Remember which InferenceServices exist, for the resync loop (no finalizer, unlike kopf.timer),
+    and the served model name each claims (``model_names``)."""
     if type == "DELETED":
         state.forget(namespace, name)
     else:
         with state.known_lock:
             state.known.add((namespace, name))
+        if body is not None:
+            state.set_claim((namespace, name), _plain(body))
 
 
 def _resync_loop(stop: threading.Event) -> None:

@@ -87,10 +87,13 @@ def parse(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
+
+    from goodput.router.serve import protocol_class
     args, settings, pick_cfg, discovery = parse(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(discovery, settings, pick_cfg=pick_cfg)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                http=protocol_class(settings.header_timeout_s),
                 timeout_graceful_shutdown=30)
 
 

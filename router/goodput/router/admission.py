@@ -16,6 +16,10 @@ For one request to a service (docs/router-autoscaler-contract.md):
    with ``Retry-After``. A request leaves the queue when a pod has room again (a response ended,
    a scrape raised a limit, a pod turned Ready). ``goodput_router_queued_requests``.
 
+Outlier ejection (goodput.router.outlier): a pod set aside is not picked while another routable
+pod is not (a retry never goes to one); when every routable pod is set aside they are all
+picked from (never a service without a pod). Picking a pod due for its probe claims the probe.
+
 A chosen pod's ``in_flight`` is incremented at the choice (so the next pick sees it) and
 decremented by :meth:`Admission.release` when the response ends. All of it runs on the event loop.
 """
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from goodput.router.errors import APIError
 from goodput.router.fleet import Fleet, Pod, Service, ServiceKey
 from goodput.router.metrics import RouterMetrics
+from goodput.router.outlier import Outliers
 from goodput.router.picker import Pick, PickConfig, PrefixIndex, RouteKey, pick
 from goodput.router.routing import endpoints
 
@@ -61,8 +66,10 @@ class Admission:
 
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, index: PrefixIndex, cfg: PickConfig,
                  hold_timeout_s: float = 600.0, queue_timeout_s: float = 60.0, retry_after_s: float = 1.0,
-                 learn_limits: Callable[[Service], Awaitable[None]] | None = None):
+                 learn_limits: Callable[[Service], Awaitable[None]] | None = None,
+                 outliers: Outliers | None = None, clock: Callable[[], float] = time.monotonic):
         self.fleet, self.metrics, self.index, self.cfg = fleet, metrics, index, cfg
+        self.outliers, self.clock = outliers, clock
         self.learn_limits = learn_limits
         self.hold_timeout_s, self.queue_timeout_s, self.retry_after_s = hold_timeout_s, queue_timeout_s, retry_after_s
         self._gates: dict[ServiceKey, _Gate] = {}
@@ -85,20 +92,37 @@ class Admission:
                  ) -> tuple[Pod, Pick] | None:
         """Pick a routable pod not in ``exclude`` and reserve it (``in_flight += 1``); None when
         there is none or every one is at its limits."""
-        pods = [p for p in svc.routable_pods() if p.name not in exclude]
+        pods = self._in_service(svc, [p for p in svc.routable_pods() if p.name not in exclude], bool(exclude))
         if not pods:
             return None
         choice = pick(key, endpoints(pods), self.index, self.cfg)
         pod = svc.pods.get(choice.pod) if choice.pod is not None else None
         if pod is None or pod.at_limits:
             return None
+        if self.outliers is not None:
+            self.outliers.claim((*svc.key, pod.name), self.clock())
         pod.in_flight += 1
         self.metrics.decisions.labels(choice.reason).inc()
         return pod, choice
 
+    def _in_service(self, svc: Service, pods: list[Pod], retry: bool) -> list[Pod]:
+        """``pods`` less those outlier ejection set aside (a retry: also those due for their
+        probe, so a retry never lands on a doubtful pod); all of them when that leaves none and
+        this is not a retry."""
+        if self.outliers is None:
+            return pods
+        now = self.clock()
+        if retry:
+            return [p for p in pods if not self.outliers.set_aside((*svc.key, p.name))]
+        ok = [p for p in pods if self.outliers.admits((*svc.key, p.name), now)]
+        return ok or pods
+
     def release(self, svc: Service, pod: Pod) -> None:
-        """The response from ``pod`` ended: ``in_flight -= 1`` and let a queued request in."""
+        """The response from ``pod`` ended: ``in_flight -= 1`` and let a queued request in (a
+        probe claimed and never judged is given back)."""
         pod.in_flight -= 1
+        if self.outliers is not None:
+            self.outliers.unclaim((*svc.key, pod.name))
         current = self.fleet.service(svc.key)
         if current is not None:
             self.dispatch(current)
@@ -165,7 +189,8 @@ class Admission:
         try:
             done, _ = await asyncio.wait({fut}, timeout=timeout)
             if not done:
-                raise APIError(503, f"no Ready pod serves {svc.info.model!r} after waiting {timeout:g} s "
+                raise APIError(503, f"no Ready pod serves {svc.info.model!r} (InferenceService "
+                                    f"{'/'.join(p for p in svc.key if p)}) after waiting {timeout:g} s "
                                     "(scaling from zero or starting); retry later", code="no_ready_pod",
                                headers=self._retry_after())
             fut.result()  # raises the 404 of a removed service
@@ -233,6 +258,8 @@ class Admission:
         names = set(svc.pods) if svc is not None else set()
         for gone in self._pods.get(key, set()) - names:
             self.index.forget(gone)
+            if self.outliers is not None:
+                self.outliers.forget((*key, gone))
         self._pods[key] = names
         gate = self._gates.get(key)
         if gate is None:

@@ -11,15 +11,14 @@ unknown); :class:`~goodput.router.admission.Admission` holds, picks, queues or r
 is sent as is to the pod over one pooled ``aiohttp.ClientSession`` (keep-alive; the data path:
 httpx's pool rescans every pooled connection per request, which measured ~4 ms of CPU per request
 at a few hundred connections; bench/results/*-router-latency.md). The low-rate calls (scrape,
-models, tokenize) use an ``httpx.AsyncClient``. Before the pod's
-first byte, a connection error, a 503 with code ``draining`` or a 429 (the pod's queue filled
-before the router's scrape saw its limits) is retried once on another pod that has room (a
-draining answer also marks the pod draining; with no other pod the pod's answer goes to the
-client); never after. An SSE answer is passed through
-as the pod sends it (whole events; nothing buffered beyond an incomplete event); a pod that
-dies mid-stream ends the client's stream with one ``data: {"error": ...}`` event and no
-``[DONE]``. A client that goes away (while held, queued, waiting for the answer or mid-stream)
-closes the upstream connection, which aborts the request in the worker.
+models, tokenize) use an ``httpx.AsyncClient``. The request itself (retries before the first byte,
+the buffered and SSE relays) is :func:`goodput.router.forward.forward`; pods that keep failing are
+set aside by outlier ejection (goodput.router.outlier); a pod whose engine id changes
+(goodput.api.identity: answer header or scrape) loses its prefix-cache knowledge at once
+(docs/router-faults.md). A client that goes away (while held, queued, waiting for the answer or
+mid-stream) closes the upstream connection, which aborts the request in the worker; one whose
+body stops arriving gets 408 after ``--body-timeout`` (its head: ``--header-timeout``,
+goodput.router.serve).
 Every answer carries ``x-goodput-pod`` (the pod that served it, when one did).
 """
 from __future__ import annotations
@@ -43,10 +42,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from goodput.router.admission import Admission
 from goodput.router.errors import APIError, install_error_handlers
 from goodput.router.fleet import Discovery, Fleet, Pod, Service
+from goodput.router.forward import DRAINING, Attempt, Exchange, forward, verdict
 from goodput.router.metrics import RouterMetrics
+from goodput.router.outlier import FAILURE, OutlierConfig, Outliers
 from goodput.router.picker import PickConfig, PrefixIndex
 from goodput.router.routing import request_key
 from goodput.router.scrape import scrape_forever, scrape_pod
+from goodput.api.identity import INSTANCE_HEADER
 
 log = logging.getLogger("goodput.router")
 
@@ -59,9 +61,6 @@ _FORWARD_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 _OUTCOMES = {"queue_full": "refused", "queue_timeout": "timeout", "no_ready_pod": "timeout"}
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
               httpx.WriteError)
-# The data path's (aiohttp) errors before the first byte: refused, reset, closed, connect timeout.
-_RETRYABLE_DATA = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
-_POD_429 = "429 from the pod"
 
 
 @dataclass
@@ -86,16 +85,44 @@ class RouterSettings:
                                        flag="--connect-timeout", gt=0)
     max_connections: int = setting(2000, "upstream connection pool size (keep-alive)", flag="--max-connections",
                                    ge=1)
+    header_timeout_s: float = setting(30.0, "longest wait for a client's request head (a connection that sends "
+                                      "part of its headers, or nothing, is closed)", flag="--header-timeout", gt=0)
+    body_timeout_s: float = setting(60.0, "longest read of a request body (408 beyond)", flag="--body-timeout",
+                                    gt=0)
+    outlier_consecutive_failures: int = setting(3, "failures in a row (5xx, no answer) that eject a pod "
+                                                "(docs/router-faults.md)", flag="--outlier-consecutive-failures",
+                                                ge=1)
+    outlier_base_ejection_s: float = setting(30.0, "first ejection's length in seconds; the k-th in a row lasts k "
+                                             "times it", flag="--outlier-base-ejection", gt=0)
+    outlier_max_ejection_s: float = setting(300.0, "longest ejection in seconds", flag="--outlier-max-ejection",
+                                            gt=0)
+    outlier_interval_s: float = setting(10.0, "window of the success-rate and failure-percentage outlier rules, "
+                                        "seconds", flag="--outlier-interval", gt=0)
 
     def __post_init__(self) -> None:
         validate(self)
+        self.outlier_config()
+
+    def outlier_config(self) -> OutlierConfig:
+        """The outlier-ejection knobs (goodput.router.outlier); ValueError on bad values."""
+        return OutlierConfig(consecutive_failures=self.outlier_consecutive_failures,
+                             base_ejection_s=self.outlier_base_ejection_s,
+                             max_ejection_s=self.outlier_max_ejection_s, interval_s=self.outlier_interval_s)
 
 
 class _Disconnected(Exception):
     pass
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body_unbounded(request, limit)
+    except TimeoutError:
+        raise _body_timeout(timeout_s) from None
+
+
+async def _read_body_unbounded(request: Request, limit: int) -> bytes:
     too_big = APIError(413, f"the request body is larger than the router's limit of {limit} bytes "
                             "(--max-body-bytes)")
     declared = request.headers.get("content-length")
@@ -134,7 +161,7 @@ def _model(body: dict[str, Any]) -> str:
 
 
 def _unknown_model(model: str, fleet: Fleet) -> APIError:
-    known = ", ".join(repr(s.info.model) for s in fleet.services()) or "none"
+    known = ", ".join(repr(s.info.model) for s in fleet.models()) or "none"
     return APIError(404, f"The model '{model}' does not exist (served here: {known})", param="model",
                     code="model_not_found")
 
@@ -157,8 +184,22 @@ def _resp_headers(resp: httpx.Response | aiohttp.ClientResponse, pod: Pod | None
     return h
 
 
-async def _asgi_body(scope, receive, limit: int) -> bytes:
-    """The request body from ASGI ``receive``; 413 beyond ``limit`` bytes (declared or read)."""
+def _body_timeout(timeout_s: float) -> APIError:
+    return APIError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",
+                    code="body_timeout", headers={"Connection": "close"})
+
+
+async def _asgi_body(scope, receive, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body from ASGI ``receive``; 413 beyond ``limit`` bytes (declared or read);
+    408 when it is not all there after ``timeout_s`` seconds (None: no bound)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _asgi_body_unbounded(scope, receive, limit)
+    except TimeoutError:
+        raise _body_timeout(timeout_s) from None
+
+
+async def _asgi_body_unbounded(scope, receive, limit: int) -> bytes:
     too_big = APIError(413, f"the request body is larger than the router's limit of {limit} bytes "
                             "(--max-body-bytes)")
     for k, v in scope["headers"]:
@@ -207,10 +248,6 @@ def _asgi_resp_headers(resp: aiohttp.ClientResponse, pod: Pod) -> list[tuple[byt
     return out
 
 
-def _sse_error(message: str) -> bytes:
-    return b"data: " + json.dumps(error_body(message, "internal_error", code="upstream_error")).encode() + b"\n\n"
-
-
 class Router:
     """The router's state: the fleet, admission, the upstream client, metrics."""
 
@@ -221,11 +258,13 @@ class Router:
         self.metrics = RouterMetrics()
         self.pick_cfg = pick_cfg or PickConfig()
         self.index = PrefixIndex(self.pick_cfg.index_capacity)
+        self.outliers = Outliers(settings.outlier_config())
         self.admission = Admission(self.fleet, self.metrics, self.index, self.pick_cfg,
                                    hold_timeout_s=settings.hold_timeout_s,
                                    queue_timeout_s=settings.queue_timeout_s,
                                    retry_after_s=settings.retry_after_s,
-                                   learn_limits=self.learn_limits)
+                                   learn_limits=self.learn_limits, outliers=self.outliers)
+        self.metrics.watch_fleet(self.fleet, self.outliers)
         self._scrapes: dict[str, asyncio.Future] = {}  # pod URL -> the scrape in progress
         self.client: httpx.AsyncClient | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -246,7 +285,8 @@ class Router:
             skip_auto_headers=("User-Agent",))
         self._tasks = [asyncio.create_task(self._run_discovery(), name="discovery"),
                        asyncio.create_task(scrape_forever(self.fleet, self.client, s.scrape_period_s,
-                                                          self.admission.dispatch), name="scrape")]
+                                                          self.admission.dispatch, self.note_instance),
+                                           name="scrape")]
 
     async def _run_discovery(self) -> None:
         try:
@@ -279,7 +319,7 @@ class Router:
             fut = self._scrapes.get(p.url)
             if fut is None:
                 assert self.client is not None
-                fut = self._scrapes[p.url] = asyncio.ensure_future(scrape_pod(self.client, p))
+                fut = self._scrapes[p.url] = asyncio.ensure_future(scrape_pod(self.client, p, self.note_instance))
                 fut.add_done_callback(lambda _, url=p.url: self._scrapes.pop(url, None))
             futs.append(fut)
         if futs:
@@ -302,20 +342,21 @@ class Router:
 
     async def generate(self, scope, receive, send) -> None:
         """``POST /v1/completions`` and ``/v1/chat/completions`` as a plain ASGI handler (no
-        Starlette request/response objects, middleware or task groups on the hot path)."""
+        Starlette request/response objects, middleware or task groups on the hot path); the
+        request itself goes through :func:`goodput.router.forward.forward`."""
         t0 = time.perf_counter()
-        path = scope["path"]
-        svc: Service | None = None
-        state: dict[str, Any] = {}
+        ex: Exchange | None = None
+        outcome: str | None = None
         try:
-            raw = await _asgi_body(scope, receive, self.settings.max_body_bytes)
+            raw = await _asgi_body(scope, receive, self.settings.max_body_bytes, self.settings.body_timeout_s)
             body = _parse(raw)
             model = _model(body)
             svc = self.fleet.for_model(model)
             if svc is None:
                 raise _unknown_model(model, self.fleet)
-            key = request_key(svc, path, body, self.pick_cfg)
-            work = asyncio.ensure_future(self._forward(scope, send, svc, key, _priority(body), path, raw, t0, state))
+            ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg), _priority(body), scope["path"],
+                          raw, _asgi_req_headers(scope), t0)
+            work = asyncio.ensure_future(forward(self, ex, send))
             watch = asyncio.ensure_future(_until_disconnect(receive))
             watch.add_done_callback(lambda w: (not w.cancelled()) and work.cancel())
             try:
@@ -326,165 +367,92 @@ class Router:
                     raise
                 with suppress(asyncio.CancelledError, Exception):
                     await work
-                state.setdefault("outcome", "client_abort")
+                outcome = ex.outcome or "client_abort"
             finally:
                 watch.cancel()
         except _Disconnected:
-            state.setdefault("outcome", "client_abort")
+            outcome = "client_abort"
         except APIError as e:
-            state.setdefault("outcome", _OUTCOMES.get(e.code or "", "error"))
-            if e.code in _OUTCOMES:  # the router's own refusal: no pod was chosen
-                state["pod"] = None
-            if not state.get("started"):
+            outcome = (ex.outcome if ex else None) or _OUTCOMES.get(e.code or "", "error")
+            if e.code in _OUTCOMES and ex is not None:  # the router's own refusal: no pod was chosen
+                ex.pod = None
+            if not (ex and ex.started):
                 await _send_json(send, e.status, e.body(), e.headers)
         except Exception as e:  # a bug: answer 500 in the error body, count it, keep serving
             log.exception("request failed")
-            state.setdefault("outcome", "error")
-            if not state.get("started"):
+            outcome = (ex.outcome if ex else None) or "error"
+            if not (ex and ex.started):
                 await _send_json(send, 500, error_body(f"router error: {type(e).__name__}", "internal_error"))
         finally:
-            if svc is not None:
-                self._count(svc, state.get("pod"), state.get("outcome", "client_abort"))
+            if ex is not None:
+                self._count(ex.svc, ex.pod, outcome or ex.outcome or "client_abort")
 
-    async def _send(self, scope, pod: Pod, path: str, raw: bytes) -> aiohttp.ClientResponse:
-        assert self.session is not None
-        return await self.session.post(pod.url + path, data=raw, headers=_asgi_req_headers(scope))
+    # ------------------------------------------------------------------------- forward's hooks
 
-    async def _forward(self, scope, send, svc: Service, key, priority: int, path: str, raw: bytes,
-                       t0: float, state: dict[str, Any]) -> None:
-        """Acquire a pod, send, retry once before the first byte, answer the client."""
-        adm = self.admission
-        pod, _, waited = await adm.acquire(svc, key, priority)
-        reserved: Pod | None = pod  # the pod whose in-flight count this request holds
-        state["pod"] = pod
-        labels = svc.key
-        tried = {pod.name}
-        resp: aiohttp.ClientResponse | None = None
-        outcome: str | None = None
-        stale = stale_retried = requeued = False
-        self.metrics.overhead.observe(max(0.0, time.perf_counter() - t0 - waited))
-        try:
-            while True:
-                sent = time.perf_counter()
-                try:
-                    resp = None
-                    stale = False
-                    resp = await self._send(scope, pod, path, raw)
-                    failure: str | None = None
-                    if resp.status == 503:
-                        err = await resp.read()
-                        with suppress(ValueError, AttributeError, KeyError, TypeError):
-                            if json.loads(err)["error"]["code"] == "draining":
-                                failure = "draining"
-                                self._mark_draining(svc, pod)
-                    elif resp.status == 429:  # the pod's queue is full (its scraped limits were stale)
-                        await resp.read()
-                        failure = _POD_429
-                except _RETRYABLE_DATA as e:
-                    failure = f"{type(e).__name__}: {e}"
-                    stale = isinstance(e, aiohttp.ServerDisconnectedError) and not stale_retried
-                if failure is None:
-                    break
-                # before the first byte: one other pod
-                other = adm.try_pick(svc, key, exclude=frozenset(tried)) if len(tried) == 1 else None
-                if other is None and failure == _POD_429 and not requeued:
-                    # the pod's limits were stale: learn them now and go through admission again
-                    # (this router's queue, or its 429), once
-                    requeued = True
-                    resp.release()
-                    resp = None
-                    adm.release(svc, pod)
-                    reserved = state["pod"] = None
-                    await self.scrape_now([pod])
-                    pod, _, _ = await adm.acquire(svc, key, priority)
-                    reserved = state["pod"] = pod
-                    tried = {pod.name}
-                    continue
-                if other is None and stale and resp is None:
-                    # a pooled keep-alive connection the pod closed as it was reused: the same pod,
-                    # on a new connection, once
-                    stale_retried = True
-                    log.info("retrying on %s: closed keep-alive connection (%s)", pod.name, failure)
-                    continue
-                if other is None:
-                    if resp is not None:  # the pod's own 503 draining / 429 answer goes to the client
-                        break
-                    raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed before answering "
-                                        f"({failure}) and no other pod could take the request")
-                log.info("retrying on %s: %s failed before its first byte (%s)", other[0].name, pod.name, failure)
-                if resp is not None:
-                    resp.release()
-                    resp = None
-                adm.release(svc, pod)
-                reserved = pod = other[0]
-                state["pod"] = pod
-                tried.add(pod.name)
-            status = resp.status
-            if status < 400:
-                self.index.record(key, pod.name)
-            headers = _asgi_resp_headers(resp, pod)
-            if not resp.headers.get("content-type", "").startswith("text/event-stream"):
-                try:
-                    content = await resp.read()
-                except aiohttp.ClientError as e:
-                    raise APIError(502, f"the pod {pod.name} of {svc.info.model!r} failed while answering "
-                                        f"({type(e).__name__}: {e})") from None
-                self.metrics.upstream_ttft.labels(*labels).observe(time.perf_counter() - sent)
-                outcome = "success" if status < 400 else "error"
-                headers.append((b"content-length", str(len(content)).encode()))
-                state["started"] = True
-                await send({"type": "http.response.start", "status": status, "headers": headers})
-                await send({"type": "http.response.body", "body": content, "more_body": False})
-                return
-            state["started"] = True
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            tail = b""
-            first = True
-            try:
-                async for chunk in resp.content.iter_any():
-                    if first:
-                        self.metrics.upstream_ttft.labels(*labels).observe(time.perf_counter() - sent)
-                        first = False
-                    data = tail + chunk if tail else chunk
-                    cut = data.rfind(b"\n\n") + 2
-                    if cut >= 2:
-                        tail = data[cut:]
-                        await send({"type": "http.response.body", "body": data[:cut], "more_body": True})
-                    else:
-                        tail = data
-            except aiohttp.ClientError as e:
-                outcome = "error"
-                log.warning("pod %s died mid-stream: %r", pod.name, e)
-                await send({"type": "http.response.body", "more_body": True, "body": _sse_error(
-                    f"the pod {pod.name} serving this stream failed mid-stream ({type(e).__name__}); "
-                    "the response is incomplete")})
-            else:
-                if tail.strip():
-                    await send({"type": "http.response.body", "body": tail + b"\n\n", "more_body": True})
-                outcome = "success" if status < 400 else "error"
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            if resp is not None:
-                if outcome == "success":
-                    resp.release()
-                else:
-                    resp.close()  # client gone or pod failed: closing the connection aborts the request
-            if reserved is not None:
-                adm.release(svc, reserved)
-            if outcome is not None:
-                state["outcome"] = outcome
+    def observe(self, ex: Exchange, resp: aiohttp.ClientResponse | None, a: Attempt) -> None:
+        """An attempt's answer: the pod's engine identity, its draining answer, its outlier
+        verdict (ejections logged and counted)."""
+        pod = ex.pod
+        assert pod is not None
+        if resp is not None:
+            self.note_instance(pod, resp.headers.get(INSTANCE_HEADER))
+        if a.kind == DRAINING:
+            self._mark_draining(ex.svc, pod)
+        self._verdict(ex.svc, pod, verdict(a), a.detail)
+
+    def mid_stream_failure(self, ex: Exchange) -> None:
+        """The pod failed after its first byte: a failure for outlier ejection."""
+        assert ex.pod is not None
+        self._verdict(ex.svc, ex.pod, FAILURE, "failed mid-answer")
+
+    def _verdict(self, svc: Service, pod: Pod, v: bool | None, detail: str) -> None:
+        key = (*svc.key, pod.name)
+        was_out = self.outliers.set_aside(key)
+        current = self.fleet.service(svc.key) or svc
+        now = time.monotonic()
+        peers = [name for name, p in current.pods.items() if p.routable]
+        for e in self.outliers.record(key, v, now, peers):
+            why = f"{detail}; " if e.pod == key and detail else ""
+            log.warning("%s (%s%s)", e.describe(), why, "returns through one probe request after that")
+            self.metrics.ejections.labels(*e.pod, e.reason).inc()
+        if was_out and not self.outliers.set_aside(key):
+            log.warning("pod %s of %s/%s returned: its probe request succeeded", pod.name, *svc.key)
+
+    def note_instance(self, pod: Pod, instance: str | None) -> None:
+        """The engine id ``pod`` reports (answer header or scrape; None: it says none). A change
+        is a restart in place: its prefix-cache knowledge, outlier past and card are dropped."""
+        if instance is None or instance == pod.instance:
+            return
+        before, pod.instance = pod.instance, instance
+        if before is None:
+            return
+        self.index.forget(pod.name)
+        for k in [k for k in self.cards if k[0] == pod.url]:
+            del self.cards[k]
+        for svc in self.fleet.services():
+            if svc.pods.get(pod.name) is pod:
+                self.outliers.forget((*svc.key, pod.name))
+                self.metrics.restarts.labels(*svc.key, pod.name).inc()
+        log.warning("pod %s restarted in place (engine %s -> %s): forgot its prefix-cache knowledge",
+                    pod.name, before, instance)
+
+    def response_headers(self, resp: aiohttp.ClientResponse, pod: Pod) -> list[tuple[bytes, bytes]]:
+        return _asgi_resp_headers(resp, pod)
 
     # ------------------------------------------------------------------------- others
 
     async def by_model(self, request: Request, path: str) -> Response:
         """``/tokenize``, ``/detokenize``: any routable pod of the model's service (the least
-        loaded; one other on a connection error); 503 when none is Ready."""
-        raw = await _read_body(request, self.settings.max_body_bytes)
+        loaded, pods set aside by outlier ejection last; one other on a connection error); 503
+        when none is Ready."""
+        raw = await _read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         model = _model(_parse(raw))
         svc = self.fleet.for_model(model)
         if svc is None:
             raise _unknown_model(model, self.fleet)
-        pods = sorted(svc.routable_pods(), key=lambda p: p.in_flight)
+        routable = svc.routable_pods()
+        now = time.monotonic()  # pods set aside by outlier ejection last, not never
+        pods = sorted(routable, key=lambda p: (not self.outliers.admits((*svc.key, p.name), now), p.in_flight))
         if not pods:
             raise APIError(503, f"no Ready pod serves {model!r}; retry later", code="no_ready_pod",
                            headers={"Retry-After": str(max(1, round(self.settings.retry_after_s)))})
@@ -513,6 +481,17 @@ class Router:
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue
         return fallback
+
+
+def _with_service(card: dict[str, Any], svc: Service, fleet: Fleet) -> dict[str, Any]:
+    """The model card plus where the name goes: ``inferenceservice`` (``namespace/name``; static
+    mode: the model) and, when other services claim the same name, ``refused_inferenceservices``
+    (they get no request: docs/router-faults.md, "One model name, one service")."""
+    out = {**card, "inferenceservice": "/".join(p for p in svc.key if p)}
+    refused = ["/".join(s.key) for s in fleet.shadowed(svc.info.model)]
+    if refused:
+        out["refused_inferenceservices"] = refused
+    return out
 
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -560,8 +539,9 @@ def create_app(discovery: Discovery, settings: RouterSettings | None = None, fle
 
     @app.get("/v1/models")
     async def models():
-        cards = await asyncio.gather(*(router.card(s) for s in router.fleet.services()))
-        return {"object": "list", "data": sorted(cards, key=lambda c: c["id"])}
+        services = router.fleet.models()  # one per served name: the service that owns it
+        cards = await asyncio.gather(*(router.card(s) for s in services))
+        return {"object": "list", "data": [_with_service(c, s, router.fleet) for c, s in zip(cards, services)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
@@ -578,7 +558,7 @@ def create_app(discovery: Discovery, settings: RouterSettings | None = None, fle
     async def ready():
         if not router.fleet.synced:
             return JSONResponse({"status": "starting"}, status_code=503)
-        return {"status": "ready", "models": [s.info.model for s in router.fleet.services()]}
+        return {"status": "ready", "models": [s.info.model for s in router.fleet.models()]}
 
     @app.get("/metrics")
     async def metrics():

@@ -70,7 +70,8 @@ def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
         namespace=meta.get("namespace") or "", name=meta["name"], model=crd.served_model_name(model),
         revision=model.get("revision") or "",
         router_max_queued=rmq if isinstance(rmq, int) and not isinstance(rmq, bool) and rmq >= 0 else None,
-        startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S))
+        startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S),
+        created=meta.get("creationTimestamp") or "")
 
 
 def _http_port(spec: Mapping[str, Any]) -> int:

@@ -37,7 +37,9 @@ class ServiceInfo:
     when unset). ``router_max_queued``: ``status.admission.routerMaxQueued`` (None = unset: the
     sum of the Ready pods' ``max_waiting``). ``startup_timeout_s``: how long a request may be held
     while the service has no Ready pod (``spec.probes.startupTimeoutSeconds``; None = the
-    router's ``--hold-timeout``). Static mode: namespace ``""`` and name = the model.
+    router's ``--hold-timeout``). ``created``: ``metadata.creationTimestamp`` (RFC 3339; ``""``
+    unknown): when several services claim one model name, the earliest created owns it
+    (:meth:`claim_order`). Static mode: namespace ``""`` and name = the model.
     """
 
     namespace: str
@@ -46,10 +48,17 @@ class ServiceInfo:
     revision: str = ""
     router_max_queued: int | None = None
     startup_timeout_s: float | None = None
+    created: str = ""
 
     @property
     def key(self) -> ServiceKey:
         return (self.namespace, self.name)
+
+    @property
+    def claim_order(self) -> tuple[str, str, str]:
+        """Several services claiming one model name: the smallest order owns it (created first,
+        unknown last, then namespace and name): the operator's rule, goodput.operator.model_names.order."""
+        return (self.created or "\uffff", self.namespace, self.name)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class Pod:
     the last scrape of the pod's ``/metrics`` (None = not scraped yet): ``running``, ``waiting``
     (goodput_requests_running / _waiting), ``kv_usage`` (goodput_kv_cache_usage_ratio, 0..1),
     ``max_num_seqs``, ``max_waiting`` (goodput_admission_max_num_seqs / _max_waiting).
+    ``instance``: the engine id the pod last reported (answer header or scrape; None = not yet;
+    goodput.api.identity): a change is a restart in place.
     """
 
     info: PodInfo
@@ -81,6 +92,7 @@ class Pod:
     kv_usage: float | None = None
     max_num_seqs: int | None = None
     max_waiting: int | None = None
+    instance: str | None = None
 
     @property
     def name(self) -> str:
@@ -157,10 +169,20 @@ class Fleet:
         return self._services.get(key)
 
     def for_model(self, model: str) -> Service | None:
-        """The service serving ``model`` (None = unknown model). Two services claiming one name:
-        the first by key wins (discovery should refuse such a spec)."""
+        """The service serving ``model`` (None = unknown model). Several services claiming one
+        name: the earliest created (``ServiceInfo.claim_order``); the operator refuses the others
+        (Degraded, reason ModelNameTaken)."""
         key = self._by_model.get(model)
         return self._services.get(key) if key is not None else None
+
+    def models(self) -> list[Service]:
+        """The service owning each served model name, in model-name order (one per name)."""
+        return [self._services[k] for _, k in sorted(self._by_model.items())]
+
+    def shadowed(self, model: str) -> list[Service]:
+        """The services claiming ``model`` that do not own it (refused), in key order."""
+        owner = self._by_model.get(model)
+        return [s for k, s in sorted(self._services.items()) if s.info.model == model and k != owner]
 
     def add_listener(self, fn: Callable[[ServiceKey], None]) -> None:
         """``fn(key)`` after every change to the service ``key`` or its pods (on the loop)."""
@@ -226,8 +248,8 @@ class Fleet:
 
     def _reindex(self) -> None:
         by_model: dict[str, ServiceKey] = {}
-        for k, svc in sorted(self._services.items()):
-            by_model.setdefault(svc.info.model, k)
+        for svc in sorted(self._services.values(), key=lambda s: s.info.claim_order):
+            by_model.setdefault(svc.info.model, svc.key)
         self._by_model = by_model
 
     def _changed(self, key: ServiceKey) -> None:

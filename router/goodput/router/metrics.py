@@ -3,6 +3,8 @@ docs/router-autoscaler-contract.md, "Router metrics"), on a registry of its own.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from goodput.api import router_metrics as mn
 
@@ -32,6 +34,34 @@ class RouterMetrics:
                                   "(excluding queue and hold).", buckets=OVERHEAD_BUCKETS, registry=r)
         self.upstream_ttft = Histogram(mn.UPSTREAM_TTFT, "First upstream byte after send.", mn.SERVICE_LABELS,
                                        buckets=WAIT_BUCKETS, registry=r)
+        self.ejections = Counter(mn.EJECTIONS, "Pods set aside by outlier ejection, by reason.",
+                                 mn.EJECTION_LABELS, registry=r)
+        self.restarts = Counter(mn.POD_RESTARTS, "Engine restarts in place seen (a new instance id): the "
+                                "pod's prefix-cache knowledge was dropped.", mn.POD_LABELS, registry=r)
+
+    def watch_fleet(self, fleet, outliers) -> None:
+        """Export the per-pod in-flight counts and the ejected pods per service of ``fleet``
+        (a :class:`~goodput.router.fleet.Fleet`), read at scrape time."""
+        self.registry.register(_FleetCollector(fleet, outliers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _FleetCollector(Collector):
+    """The fleet's runtime view as gauges at scrape time (one source: the Pod records)."""
+
+    def __init__(self, fleet, outliers) -> None:
+        self.fleet, self.outliers = fleet, outliers
+
+    def collect(self):
+        in_flight = GaugeMetricFamily(mn.POD_IN_FLIGHT, "Requests this router has open to the pod.",
+                                      labels=mn.POD_LABELS)
+        ejected = GaugeMetricFamily(mn.EJECTED_PODS, "Pods of the service set aside by outlier ejection "
+                                    "(ejected, or due for their probe).", labels=mn.SERVICE_LABELS)
+        for svc in self.fleet.services():
+            for name, pod in sorted(svc.pods.items()):
+                in_flight.add_metric([*svc.key, name], pod.in_flight)
+            ejected.add_metric(list(svc.key), self.outliers.ejected_count(svc.key))
+        yield in_flight
+        yield ejected

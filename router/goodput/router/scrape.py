@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import httpx
 from goodput.api import worker_metrics as wmn
+from goodput.api.identity import INSTANCE_LABEL
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodput.router.fleet import Fleet, Pod, Service
@@ -34,16 +35,32 @@ def parse_pod_metrics(text: str) -> dict[str, float | int]:
     return {k: (int(v) if k in _INTS else float(v)) for k, v in out.items()}
 
 
-async def scrape_pod(client: httpx.AsyncClient, pod: Pod) -> bool:
-    """Scrape one pod; True when its limits changed (a queued request may now fit)."""
+def instance_id(text: str) -> str | None:
+    """The engine id in a worker's ``/metrics`` (``goodput_engine_instance_info{instance_id}``);
+    None when absent. Raises ValueError on unparsable text."""
+    for fam in text_string_to_metric_families(text):
+        if fam.name == wmn.ENGINE_INSTANCE_INFO:
+            for s in fam.samples:
+                if s.labels.get(INSTANCE_LABEL):
+                    return s.labels[INSTANCE_LABEL]
+    return None
+
+
+async def scrape_pod(client: httpx.AsyncClient, pod: Pod,
+                     on_instance: Callable[[Pod, str | None], None] | None = None) -> bool:
+    """Scrape one pod; True when its limits changed (a queued request may now fit).
+    ``on_instance(pod, engine id)`` with the id the scrape found (the router's restart check)."""
     try:
         r = await client.get(pod.url + "/metrics")
         if r.status_code != 200:
             return False
         values = parse_pod_metrics(r.text)
+        instance = instance_id(r.text) if on_instance is not None else None
     except (httpx.HTTPError, ValueError) as e:
         log.debug("scrape %s: %r", pod.url, e)
         return False
+    if on_instance is not None:
+        on_instance(pod, instance)
     before = (pod.max_num_seqs, pod.max_waiting)
     for k, v in values.items():
         setattr(pod, k, v)
@@ -51,12 +68,13 @@ async def scrape_pod(client: httpx.AsyncClient, pod: Pod) -> bool:
 
 
 async def scrape_forever(fleet: Fleet, client: httpx.AsyncClient, period_s: float,
-                         on_limits: Callable[[Service], None]) -> None:
+                         on_limits: Callable[[Service], None],
+                         on_instance: Callable[[Pod, str | None], None] | None = None) -> None:
     """Every ``period_s``: scrape every pod of every service at once; ``on_limits(service)`` for
-    each service with a pod whose limits changed."""
+    each service with a pod whose limits changed; ``on_instance`` as :func:`scrape_pod`."""
     while True:
         pods = [(svc, pod) for svc in fleet.services() for pod in svc.pods.values()]
-        changed = await asyncio.gather(*(scrape_pod(client, pod) for _, pod in pods))
+        changed = await asyncio.gather(*(scrape_pod(client, pod, on_instance) for _, pod in pods))
         for svc in {svc.key: svc for (svc, _), c in zip(pods, changed) if c}.values():
             on_limits(svc)
         await asyncio.sleep(period_s)

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.scheduler import SchedulerStats
+from goodput.api.identity import INSTANCE_LABEL, new_instance_id
 from goodput.api.states import FinishReason
 from goodput.api.worker_metrics import (
     ADMISSION_MAX_NUM_SEQS,
@@ -36,6 +37,7 @@ from goodput.api.worker_metrics import (
     CACHE_CONFIG_INFO,
     E2E_BUCKETS,
     E2E_REQUEST_LATENCY,
+    ENGINE_INSTANCE_INFO,
     ENGINE_STATE,
     ENGINE_STATES,
     INTER_TOKEN_LATENCY,
@@ -185,13 +187,19 @@ class WorkerMetrics:
         (None = no SLO on that dimension).
     vllm_aliases: also export vLLM's names for the same values.
     max_model_len: largest bucket of the per-request token histograms (1-2-5 buckets up to it).
+    instance_id: this engine's identity (``goodput.api.identity``; None: a new one), exported as
+        ``goodput_engine_instance_info{instance_id}``.
     """
 
     def __init__(self, model_name: str, stats_fn: Callable[[], SchedulerStats],
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                 vllm_aliases: bool = False, max_model_len: int | None = None) -> None:
+                 vllm_aliases: bool = False, max_model_len: int | None = None,
+                 instance_id: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.instance_id = instance_id or new_instance_id()
+        Gauge(ENGINE_INSTANCE_INFO, "Always 1; instance_id: this engine's id, new at every start.",
+              ["model_name", INSTANCE_LABEL], registry=self.registry).labels(model_name, self.instance_id).set(1)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.registry.register(_StatsCollector(model_name, stats_fn, vllm_aliases))
         for gname, value, what in ((SLO_TTFT_SECONDS, slo_ttft_s, "TTFT"), (SLO_TPOT_SECONDS, slo_tpot_s, "TPOT")):

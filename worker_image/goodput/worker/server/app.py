@@ -26,6 +26,10 @@ A request body larger than ``EngineArgs.max_request_body_bytes`` is answered 413
 parsed. ``/openapi.json`` declares each route's real response models, the error statuses it
 can answer (OpenAI error body) and the ``text/event-stream`` / Prometheus text content types;
 FastAPI's default 422 is removed (validation errors are 400s here).
+
+Every answer, once the engine is loaded, carries the engine's instance id (header
+``x-goodput-instance``, goodput.api.identity), new at every start: a router forgets the
+pod's prefix-cache knowledge when it changes.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from goodput.api.admin import ADMIN_TOKEN_ENV
 from goodput.worker.async_engine import AsyncLLMEngine
 from goodput.worker.engine_args import EngineArgs, build_engine
+from goodput.api.identity import INSTANCE_HEADER
 from goodput.worker.llm_engine import LLMEngine
 from goodput.worker.server.errors import APIError, install_error_handlers
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -226,6 +231,28 @@ class _InflightCounter:
             self.state.inflight -= 1
 
 
+class _InstanceHeader:
+    """Pure ASGI middleware: every answer carries the engine's instance id (header
+    ``goodput.api.identity.INSTANCE_HEADER``) once the engine is loaded, so a router learns of
+    a restart in place from the first answer after it."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        llm = self.state.llm
+        if scope["type"] != "http" or llm is None or llm.metrics is None:
+            return await self.app(scope, receive, send)
+        header = (INSTANCE_HEADER.encode(), llm.metrics.instance_id.encode())
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngine] | None = None,
                admin_token: str | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -275,6 +302,7 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
 
     install_error_handlers(app, count_invalid)
     app.add_middleware(_InflightCounter, state=state)
+    app.add_middleware(_InstanceHeader, state=state)
 
     from goodput.worker.server.admin import router as admin_router
     from goodput.worker.server.openai_routes import router as openai_router

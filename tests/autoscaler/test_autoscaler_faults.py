@@ -1,0 +1,116 @@
+"""The autoscaler under overlap and failover (issue 25): one owner per service when an
+all-namespaces release and a namespaced one overlap (the operators' namespace Lease rule,
+goodput.autoscaler.claims), and a new leader's first pass (no rates yet) moves no idle clock."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+from dataclasses import replace
+
+import pytest
+from goodput.autoscaler import claims as ac
+from goodput.autoscaler import loop
+from goodput.autoscaler.policy import Observation, PolicyState, RouterObservation, decide
+from goodput.api.claims import micro_time
+
+from test_autoscaler_phases import SPEC, idle
+
+UTC = datetime.timezone.utc
+NOW = datetime.datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
+
+
+def lease(holder: str | None, renewed_s_ago: float, duration_s: int = 15) -> dict:
+    return {"metadata": {"name": "goodput-operator"},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration_s,
+                     "renewTime": micro_time(NOW - datetime.timedelta(seconds=renewed_s_ago))}}
+
+
+@pytest.mark.parametrize("the_lease,owned", [
+    (None, True),                          # no namespaced release there
+    (lease("op-team-a/1", 3), False),      # a namespaced release's operator holds it: its autoscaler decides
+    (lease("op-team-a/1", 15), True),      # lapsed (renewTime + 15 s <= now): taken back
+    (lease(None, 1), True),                # released
+])
+def test_owned_follows_the_operator_rule(the_lease, owned):
+    assert ac.owned("team-a", the_lease, NOW) is owned
+
+
+def test_namespace_claims_cache_and_unreadable_lease():
+    reads, t = [], [0.0]
+    leases = {"team-a": lease("op/1", 1), "team-b": None}
+
+    def read(ns):
+        reads.append(ns)
+        if ns == "team-c":
+            raise PermissionError("403 forbidden")
+        return leases[ns]
+
+    c = ac.NamespaceClaims(read, cache_s=5.0, clock=lambda: t[0], now=lambda: NOW)
+    assert (c.owns("team-a"), c.owns("team-b"), c.owns("team-c")) == (False, True, True)
+    assert c.owns("team-a") is False and reads.count("team-a") == 1   # cached
+    t[0] = 5.0
+    leases["team-a"] = lease(None, 0)   # the namespaced release stopped: released its Lease
+    assert c.owns("team-a") is True and reads.count("team-a") == 2
+
+
+class _Kube:
+    def __init__(self, objs):
+        self.objs = objs
+
+    def list_isvcs(self, namespace):
+        return [o for o in self.objs if namespace is None or o["metadata"]["namespace"] == namespace]
+
+
+def _isvc(ns: str, name: str) -> dict:
+    return {"metadata": {"namespace": ns, "name": name, "uid": f"{ns}-{name}"},
+            "spec": {"replicas": 1, "autoscaling": {"enabled": True}}}
+
+
+def test_two_overlapping_installs_one_decides_each_service():
+    """The cluster-wide autoscaler and the one of a release for team-a: team-a's service gets
+    decisions from exactly one of them (today: from both, 1 s apart)."""
+    objs = [_isvc("team-a", "svc"), _isvc("team-b", "svc")]
+    leases = {"team-a": lease("op-team-a/7", 2), "team-b": None}  # the team-a release's operator claims team-a
+    decided: dict[str, list] = {"cluster": [], "team-a": []}
+
+    def scaler(who: str, namespace: str | None) -> loop.Autoscaler:
+        claims = None if namespace else ac.NamespaceClaims(lambda ns: leases[ns], now=lambda: NOW)
+        s = loop.Autoscaler(_Kube(objs), None, None, namespace=namespace, claims=claims)
+
+        async def reconcile(obj):
+            decided[who].append((obj["metadata"]["namespace"], obj["metadata"]["name"]))
+        s.reconcile = reconcile
+        return s
+
+    asyncio.run(scaler("cluster", None).tick())
+    asyncio.run(scaler("team-a", "team-a").tick())
+    assert decided == {"cluster": [("team-b", "svc")], "team-a": [("team-a", "svc")]}
+
+
+# ---------------------------------------------------------------------------------- failover clock
+
+
+def test_a_first_pass_without_rates_moves_no_idle_clock():
+    """A new leader (or a restarted autoscaler) forgets its previous samples: its first pass has
+    no rates. It must not restart the scale-to-zero idle clock (today: every failover does)."""
+    spec = replace(SPEC, min_replicas=0, scale_to_zero_idle_s=600.0)
+    router = RouterObservation(held=0, queued=0, refused=0)
+    st = PolicyState(since=-1000.0, last_busy=-500.0, proven_work=1.0)
+    first = idle(interval_s=0.0)  # a first scrape: gauges only, no deltas
+    d = decide(0.0, Observation((first,), (), (), 1, router), spec, st)
+    assert d.state.last_busy == -500.0
+    # the next pass has rates, idle: 600 s after the last busy pass, to zero
+    d = decide(100.0, Observation((idle(),), (), (), 1, router), spec, d.state)
+    assert (d.replicas, d.reason) == (0, "ScaleToZeroIdle")
+
+
+@pytest.mark.parametrize("obs,busy", [
+    (Observation((replace(idle(interval_s=0.0), running=3),), (), (), 1, RouterObservation(0, 0, 0)), True),  # in flight
+    (Observation((idle(interval_s=0.0),), (), (), 1, RouterObservation(held=2, queued=0, refused=0)), True),
+    (Observation((idle(interval_s=0.0),), (), ("b",), 2, RouterObservation(0, 0, 0)), True),  # cannot see pod b
+    (Observation((idle(interval_s=0.0),), (), (), 1, RouterObservation(0, 0, 0)), False),
+])
+def test_what_restarts_the_idle_clock(obs, busy):
+    spec = replace(SPEC, min_replicas=0)
+    d = decide(10.0, obs, spec, PolicyState(since=-1000.0, last_busy=-500.0, proven_work=1.0))
+    assert (d.state.last_busy == 10.0) is busy
