@@ -36,6 +36,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -332,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     names = {image: (image_name(image, tag_pair[0]), image_name(image, tag_pair[1])) for image in (*IMAGES, "pause")}
     sources = apt_sources()
     bases, keys = {}, {}
-    for name, packages in ROOTFS_PACKAGES.items():
-        tarball, keys[name] = cache.rootfs(name, packages, sources)
+    with ThreadPoolExecutor() as pool:  # both root filesystems at once (mostly downloads and dpkg)
+        made = dict(zip(ROOTFS_PACKAGES, pool.map(lambda item: cache.rootfs(*item, sources), ROOTFS_PACKAGES.items())))
+    for name, (tarball, keys[name]) in made.items():
         bases[name] = cache.base_image(name, tarball, keys[name])
     a.out.mkdir(parents=True, exist_ok=True)
     archives = {image: a.out / f"{image}.oci.tar" for image in names}
