@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,16 +296,13 @@ def pause_image(refs: tuple[str, str], base: str) -> None:
         subprocess.run(["buildah", "rm", c], env=env, capture_output=True)
 
 
-def write_archive(refs: tuple[str, str], out: Path) -> None:
-    """An OCI-layout tar (``oci-archive``) naming the image ``docker.io/<ref>`` for both refs (what
+def write_archive(ref: str, out: Path) -> None:
+    """An OCI-layout tar (``oci-archive``) of the image ``ref``, named ``docker.io/<ref>`` (what
     ``ctr images import`` stores and the kubelet looks up for ``goodput/<image>:<tag>``)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         layout = Path(tmp) / "layout"
-        run("buildah", "push", "--format", "oci", refs[0], f"oci:{layout}:{REGISTRY_PREFIX}{refs[0]}",
+        run("buildah", "push", "--format", "oci", ref, f"oci:{layout}:{REGISTRY_PREFIX}{ref}",
             env=buildah_env(), capture=True)
-        index_file = layout / "index.json"
-        index_file.write_text(json.dumps(with_names(json.loads(index_file.read_text()),
-                                                    [REGISTRY_PREFIX + r for r in refs])))
         partial = Path(tmp) / out.name
         with tarfile.open(partial, "w") as tar:
             for f in sorted(layout.rglob("*")):
@@ -334,17 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     names = {image: (image_name(image, tag_pair[0]), image_name(image, tag_pair[1])) for image in (*IMAGES, "pause")}
     sources = apt_sources()
     bases, keys = {}, {}
-    for name, packages in ROOTFS_PACKAGES.items():
-        tarball, keys[name] = cache.rootfs(name, packages, sources)
+    with ThreadPoolExecutor() as pool:  # both root filesystems at once (mostly downloads and dpkg)
+        made = dict(zip(ROOTFS_PACKAGES, pool.map(lambda item: cache.rootfs(*item, sources), ROOTFS_PACKAGES.items())))
+    for name, (tarball, keys[name]) in made.items():
         bases[name] = cache.base_image(name, tarball, keys[name])
     a.out.mkdir(parents=True, exist_ok=True)
     archives = {image: a.out / f"{image}.oci.tar" for image in names}
     kernel_cache = a.cache / "cpu-kernels"
     kernel_cache.mkdir(exist_ok=True)
     build_args = {"BASE": bases["base"], "BUILDER": bases["builder"], "KERNEL_LEVELS": a.kernel_levels}
+    # what each image's contents depend on (its commit tag is not: publish() adds that name)
     inputs = {image: digest(*build_args.values(), wheels.name, tree_digest(SOURCES),
-                            (ROOT / "images" / image / "Containerfile").read_text(), *names[image])
-              for image in IMAGES} | {"pause": digest(keys["base"], *names["pause"])}
+                            (ROOT / "images" / image / "Containerfile").read_text(), names[image][0])
+              for image in IMAGES} | {"pause": digest(keys["base"], names["pause"][0])}
     for image, refs in names.items():
         cached = a.cache / f"archive-{image}-{inputs[image]}.oci.tar"
         if not cached.exists():
@@ -354,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                 build_image(image, refs, build_args, {"wheels": wheels, "kernel-cache": kernel_cache})
                 if image == "worker":
                     save_kernels(refs[0], kernel_cache)
-            write_archive(refs, cached)
+            write_archive(refs[0], cached)
             for old in a.cache.glob(f"archive-{image}-*.oci.tar"):  # keep one archive per image
                 if old != cached:
                     old.unlink()
-        publish(cached, archives[image])
+        publish(cached, archives[image], refs)
         log(f"{archives[image]}: {names[image][0]}, {names[image][1]} ({cached.stat().st_size / 2**20:.0f} MiB)")
     untag_old(names)
     (a.out / "images.env").write_text(env_text(names, archives))
@@ -380,15 +381,28 @@ def untag_old(names: dict[str, tuple[str, str]]) -> None:
             subprocess.run(["buildah", "rmi", ref], env=env, capture_output=True)
 
 
-def publish(cached: Path, out: Path) -> None:
-    """``out`` = the cached archive: a hard link when both lie on one file system, else a copy."""
-    if out.exists() and os.path.samefile(cached, out):
+def read_index(archive: Path) -> dict:
+    """The ``index.json`` of an OCI-layout tar."""
+    with tarfile.open(archive) as t:
+        return json.load(t.extractfile("index.json"))
+
+
+def publish(cached: Path, out: Path, names: tuple[str, ...]) -> None:
+    """``out`` = the cached archive with its image listed under every one of ``names`` (a copy whose
+    ``index.json`` is rewritten; nothing is done when ``out`` already is that): a new commit with
+    the same image contents costs a copy, not a build."""
+    index = with_names(read_index(cached), [REGISTRY_PREFIX + n for n in names])
+    if out.exists() and read_index(out) == index:
         return
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    try:
-        os.link(cached, tmp)
-    except OSError:
-        shutil.copyfile(cached, tmp)
+    with tarfile.open(cached) as src, tarfile.open(tmp, "w") as dst:
+        for member in src:
+            if member.name == "index.json":
+                data = json.dumps(index).encode()
+                member.size = len(data)
+                dst.addfile(member, io.BytesIO(data))
+            else:
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
     os.replace(tmp, out)
 
 

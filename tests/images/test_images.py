@@ -304,3 +304,31 @@ def test_levels_build_without_loading_and_a_start_loads_the_best_one_this_cpu_ru
     r = subprocess.run([sys.executable, "-c", TINY_START], env=env | {"GOODPUT_CPU_KERNELS_LEVEL": "avx2"},
                        capture_output=True, text=True, timeout=300)
     assert "LOADED None" in r.stdout and "GOODPUT_CPU_KERNELS_LEVEL=avx2 is not among the built levels" in r.stdout
+
+
+def test_publish_names_the_cached_image_without_rebuilding_it(tmp_path):
+    """A new commit with the same image contents: the published archive is the cached one, blobs
+    byte for byte, with the image listed under both names; publishing the same again writes nothing."""
+    import json
+    import tarfile
+    layout = tmp_path / "layout"
+    (layout / "blobs/sha256").mkdir(parents=True)
+    (layout / "blobs/sha256/ab").write_bytes(b"manifest bytes")
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:ab", "size": 14,
+        "annotations": {"org.opencontainers.image.ref.name": "docker.io/goodput/worker:0.1.0"}}]}))
+    cached = tmp_path / "cached.oci.tar"
+    with tarfile.open(cached, "w") as t:
+        for f in sorted(layout.rglob("*")):
+            t.add(f, arcname=str(f.relative_to(layout)), recursive=False)
+    out = tmp_path / "worker.oci.tar"
+    build.publish(cached, out, ("goodput/worker:0.1.0", "goodput/worker:0.1.0-gabc1234"))
+    with tarfile.open(out) as t:
+        assert t.extractfile("blobs/sha256/ab").read() == b"manifest bytes"
+        index = json.load(t.extractfile("index.json"))
+    assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]] == [
+        "docker.io/goodput/worker:0.1.0", "docker.io/goodput/worker:0.1.0-gabc1234"]
+    before = out.stat().st_mtime_ns
+    build.publish(cached, out, ("goodput/worker:0.1.0", "goodput/worker:0.1.0-gabc1234"))
+    assert out.stat().st_mtime_ns == before
