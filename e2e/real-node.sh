@@ -179,7 +179,7 @@ real_node_delete_pods() { # through the kubelet: it stops the containers and run
   local i
   for i in $(seq 150); do
     [ -z "$(kctl get pods -A --field-selector "spec.nodeName=$REAL_NODE" -o name 2>/dev/null)" ] \
-      && [ -z "$(ctr_ tasks ls -q 2>/dev/null)" ] && break
+      && ! ctr_ tasks ls 2>/dev/null | grep -q RUNNING && break
     sleep 0.2
   done
 }
@@ -211,7 +211,10 @@ real_node_down() {
   fi
   if [ -f "$REAL/made-cgroups" ]; then
     while IFS= read -r d; do
-      [ -d "$d" ] && find "$d" -depth -mindepth 1 -type d -exec rmdir {} + 2>/dev/null; rmdir "$d" 2>/dev/null || true
+      [ -d "$d" ] || continue
+      # a container process that outlived its shim is still in its cgroup
+      for pid in $(cat "$d"/*/cgroup.procs 2>/dev/null || true); do kill -9 "$pid" 2>/dev/null || true; done
+      find "$d" -depth -mindepth 1 -type d -exec rmdir {} + 2>/dev/null; rmdir "$d" 2>/dev/null || true
     done <"$REAL/made-cgroups"
   fi
   if [ -f "$REAL/made" ]; then
