@@ -120,12 +120,20 @@ def release(kubectl: Kubectl, crd: dict, real_node: LogFile, operator, ns: str):
 
 
 @pytest.fixture
-def diag(kubectl: Kubectl, ns: str, real_node: LogFile):
+def on_real_node(real_node: LogFile | None) -> LogFile:
+    """The real kubelet's log; skips a test that needs what only the real node has (GOODPUT_REAL_NODE=0)."""
+    if real_node is None:
+        pytest.skip("GOODPUT_REAL_NODE=0: no real node (the chart runs on the test kubelet)")
+    return real_node
+
+
+@pytest.fixture
+def diag(kubectl: Kubectl, ns: str, real_node: LogFile | None, kubelet: LogFile):
     def dump() -> str:
         out = [kubectl.run("get", "pods", "-A", "-o", "wide", check=False).stdout,
                kubectl.run("-n", ns, "get", "gisvc", "-o", "yaml", check=False).stdout[-3000:],
                kubectl.run("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:],
-               real_node.log(40)]
+               (real_node or kubelet).log(40)]
         for n in (RELEASE_NS, ns):
             for p in kubectl.json("-n", n, "get", "pods")["items"]:
                 out.append(f"--- logs of {n}/{p['metadata']['name']}\n" + kubectl.run(
@@ -143,7 +151,8 @@ def test_chart_crd_template_is_accepted_by_the_server(kubectl: Kubectl):
 
 
 @pytest.mark.timeout(240)
-def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl: Kubectl, release: str, diag):
+def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl: Kubectl, release: str,
+                                                                         real_node: LogFile | None, diag):
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     # one operator; the autoscaler's replicas (one leads through a Lease, the others stand by)
     for component, module, count in (("operator", "goodput.operator", 1),
@@ -157,8 +166,9 @@ def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl
                              f"the {component} process", on_timeout=diag)
             _, argv, env = procs[0]
             assert argv[argv.index("-m") + 1] == module
-            # in-cluster config: Service `kubernetes`'s ClusterIP, forwarded on the node (no kube-proxy here)
-            assert env["KUBERNETES_SERVICE_HOST"] == "10.0.0.1"
+            # in-cluster config: on the real node Service `kubernetes`'s ClusterIP, forwarded on the node
+            # (no kube-proxy here); on the test kubelet its own forward
+            assert env["KUBERNETES_SERVICE_HOST"] == ("10.0.0.1" if real_node else "10.244.0.1")
     names = {p["metadata"]["name"] for p in release_pods(kubectl, "autoscaler")}
     lease = wait_for(lambda: (kubectl.json("-n", RELEASE_NS, "get", "lease", f"{RELEASE}-goodput-autoscaler")
                               .get("spec") or {}).get("holderIdentity"), 60, "the autoscaler's Lease held",
@@ -222,7 +232,7 @@ def _seconds(a: str, b: str) -> int:
 
 @pytest.mark.timeout(120)
 def test_every_pod_runs_its_image_in_containerd_on_the_real_node(kubectl: Kubectl, release: str, ns: str, crd: dict,
-                                                                 logs_dir: Path, diag):
+                                                                 logs_dir: Path, on_real_node, diag):
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     control_plane = f"{values['image']['repository']}:{values['image']['tag'] or app_version}"
@@ -248,7 +258,8 @@ def test_every_pod_runs_its_image_in_containerd_on_the_real_node(kubectl: Kubect
 
 
 @pytest.mark.timeout(120)
-def test_the_runtime_confines_the_worker_as_its_pod_spec_says(kubectl: Kubectl, release: str, ns: str, diag):
+def test_the_runtime_confines_the_worker_as_its_pod_spec_says(kubectl: Kubectl, release: str, ns: str, on_real_node,
+                                                              diag):
     pod = worker_pod(kubectl, ns)
     (c,) = pod["spec"]["containers"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["runAsNonRoot"]
@@ -282,7 +293,8 @@ def _probe_counts(kubectl: Kubectl, pod: dict[str, Any]) -> dict[tuple[str, str]
 
 
 @pytest.mark.timeout(120)
-def test_probes_logs_exec_and_port_forward_are_the_real_kubelets(kubectl: Kubectl, release: str, ns: str, diag):
+def test_probes_logs_exec_and_port_forward_are_the_real_kubelets(kubectl: Kubectl, release: str, ns: str,
+                                                                  on_real_node, diag):
     pod = worker_pod(kubectl, ns)
     counts = wait_for(lambda: (lambda c: c if c.get(("Readiness", "successful"), 0) >= 1 else None)(
         _probe_counts(kubectl, pod)), 30, "the kubelet's successful readiness probes of the worker", on_timeout=diag)
@@ -307,7 +319,7 @@ def test_probes_logs_exec_and_port_forward_are_the_real_kubelets(kubectl: Kubect
 
 @pytest.mark.timeout(180)
 def test_a_worker_image_not_on_the_node_gives_a_condition_and_a_warning_event(kubectl: Kubectl, release: str,
-                                                                               ns: str, diag):
+                                                                               ns: str, on_real_node, diag):
     name, image = "no-image", "goodput/worker:not-built"
     kubectl.run("-n", ns, "apply", "-f", "-", input=yaml.safe_dump({
         "apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name},
