@@ -123,7 +123,7 @@ def release(kubectl: Kubectl, crd: dict, real_node: LogFile, operator, ns: str):
 def on_real_node(real_node: LogFile | None) -> LogFile:
     """The real kubelet's log; skips a test that needs what only the real node has (GOODPUT_REAL_NODE=0)."""
     if real_node is None:
-        pytest.skip("GOODPUT_REAL_NODE=0: no real node (the chart runs on the test kubelet)")
+        pytest.skip("no real node (GOODPUT_REAL_NODE=0): the chart runs on the test kubelet")
     return real_node
 
 
