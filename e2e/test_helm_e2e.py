@@ -1,18 +1,23 @@
-"""The Helm chart on a real API server, its operator and autoscaler running as pods, a real Prometheus.
+"""The Helm chart on a real API server and a REAL NODE, from the images, and a real Prometheus.
 
 README's "Try it on a local cluster (no GPU)" steps, in file order (run.sh does `cluster.sh up`/`down`):
-`helm install` (crds.install=false: `cluster.sh up` applied the CRD; the chart's CRD template is
-checked by a server-side dry run) -> the chart's operator and autoscaler pods run: the test kubelet
-starts their commands as processes in network namespaces with their ServiceAccount tokens, so they
-act with exactly the chart's RBAC -> `kubectl apply -f crds/examples/local.yaml` -> `kubectl get gisvc`
-Ready -> a completion through the pod IP. Then a Prometheus (Debian package, 127.0.0.1) scrapes the
+`helm install` with the chart's defaults (crds.install=false: `cluster.sh up` applied the CRD; the
+chart's CRD template is checked by a server-side dry run) -> the chart's operator, autoscaler and router
+pods run on the real node (a kubelet with containerd + runc through CRI, e2e/real-node.sh; the test
+node is cordoned meanwhile) as containers of the images images/build.sh made (goodput/control-plane,
+goodput/worker), with their ServiceAccount tokens, so they act with exactly the chart's RBAC ->
+`kubectl apply -f crds/examples/local.yaml` -> `kubectl get gisvc` Ready -> a completion through a
+router pod to the worker pod. What only a real runtime enforces is asserted: containerd:// container
+IDs, the worker's non-root user, its read-only root filesystem, its memory limit in its cgroup, the
+kubelet's own probes, logs, exec and port-forward; and a worker image that is not on the node gives
+a condition naming it (and the kubelet's reason) and a Warning Event. Then a Prometheus (Debian package, 127.0.0.1) scrapes the
 worker pods with the chart's PodMonitor relabelings (and the autoscaler with its ServiceMonitor's;
 the targets come from the API server, see KubernetesFileSD), load is driven, and every PromQL expression of the two dashboards and of the
 chart's rules is evaluated through its HTTP API. Then `helm upgrade` with a changed value and
 `helm uninstall`, after which nothing of the release is left.
 
-The test kubelet does not enforce securityContext (runAsUser, read-only root): processes run as root.
-Test traffic goes only to 127.0.0.1 and pod IPs in 10.244.0.0/24.
+Test traffic goes only to 127.0.0.1 and pod IPs in 10.244.1.0/24 (the real node's pod bridge).
+Pod start-to-Ready times on the real node go to $GOODPUT_E2E_LOGS/real-node-times.md.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import ROOT, Kubectl, LogFile, wait_for
+from conftest import REAL_NODE, ROOT, Kubectl, LogFile, wait_for
 from test_operator_e2e import POD_READY_S, pod_ip
 
 pytestmark = [pytest.mark.e2e]
@@ -83,7 +88,8 @@ def ready(p: dict[str, Any]) -> bool:
 
 
 def processes_of(pod: str) -> list[tuple[int, list[str], dict[str, str]]]:
-    """(pid, argv, env) of live processes the test kubelet started for ``pod`` (it sets HOSTNAME)."""
+    """(pid, argv, env) of live processes of ``pod``'s containers, seen from the host (containerd's CRI
+    sets HOSTNAME to the pod's name in every container)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -100,9 +106,9 @@ def processes_of(pod: str) -> list[tuple[int, list[str], dict[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def release(kubectl: Kubectl, crd: dict, kubelet: LogFile, operator, ns: str):
-    """The chart installed as README says; the suite's own operator process is paused meanwhile (two
-    operators would both reconcile)."""
+def release(kubectl: Kubectl, crd: dict, real_node: LogFile, operator, ns: str):
+    """The chart installed as README says, onto the real node; the suite's own operator process is
+    paused meanwhile (two operators would both reconcile)."""
     operator.stop()
     try:
         helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--set", "crds.install=false",
@@ -114,12 +120,24 @@ def release(kubectl: Kubectl, crd: dict, kubelet: LogFile, operator, ns: str):
 
 
 @pytest.fixture
-def diag(kubectl: Kubectl, ns: str, kubelet: LogFile):
+def on_real_node(real_node: LogFile | None) -> LogFile:
+    """The real kubelet's log; skips a test that needs what only the real node has (GOODPUT_REAL_NODE=0)."""
+    if real_node is None:
+        pytest.skip("no real node (GOODPUT_REAL_NODE=0): the chart runs on the test kubelet")
+    return real_node
+
+
+@pytest.fixture
+def diag(kubectl: Kubectl, ns: str, real_node: LogFile | None, kubelet: LogFile):
     def dump() -> str:
         out = [kubectl.run("get", "pods", "-A", "-o", "wide", check=False).stdout,
-               kubectl.run("-n", ns, "get", "gisvc", "-o", "yaml", check=False).stdout[-3000:], kubelet.log(40)]
-        for f in sorted((kubelet.log_path.parent / "pods").glob(f"{RELEASE_NS}_{RELEASE}-*.log")):
-            out.append(LogFile(f.name, f).log(25))
+               kubectl.run("-n", ns, "get", "gisvc", "-o", "yaml", check=False).stdout[-3000:],
+               kubectl.run("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:],
+               (real_node or kubelet).log(40)]
+        for n in (RELEASE_NS, ns):
+            for p in kubectl.json("-n", n, "get", "pods")["items"]:
+                out.append(f"--- logs of {n}/{p['metadata']['name']}\n" + kubectl.run(
+                    "-n", n, "logs", p["metadata"]["name"], "--all-containers", "--tail=25", check=False).stdout)
         return "\n".join(out)
     return dump
 
@@ -133,7 +151,8 @@ def test_chart_crd_template_is_accepted_by_the_server(kubectl: Kubectl):
 
 
 @pytest.mark.timeout(240)
-def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl: Kubectl, release: str, diag):
+def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl: Kubectl, release: str,
+                                                                         real_node: LogFile | None, diag):
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     # one operator; the autoscaler's replicas (one leads through a Lease, the others stand by)
     for component, module, count in (("operator", "goodput.operator", 1),
@@ -147,7 +166,9 @@ def test_operator_and_autoscaler_run_as_pods_with_their_service_accounts(kubectl
                              f"the {component} process", on_timeout=diag)
             _, argv, env = procs[0]
             assert argv[argv.index("-m") + 1] == module
-            assert env["KUBERNETES_SERVICE_HOST"] == "10.244.0.1"  # in-cluster config, through the kubelet's forward
+            # in-cluster config: on the real node Service `kubernetes`'s ClusterIP, forwarded on the node
+            # (no kube-proxy here); on the test kubelet its own forward
+            assert env["KUBERNETES_SERVICE_HOST"] == ("10.0.0.1" if real_node else "10.244.0.1")
     names = {p["metadata"]["name"] for p in release_pods(kubectl, "autoscaler")}
     lease = wait_for(lambda: (kubectl.json("-n", RELEASE_NS, "get", "lease", f"{RELEASE}-goodput-autoscaler")
                               .get("spec") or {}).get("holderIdentity"), 60, "the autoscaler's Lease held",
@@ -178,6 +199,151 @@ def test_example_is_reconciled_by_the_chart_operator_ready_and_serves(kubectl: K
             "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].strip()
+
+
+# ------------------------------------------------------------------------ what only a real node enforces
+def worker_pod(kubectl: Kubectl, ns: str, name: str = NAME) -> dict[str, Any]:
+    (pod,) = [p for p in kubectl.json("-n", ns, "get", "pods", "-l", f"serving.goodput.dev/inferenceservice={name}")
+              ["items"] if ready(p) and not p["metadata"].get("deletionTimestamp")]
+    return pod
+
+
+def in_worker(kubectl: Kubectl, pod: dict[str, Any], script: str) -> subprocess.CompletedProcess:
+    """``sh -c script`` in the worker container through ``kubectl exec`` (the kubelet, then containerd)."""
+    return kubectl.run("-n", pod["metadata"]["namespace"], "exec", pod["metadata"]["name"], "-c", "worker", "--",
+                       "sh", "-c", script, check=False)
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(q: str) -> int:
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", q)
+    assert m, f"unexpected memory quantity {q!r}"
+    return int(m.group(1)) * _BINARY.get(m.group(2) or "", 1)
+
+
+def _seconds(a: str, b: str) -> int:
+    import datetime
+
+    t = lambda x: datetime.datetime.fromisoformat(x.replace("Z", "+00:00"))
+    return int((t(b) - t(a)).total_seconds())
+
+
+@pytest.mark.timeout(120)
+def test_every_pod_runs_its_image_in_containerd_on_the_real_node(kubectl: Kubectl, release: str, ns: str, crd: dict,
+                                                                 logs_dir: Path, on_real_node, diag):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    control_plane = f"{values['image']['repository']}:{values['image']['tag'] or app_version}"
+    engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+    worker_image = engine["properties"]["image"]["default"]  # the operator's default, as the CRD publishes it
+    pods = [(worker_pod(kubectl, ns), worker_image)] + [
+        (p, control_plane) for c in ("operator", "autoscaler", "router") for p in release_pods(kubectl, c)]
+    assert len(pods) == 1 + 1 + values["autoscaler"]["replicas"] + values["router"]["replicas"], diag()
+    rows = ["| pod | image | created -> container started (s) | created -> Ready (s) |", "|---|---|---|---|"]
+    for pod, image in pods:
+        name = pod["metadata"]["name"]
+        assert pod["spec"]["nodeName"] == REAL_NODE, name
+        (c,) = pod["spec"]["containers"]
+        assert (c["image"], c["imagePullPolicy"]) == (image, "IfNotPresent"), name
+        (cs,) = pod["status"]["containerStatuses"]
+        assert cs["containerID"].startswith("containerd://") and "sha256:" in cs["imageID"], cs
+        ready_at = next(x["lastTransitionTime"] for x in pod["status"]["conditions"] if x["type"] == "Ready")
+        created = pod["metadata"]["creationTimestamp"]
+        rows.append(f"| {name} | {image} | {_seconds(created, cs['state']['running']['startedAt'])} | "
+                    f"{_seconds(created, ready_at)} |")
+    (logs_dir / "real-node-times.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+
+
+@pytest.mark.timeout(120)
+def test_the_runtime_confines_the_worker_as_its_pod_spec_says(kubectl: Kubectl, release: str, ns: str, on_real_node,
+                                                              diag):
+    pod = worker_pod(kubectl, ns)
+    (c,) = pod["spec"]["containers"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["runAsNonRoot"]
+    # the image's own non-root user (runAsNonRoot: the kubelet refuses to start a root one)
+    r = in_worker(kubectl, pod, "id -u")
+    assert r.returncode == 0 and r.stdout.strip() == "65532", r.stdout + r.stderr
+    # the root filesystem is read-only (EROFS, not a permission error), /tmp (an emptyDir) is writable
+    r = in_worker(kubectl, pod, "echo x > /goodput-e2e-write")
+    assert r.returncode != 0 and "Read-only file system" in r.stderr, r.stdout + r.stderr
+    r = in_worker(kubectl, pod, "echo x > /tmp/goodput-e2e-write && cat /tmp/goodput-e2e-write")
+    assert r.returncode == 0 and r.stdout.strip() == "x", r.stdout + r.stderr
+    # the memory limit is the container's cgroup's (cgroup v1 or v2)
+    r = in_worker(kubectl, pod, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
+                                " || cat /sys/fs/cgroup/memory.max")
+    assert r.returncode == 0 and int(r.stdout.strip()) == quantity_bytes(c["resources"]["limits"]["memory"]), r.stdout
+
+
+def _probe_counts(kubectl: Kubectl, pod: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """The real kubelet's own probe counters for ``pod`` ((probe_type, result) -> count), from its
+    /metrics/probes through the API server's node proxy."""
+    text = kubectl.run("get", "--raw", f"/api/v1/nodes/{REAL_NODE}/proxy/metrics/probes").stdout
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = re.match(r"prober_probe_total\{(.*)\} (\S+)$", line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("pod") == pod["metadata"]["name"] and labels.get("namespace") == pod["metadata"]["namespace"]:
+            out[(labels["probe_type"], labels["result"])] = float(m.group(2))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_probes_logs_exec_and_port_forward_are_the_real_kubelets(kubectl: Kubectl, release: str, ns: str,
+                                                                  on_real_node, diag):
+    pod = worker_pod(kubectl, ns)
+    counts = wait_for(lambda: (lambda c: c if c.get(("Readiness", "successful"), 0) >= 1 else None)(
+        _probe_counts(kubectl, pod)), 30, "the kubelet's successful readiness probes of the worker", on_timeout=diag)
+    assert counts.get(("Startup", "successful"), 0) >= 1, counts
+    logs = kubectl.run("-n", ns, "logs", pod["metadata"]["name"], "-c", "worker").stdout
+    assert logs.strip(), "kubectl logs returned nothing"
+    r = in_worker(kubectl, pod, "echo $HOSTNAME")
+    assert r.stdout.strip() == pod["metadata"]["name"]
+    pf = subprocess.Popen(["kubectl", "--kubeconfig", kubectl.kubeconfig, "-n", ns, "port-forward",
+                           f"pod/{pod['metadata']['name']}", ":8000"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        line = pf.stdout.readline()
+        m = re.search(r"Forwarding from 127\.0\.0\.1:(\d+) -> 8000", line)
+        assert m, line
+        r = httpx.get(f"http://127.0.0.1:{m.group(1)}/health", timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        pf.terminate()
+        pf.wait(timeout=10)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_image_not_on_the_node_gives_a_condition_and_a_warning_event(kubectl: Kubectl, release: str,
+                                                                               ns: str, on_real_node, diag):
+    name, image = "no-image", "goodput/worker:not-built"
+    kubectl.run("-n", ns, "apply", "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name},
+        "spec": {"model": {"name": "smollm2"}, "engine": {"image": image}, "replicas": 1,
+                 "resources": {"cpu": "100m", "memory": "256Mi"}}}))
+    try:
+        def degraded() -> dict[str, Any] | None:
+            conds = kubectl.json("-n", ns, "get", "gisvc", name).get("status", {}).get("conditions", [])
+            c = next((x for x in conds if x["type"] == "Degraded"), None)
+            return c if c and c["status"] == "True" and c["reason"] == "ImagePullFailed" else None
+
+        c = wait_for(degraded, 60, "Degraded=True ImagePullFailed", on_timeout=diag)
+        assert image in c["message"], c
+        assert re.search(r"\b(ErrImagePull|ImagePullBackOff|ErrImageNeverPull)\b", c["message"]), c
+        events = wait_for(lambda: [e for e in kubectl.json("-n", ns, "get", "events")["items"]
+                                   if e["involvedObject"].get("name") == name and e["type"] == "Warning"
+                                   and e["reason"] == "ImagePullFailed"], 30, "the Warning Event", on_timeout=diag)
+        assert image in events[0]["message"]
+        # the pod is the kubelet's: it never started a container, and says why
+        (pod,) = kubectl.json("-n", ns, "get", "pods", "-l", f"serving.goodput.dev/inferenceservice={name}")["items"]
+        (cs,) = pod["status"]["containerStatuses"]
+        assert cs["state"].get("waiting", {}).get("reason") in ("ErrImagePull", "ImagePullBackOff"), cs
+    finally:
+        kubectl.run("-n", ns, "delete", "gisvc", name, "--wait=true", "--timeout=60s", check=False)
 
 
 # --------------------------------------------------------------------------------------- Prometheus
@@ -495,7 +661,7 @@ def test_helm_upgrade_rolls_the_operator_with_the_new_value(kubectl: Kubectl, re
     pod = wait_for(new_pod, 180, "the upgraded operator pod Ready", on_timeout=diag)
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["GOODPUT_OPERATOR_RESYNC_SECONDS"] == "7"
-    assert not processes_of(old["metadata"]["name"]), "the old operator process still runs"
+    wait_for(lambda: not processes_of(old["metadata"]["name"]), 60, "the old operator's processes gone")
     procs = wait_for(lambda: processes_of(pod["metadata"]["name"]), 30, "the new operator process")
     assert any(p[2].get("GOODPUT_OPERATOR_RESYNC_SECONDS") == "7" for p in procs)
     # the new operator works: a deleted child comes back on its next resync

@@ -136,12 +136,23 @@ def test_scheduling_volume_and_overrides_reach_the_pod():
     assert ps["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     assert ps["affinity"] == {"nodeAffinity": {"x": 1}} and ps["priorityClassName"] == "high"
     assert ps["serviceAccountName"] == "sa"
-    assert ps["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}]
-    assert ps["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/m", "readOnly": True}]
+    assert ps["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                             {"name": "tmp", "emptyDir": {}}]
+    assert ps["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/m", "readOnly": True},
+                                                   {"name": "tmp", "mountPath": "/tmp"}]
     assert {"name": "OMP_NUM_THREADS", "value": "1"} in ps["containers"][0]["env"]
     assert pod["metadata"]["labels"]["team"] == "a"
     assert pod["metadata"]["labels"][crd.LABEL_ISVC] == "tiny"  # the selector label cannot be overridden
     assert pod["metadata"]["annotations"]["a"] == "b"
+
+
+def test_worker_runs_non_root_on_a_read_only_root_with_tmp_writable():
+    ps = _dep({})["spec"]["template"]["spec"]
+    (c,) = ps["containers"]
+    assert c["securityContext"] == {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    assert ps["volumes"] == [{"name": "tmp", "emptyDir": {}}]
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
 
 
 def test_spec_hash_moves_with_the_template_not_with_replicas():

@@ -163,6 +163,32 @@ POD_CASES = {
 }
 
 
+def image_waiting(reason, message, image="goodput/worker:nope", in_status=True):
+    """A worker pod waiting for an image, as the kubelet reports it (reason and message of pkg/kubelet/images)."""
+    p = pod(restarts=0, state={"waiting": {"reason": reason, "message": message}})
+    p["spec"] = {"containers": [{"name": "worker", "image": image}]}
+    if in_status:
+        p["status"]["containerStatuses"][0]["image"] = image
+    return p
+
+
+NEVER_MSG = 'Container image "goodput/worker:nope" is not present with pull policy of Never'
+PULL_MSG = ('rpc error: code = Unknown desc = failed to pull and unpack image "docker.io/goodput/worker:nope": '
+            'proxyconnect tcp: dial tcp 127.0.0.1:9: connect: connection refused')
+POD_CASES.update({
+    "image-never-pull": (image_waiting("ErrImageNeverPull", NEVER_MSG), (
+        "ImagePullFailed", f"image goodput/worker:nope cannot be pulled: ErrImageNeverPull: {NEVER_MSG} "
+                           "(worker in pod w-1)")),
+    "image-pull-error": (image_waiting("ErrImagePull", PULL_MSG), (
+        "ImagePullFailed", f"image goodput/worker:nope cannot be pulled: ErrImagePull: {PULL_MSG} (worker in pod w-1)")),
+    "image-pull-back-off": (image_waiting("ImagePullBackOff", 'Back-off pulling image "goodput/worker:nope"'), (
+        "ImagePullFailed", 'image goodput/worker:nope cannot be pulled: ImagePullBackOff: Back-off pulling image '
+                           '"goodput/worker:nope" (worker in pod w-1)')),
+    "image-from-the-spec": (image_waiting("InvalidImageName", "", image="Bad:Name", in_status=False), (
+        "ImagePullFailed", "image Bad:Name cannot be pulled: InvalidImageName: no message (worker in pod w-1)")),
+})
+
+
 def pending(name="w-1", reason="Unschedulable", message=None, deleting=False):
     """A worker pod the scheduler could not place, as kube-scheduler reports it (no container statuses)."""
     meta = {"name": name, **({"deletionTimestamp": T0} if deleting else {})}

@@ -35,6 +35,12 @@ ANNOTATION_SPEC_HASH = f"{crd.GROUP}/spec-hash"
 CPU_KERNELS_ENV = "GOODPUT_CPU_KERNELS"
 CONTAINER_NAME = "worker"
 MODEL_VOLUME_NAME = "model"
+# The worker runs as its image's non-root user (images/worker: USER 65532) on a read-only root filesystem;
+# it writes only under /tmp (HOME, compiler caches), an emptyDir. A real kubelet enforces all of it.
+WORKER_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]}}
+TMP_VOLUME_NAME, TMP_MOUNT_PATH = "tmp", "/tmp"
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -156,6 +162,7 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         "readinessProbe": _http_probe("/ready", p.period_seconds, p.timeout_seconds, 3),
         "livenessProbe": _http_probe("/health", p.liveness_period_seconds, p.timeout_seconds,
                                      p.liveness_failure_threshold),
+        "securityContext": copy.deepcopy(WORKER_SECURITY_CONTEXT),
     }
     r = spec.resources
     requests: dict[str, str] = {}
@@ -182,6 +189,8 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         if vol.sub_path:
             mount["subPath"] = vol.sub_path
         container["volumeMounts"] = [mount]
+    pod_spec.setdefault("volumes", []).append({"name": TMP_VOLUME_NAME, "emptyDir": {}})
+    container.setdefault("volumeMounts", []).append({"name": TMP_VOLUME_NAME, "mountPath": TMP_MOUNT_PATH})
     s = spec.scheduling
     if s.node_selector:
         pod_spec["nodeSelector"] = dict(s.node_selector)

@@ -14,7 +14,8 @@ observedGeneration; lastTransitionTime changes only when status flips):
   Degraded     True for a spec the operator will not roll out (reason from crd.semantic_problems, or
                ChildRefused when the API server refused a child), a worker that crashed and has not been
                ready since (WorkerCrashLoop, message: the worker's last error line) or cannot start
-               (WorkerCannotStart) or cannot be placed on any node (Unschedulable, message: the
+               (WorkerCannotStart; ImagePullFailed when the node has not got its image and cannot pull
+               it: message the image and the kubelet's reason) or cannot be placed on any node (Unschedulable, message: the
                scheduler's own, e.g. ``0/1 nodes are available: 1 Insufficient nvidia.com/gpu.``), a stuck rollout (ProgressDeadlineExceeded) or failing pod creation
                (ReplicaFailure); False (AsExpected) otherwise.
 """
@@ -38,8 +39,10 @@ def find_condition(conditions: Sequence[dict[str, Any]], ctype: str) -> dict[str
 
 
 # container waiting reasons (kubelet) after which the container will not start without a change
-_CANNOT_START = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull", "ImagePullBackOff",
-                 "InvalidImageName", "RunContainerError")
+_CANNOT_START = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+# ... of which these say the node has not got the image and cannot get it (kubelet pkg/kubelet/images:
+# ErrImagePull, ImagePullBackOff (between tries), ErrImageNeverPull (imagePullPolicy Never), InvalidImageName)
+_IMAGE_PULL = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
 
 
 def _last_line(text: str | None) -> str:
@@ -47,12 +50,23 @@ def _last_line(text: str | None) -> str:
     return lines[-1][:1024] if lines else ""
 
 
+def _image(pod: dict[str, Any], cs: dict[str, Any]) -> str:
+    """The image of a container status (the kubelet copies the spec's while the container waits), else the spec's."""
+    if cs.get("image"):
+        return cs["image"]
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") == cs.get("name") and c.get("image"):
+            return c["image"]
+    return "(unknown)"
+
+
 def pod_failure(pod: dict[str, Any]) -> Problem | None:
     """Why one worker pod (core/v1 Pod as a dict) is failing, or None when it is not.
 
     The worker container (``resources.CONTAINER_NAME``) fails when it is not ready and either its
     current or (after a restart) last termination has a non-zero exit code (WorkerCrashLoop), or it
-    waits for a reason that needs a change to clear, such as a missing Secret or image (WorkerCannotStart).
+    waits for a reason that needs a change to clear, such as a missing Secret (WorkerCannotStart) or an image
+    the node has not got and cannot pull (ImagePullFailed, message: the image, the kubelet's reason and message).
     A pod the scheduler cannot place (condition ``PodScheduled`` False, reason ``Unschedulable``: too few
     ``nvidia.com/gpu``, a ``scheduling.nodeSelector`` no node matches, a taint not tolerated) is
     Unschedulable with the scheduler's message (core/v1 PodCondition; kube-scheduler sets it at each
@@ -82,6 +96,10 @@ def pod_failure(pod: dict[str, Any]) -> Problem | None:
                 where += f" ({term['reason']})"
             return Problem(reason="WorkerCrashLoop", message=f"{line} ({where})" if line else where)
         waiting = state.get("waiting") or {}
+        if waiting.get("reason") in _IMAGE_PULL:
+            return Problem(reason="ImagePullFailed", message=(
+                f"image {_image(pod, cs)} cannot be pulled: {waiting['reason']}: "
+                f"{waiting.get('message') or 'no message'} (worker in pod {meta.get('name')})"))
         if waiting.get("reason") in _CANNOT_START:
             return Problem(reason="WorkerCannotStart", message=(
                 f"{waiting.get('message') or waiting['reason']} (worker in pod {meta.get('name')}: "
