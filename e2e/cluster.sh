@@ -15,12 +15,12 @@
 # process in its own network namespace (pod IPs 10.244.0.0/24; fast, most e2e files use it).
 # goodput-e2e-real: a real kubelet (built here from the same source package, patched: see KUBELET_PATCHES)
 # on containerd + runc through CRI with a CNI bridge (10.244.1.0/24), running the images of images/build.sh
-# imported from their OCI archives; it comes up cordoned (details: e2e/real-node.sh). GOODPUT_REAL_NODE=0
-# skips it (the test kubelet only).
+# imported from their OCI archives; it comes up cordoned (details: e2e/real-node.sh, docs/local-cluster.md).
+# The real node is OFF by default for now: GOODPUT_REAL_NODE=1 starts it.
 #
 # Usage: e2e/cluster.sh up | down | status | env | install | start | stop
-#   up       install + start + the CRD + the test kubelet + the real node; prints the `export KUBECONFIG=...`
-#            line (stdout)
+#   up       install + start + the CRD + the test kubelet (+ the real node with GOODPUT_REAL_NODE=1); prints
+#            the `export KUBECONFIG=...` line (stdout)
 #   down     the real node (its pods deleted through it, kubelet, containerd, mounts, bridge, the host
 #            changes undone), the test kubelet (it stops its pods), the control plane; remove every network
 #            namespace and link named gpe2e-*, the bridge and the Service-CIDR blackhole route; always all of it
@@ -34,7 +34,7 @@
 #      running cluster; default $K8S_HOME/run), GOODPUT_E2E_LOGS (logs; default $K8S_RUN/log, removed by
 #      `down`), PYTHON (runs the kubelet; default the repository's .venv), API_PORT (6443), ETCD_PORT (2379),
 #      ETCD_PEER_PORT (2380), KUBELET_PORT (10250; the test kubelet's log endpoint), REAL_KUBELET_PORT (10262;
-#      the real kubelet's API), GOODPUT_REAL_NODE (1; 0: no real node), GOODPUT_IMAGES (the OCI archives;
+#      the real kubelet's API), GOODPUT_REAL_NODE (0; 1: start the real node too), GOODPUT_IMAGES (the OCI archives;
 #      default ~/.cache/goodput/images), GOODPUT_BUILD_IMAGES (1; 0: do not run images/build.sh first).
 # Network: everything listens on 127.0.0.1 (the kubelet also forwards 10.244.0.1:6443 to the API server
 # for pods). The API server reaches the kubelet's log endpoint (127.0.0.1:$KUBELET_PORT, for `kubectl logs`)
@@ -330,7 +330,7 @@ cmd_up() {
     --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT" \
     --serve "127.0.0.1:$KUBELET_PORT" --tls-cert "$PKI/kubelet.crt" --tls-key "$PKI/kubelet.key" --client-ca "$PKI/ca.crt"
   wait_for "node goodput-e2e-node" 60 node_ready
-  [ "${GOODPUT_REAL_NODE:-1}" = 0 ] || real_node_up
+  if [ "${GOODPUT_REAL_NODE:-0}" = 1 ]; then real_node_up; fi
   say "up. logs: $LOG. Stop with: bash $0 down"
   echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"
 }

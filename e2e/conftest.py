@@ -185,7 +185,7 @@ def real_node(kubectl: Kubectl, cluster_logs: Path) -> Iterator[LogFile | None]:
     as the only schedulable node while the module runs: the test node is cordoned meanwhile (the
     module's pods, the ones its operator makes included, all run on the real node), then both are put
     back as ``up`` left them (the real node cordoned). Yields the real kubelet's log; None when the
-    cluster has no real node (``GOODPUT_REAL_NODE=0 cluster.sh up``: the module's pods run on the test
+    cluster has no real node (``cluster.sh up`` without GOODPUT_REAL_NODE=1: the module's pods run on the test
     kubelet; ``up`` fails when it cannot start a real node it was asked for)."""
     if kubectl.run("get", "node", REAL_NODE, check=False).returncode != 0:
         yield None

@@ -85,8 +85,9 @@ def test_default_render(helm: str):
     assert c["command"] == ["python", "-m", "goodput.operator"]
     assert c["args"] == ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz",
                          "--router-url=http://goodput-router.goodput-system.svc:8080"]
-    assert {e["name"]: e["value"] for e in c["env"]} == {"GOODPUT_OPERATOR_RESYNC_SECONDS": "60",
-                                                         "GOODPUT_OPERATOR_WORKERS": "16"}
+    assert {e["name"]: e.get("value") or e["valueFrom"] for e in c["env"]} == {
+        "POD_ID": {"fieldRef": {"fieldPath": "metadata.name"}},  # kopf's peering identity: no passwd lookup
+        "GOODPUT_OPERATOR_RESYNC_SECONDS": "60", "GOODPUT_OPERATOR_WORKERS": "16"}
     assert c["livenessProbe"]["httpGet"] == c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert op["spec"]["replicas"] == 1 and op["spec"]["strategy"]["type"] == "Recreate"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "rel-goodput-operator"
