@@ -186,6 +186,8 @@ def worker(archive: str, name: str, workdir: Path) -> None:
             check(f"worker ({label}): serves /v1/chat/completions", all(answers), repr(answers[0][:60]))
             chosen = [ln.split("] ", 1)[-1] for ln in text.splitlines() if "C++ CPU kernels" in ln]
             print(f"     start-up log: {chosen[0] if chosen else '(no kernel line)'}")
+            check(f"worker ({label}): reads the image's weight cache", "weight cache" not in text,
+                  next((ln for ln in text.splitlines() if "weight cache" in ln), "")[-200:])
             if label != "torch":
                 check(f"worker ({label}): start-up log names the kernel level",
                       any("C++ CPU kernels: level" in ln for ln in chosen), chosen[0] if chosen else text[-500:])
