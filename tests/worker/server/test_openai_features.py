@@ -237,7 +237,10 @@ def test_streamed_logprobs_and_echo_add_up_to_the_unstreamed_answer(client):
     for c in full.choices:
         p = parts[c.index]
         assert p["text"] == c.text and p["tokens"] == c.logprobs.tokens
-        assert p["lps"] == pytest.approx(c.logprobs.token_logprobs)
+        # the two runs share batches with whatever else the server runs, and float32 GEMMs reduce in an
+        # order that depends on the batch's shape: the same log-prob to ~1e-5 (measured 1.4e-5 on an
+        # AVX2-only CPU), not to pytest.approx's default 1e-6 relative
+        assert p["lps"] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
         assert p["offsets"] == c.logprobs.text_offset
 
 
