@@ -186,7 +186,7 @@ def test_example_is_reconciled_by_the_chart_operator_ready_and_serves(kubectl: K
     wait_for(lambda: kubectl.run("-n", ns, "wait", "--for=condition=Ready", f"gisvc/{NAME}", "--timeout=30s",
                                  check=False).returncode == 0, POD_READY_S, f"gisvc/{NAME} Ready", on_timeout=diag)
     # the URL column is the chart's router (the operator's --router-url)
-    wait_for(lambda: re.search(rf"^{NAME}\s+True\s+1\s+1\s+smollm2\s+http://goodput-router\.{RELEASE_NS}\.svc:8080\s",
+    wait_for(lambda: re.search(rf"^{NAME}\s+True\s+1\s+1\s+smollm2\s+Accepted\s+http://goodput-router\.{RELEASE_NS}\.svc:8080\s",
                                kubectl.run("-n", ns, "get", "gisvc").stdout, re.M), 60,
              "the router's URL in kubectl get gisvc", on_timeout=diag)
     (pod,) = [p for p in kubectl.json("-n", ns, "get", "pods", "-l",

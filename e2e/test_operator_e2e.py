@@ -198,8 +198,9 @@ def test_apply_creates_owned_children_ready_status_and_serves(kubectl: Kubectl, 
     assert ok.status_code == 200 and bad.status_code == 401, (ok.text, bad.text)
 
     table = kubectl.run("-n", ns, "get", "gisvc").stdout
-    assert table.split("\n")[0].split() == ["NAME", "READY", "REPLICAS", "AVAILABLE", "MODEL", "URL", "AGE"]
-    assert table.split("\n")[1].split()[:6] == [NAME, "True", "1", "1", "smollm2", st["url"]]
+    assert table.split("\n")[0].split() == ["NAME", "READY", "REPLICAS", "AVAILABLE", "MODEL", "MODELNAME", "URL",
+                                            "AGE"]
+    assert table.split("\n")[1].split()[:7] == [NAME, "True", "1", "1", "smollm2", "Accepted", st["url"]]
 
 
 @pytest.mark.timeout(POD_READY_S + 60)

@@ -129,12 +129,12 @@ def build_crd() -> dict[str, Any]:
     }
     columns = [
         {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-        # Accepted, or ModelNameTaken: an earlier InferenceService serves the same model name (model_names)
-        {"name": "ModelName", "type": "string",
-         "jsonPath": '.status.conditions[?(@.type=="ModelNameAccepted")].reason'},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
         {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+        # Accepted, or ModelNameTaken: an earlier InferenceService serves the same model name (model_names)
+        {"name": "ModelName", "type": "string",
+         "jsonPath": '.status.conditions[?(@.type=="ModelNameAccepted")].reason'},
         {"name": "URL", "type": "string", "jsonPath": ".status.url"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
