@@ -7,7 +7,7 @@
 # output, $GOODPUT_IMAGES): nothing is ever pulled (containerd's only proxy is a closed port on loopback, so
 # a pull of a missing image fails at once, ErrImagePull/ImagePullBackOff, without a DNS lookup).
 #
-#   pod network   bridge gpe2e-cni0 (10.244.1.1/24) + host-local 10.244.1.0/24; no masquerade, no default
+#   pod network   bridge gpe2e-cni0 (10.244.1.1/24) + host-local 10.244.1.0/24; no NAT (ipMasq false), no default
 #                 route in pods: a pod reaches its subnet and one more address, 10.0.0.1 (below)
 #   API server    pods get KUBERNETES_SERVICE_HOST/PORT = Service `kubernetes` (10.0.0.1:443); with no
 #                 kube-proxy, 10.0.0.1 is put on gpe2e-cni0 and e2e/api_forward.py forwards it to 127.0.0.1

@@ -1,4 +1,4 @@
-"""The autoscaler under overlap and failover (issue 25): one owner per service when an
+"""The autoscaler under overlap and failover: one owner per service when an
 all-namespaces release and a namespaced one overlap (the operators' namespace Lease rule,
 goodput.autoscaler.claims), and a new leader's first pass (no rates yet) moves no idle clock."""
 from __future__ import annotations

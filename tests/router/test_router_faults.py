@@ -1,4 +1,4 @@
-"""The router under faults, over real HTTP on 127.0.0.1 (issue 25): a pod that answers 500 to
+"""The router under faults, over real HTTP on 127.0.0.1: a pod that answers 500 to
 everything, a pod that resets every connection after accepting it, an engine restarted in place,
 a client that sends its headers and then nothing.
 
