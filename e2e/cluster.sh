@@ -15,12 +15,14 @@
 # process in its own network namespace (pod IPs 10.244.0.0/24; fast, most e2e files use it).
 # goodput-e2e-real: a real kubelet (built here from the same source package, patched: see KUBELET_PATCHES)
 # on containerd + runc through CRI with a CNI bridge (10.244.1.0/24), running the images of images/build.sh
-# imported from their OCI archives; it comes up cordoned (details: e2e/real-node.sh, docs/local-cluster.md).
-# The real node is OFF by default for now: GOODPUT_REAL_NODE=1 starts it.
+# imported from their OCI archives (details: e2e/real-node.sh, docs/local-cluster.md). `up` starts it and
+# makes it the node pods are scheduled to (the test node is cordoned); GOODPUT_REAL_NODE=0 starts only the
+# test kubelet (no images needed). The e2e suite schedules to the test node except where a module asks for
+# the real one (e2e/conftest.py).
 #
 # Usage: e2e/cluster.sh up | down | status | env | install | start | stop
-#   up       install + start + the CRD + the test kubelet (+ the real node with GOODPUT_REAL_NODE=1); prints
-#            the `export KUBECONFIG=...` line (stdout)
+#   up       install + start + the CRD + the test kubelet + the real node (the images built first, cached;
+#            GOODPUT_REAL_NODE=0: no real node); prints the `export KUBECONFIG=...` line (stdout)
 #   down     the real node (its pods deleted through it, kubelet, containerd, mounts, bridge, the host
 #            changes undone), the test kubelet (it stops its pods), the control plane; remove every network
 #            namespace and link named gpe2e-*, the bridge and the Service-CIDR blackhole route; always all of it
@@ -34,7 +36,7 @@
 #      running cluster; default $K8S_HOME/run), GOODPUT_E2E_LOGS (logs; default $K8S_RUN/log, removed by
 #      `down`), PYTHON (runs the kubelet; default the repository's .venv), API_PORT (6443), ETCD_PORT (2379),
 #      ETCD_PEER_PORT (2380), KUBELET_PORT (10250; the test kubelet's log endpoint), REAL_KUBELET_PORT (10262;
-#      the real kubelet's API), GOODPUT_REAL_NODE (0; 1: start the real node too), GOODPUT_IMAGES (the OCI archives;
+#      the real kubelet's API), GOODPUT_REAL_NODE (1; 0: the test kubelet only), GOODPUT_IMAGES (the OCI archives;
 #      default ~/.cache/goodput/images), GOODPUT_BUILD_IMAGES (1; 0: do not run images/build.sh first).
 # Network: everything listens on 127.0.0.1 (the kubelet also forwards 10.244.0.1:6443 to the API server
 # for pods). The API server reaches the kubelet's log endpoint (127.0.0.1:$KUBELET_PORT, for `kubectl logs`)
@@ -330,7 +332,7 @@ cmd_up() {
     --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT" \
     --serve "127.0.0.1:$KUBELET_PORT" --tls-cert "$PKI/kubelet.crt" --tls-key "$PKI/kubelet.key" --client-ca "$PKI/ca.crt"
   wait_for "node goodput-e2e-node" 60 node_ready
-  if [ "${GOODPUT_REAL_NODE:-0}" = 1 ]; then real_node_up; fi
+  if [ "${GOODPUT_REAL_NODE:-1}" = 1 ]; then real_node_up && real_node_schedule; fi
   say "up. logs: $LOG. Stop with: bash $0 down"
   echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"
 }
@@ -370,10 +372,12 @@ cmd_down() {
   say "down"
 }
 
-# The control plane's processes, the node, the pods, and for each running pod the host processes that
-# run its containers (a pod's containers run as host processes in the pod's network namespace: found as
-# the namespace whose eth0 has the pod IP; listed are the namespace's processes whose parent is outside
-# it). `kill PID` kills a container's process by hand; the kubelet restarts it (restartCount + 1).
+# The control plane's processes, the nodes, the pods, and for each running pod the host processes that
+# run its containers: on the test node a pod's containers are host processes in the pod's network
+# namespace (found as the namespace whose eth0 has the pod IP; listed are the namespace's processes whose
+# parent is outside it); on the real node each container is a containerd task (its init process, by the
+# container ID in the pod's status). `kill PID` kills a container's process by hand; the kubelet restarts
+# it (restartCount + 1).
 cmd_status() {
   local f
   for f in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet; do
@@ -398,7 +402,8 @@ cmd_status() {
     [ -n "$ip" ] || continue
     n=${netns_of[$ip]:-}
     if [ -z "$n" ]; then
-      printf '%-20s %-40s %-12s %-10s %8s\n' "$ns" "$pod" "$ip" "-" "-"
+      real_node_pod_processes "$ns" "$pod" "$ip" \
+        || printf '%-20s %-40s %-12s %-10s %8s\n' "$ns" "$pod" "$ip" "-" "-"
       continue
     fi
     inside=()

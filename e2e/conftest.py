@@ -179,15 +179,29 @@ def node_ready(kubectl: Kubectl, node: str) -> bool:
         "get", "node", node).get("status", {}).get("conditions", []))
 
 
+def has_node(kubectl: Kubectl, node: str) -> bool:
+    return kubectl.run("get", "node", node, check=False).returncode == 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_schedules_to_the_test_node(kubeconfig: str, kubectl: Kubectl) -> None:
+    """The suite's pods go to the test node (its files kill pod processes, read host logs): ``cluster.sh
+    up`` schedules to the real node when it has one, so that node is cordoned and the test node uncordoned
+    for the session. A module that wants the real node takes ``real_node``."""
+    if has_node(kubectl, REAL_NODE):
+        kubectl.run("cordon", REAL_NODE)
+        kubectl.run("uncordon", TEST_NODE)
+
+
 @pytest.fixture(scope="module")
 def real_node(kubectl: Kubectl, cluster_logs: Path) -> Iterator[LogFile | None]:
     """The real node of ``cluster.sh up`` (kubelet + containerd + runc + CNI, e2e/real-node.sh), Ready,
     as the only schedulable node while the module runs: the test node is cordoned meanwhile (the
     module's pods, the ones its operator makes included, all run on the real node), then both are put
-    back as ``up`` left them (the real node cordoned). Yields the real kubelet's log; None when the
-    cluster has no real node (``cluster.sh up`` without GOODPUT_REAL_NODE=1: the module's pods run on the test
-    kubelet; ``up`` fails when it cannot start a real node it was asked for)."""
-    if kubectl.run("get", "node", REAL_NODE, check=False).returncode != 0:
+    back as the suite keeps them (the real node cordoned). Yields the real kubelet's log; None when the
+    cluster has no real node (``cluster.sh up`` with GOODPUT_REAL_NODE=0: the module's pods run on the test
+    kubelet; ``up`` fails when it cannot start the real node)."""
+    if not has_node(kubectl, REAL_NODE):
         yield None
         return
     log = LogFile("real kubelet", cluster_logs / "real-kubelet.log")

@@ -15,8 +15,9 @@
 #   kubelet API   127.0.0.1:$REAL_KUBELET_PORT, the cluster CA's certificate (SAN 127.0.0.1), client
 #                 certificates of the cluster CA only, Webhook authorization; node address InternalIP
 #                 127.0.0.1 (the patched loopback check), so logs/exec/port-forward go over loopback
-#   scheduling    the node comes up cordoned: the suite's other files keep the test kubelet; a test that
-#                 wants the real node cordons the test node and uncordons this one (e2e/conftest.py)
+#   scheduling    the node registers cordoned and is uncordoned once Ready, the test node cordoned
+#                 (real_node_schedule): a user's pods run from the images. The e2e suite flips that back for
+#                 its files and gives a module that asks for it the real node (e2e/conftest.py)
 #   state         all under $RUN/real (containerd root/state/socket, runc root, kubelet root dir, CNI config
 #                 and IPAM data, netns mounts). Outside it: the kubelet's /var/log/pods and
 #                 /var/log/containers, libcni's cache /var/lib/cni, containerd's shim sockets in
@@ -158,7 +159,28 @@ real_node_up() {
   wait_for "node $REAL_NODE Ready" 120 real_node_ready
   # the admission plugin taints a new node not-ready; without the node-lifecycle controller nothing lifts it
   kctl taint nodes "$REAL_NODE" node.kubernetes.io/not-ready:NoSchedule- >&2 || true
-  say "real node $REAL_NODE up in $((SECONDS - t0)) s (cordoned; kubelet log $LOG/real-kubelet.log)"
+  say "real node $REAL_NODE up in $((SECONDS - t0)) s (kubelet log $LOG/real-kubelet.log)"
+}
+
+real_node_schedule() { # pods go to the real node: it is uncordoned, the test node cordoned
+  kctl uncordon "$REAL_NODE" >&2
+  kctl cordon goodput-e2e-node >&2
+  say "pods are scheduled to $REAL_NODE (the test node goodput-e2e-node is cordoned; kubectl uncordon it to use both)"
+}
+
+real_node_pod_processes() { # ns pod ip: status lines for the pod's containerd tasks; fails when it has none
+  [ -S "$CTR_SOCK" ] || return 1
+  local ids id pid found=1
+  ids=$(kctl -n "$1" get pod "$2" -o jsonpath='{range .status.containerStatuses[*]}{.containerID}{"\n"}{end}' \
+    2>/dev/null | sed -n 's|^containerd://||p')
+  for id in $ids; do
+    pid=$(ctr_ tasks ls 2>/dev/null | awk -v id="$id" '$1 == id && $3 == "RUNNING" {print $2}')
+    [ -n "$pid" ] || continue
+    ps -o etime=,rss=,args= -p "$pid" 2>/dev/null | awk -v ns="$1" -v pod="$2" -v ip="$3" -v pid="$pid" \
+      '{et=$1; rss=$2; $1=""; $2=""; sub(/^ +/, ""); printf "%-20s %-40s %-12s %-10s %8s %10s %8d  %s\n", ns, pod, ip, "(runc)", pid, et, rss/1024, substr($0, 1, 120)}'
+    found=0
+  done
+  return $found
 }
 
 stop_pid() { # name expected-exe-basename timeout-seconds: SIGTERM, then SIGKILL
