@@ -9,6 +9,7 @@ Without KUBECONFIG the suite is skipped.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -172,6 +173,15 @@ def kubelet(kubectl: Kubectl, cluster_logs: Path) -> LogFile:
 
 
 TEST_NODE, REAL_NODE = "goodput-e2e-node", "goodput-e2e-real"
+# the pod networks the suite may send traffic to: the test node's (e2e/kubelet.py) and the real node's CNI bridge
+POD_NETS = (ipaddress.ip_network("10.244.0.0/24"), ipaddress.ip_network("10.244.1.0/24"))
+
+
+def pod_ip(pod: dict[str, Any]) -> str:
+    """``pod``'s IP, checked to be on one of the local cluster's pod networks (never another address)."""
+    ip = pod["status"]["podIP"]
+    assert any(ipaddress.ip_address(ip) in n for n in POD_NETS), f"pod IP {ip} is not a test pod address"
+    return ip
 
 
 def node_ready(kubectl: Kubectl, node: str) -> bool:

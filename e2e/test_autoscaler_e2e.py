@@ -14,7 +14,6 @@ e2e/autoscaler-rbac.yaml. Test traffic goes only to pod IPs in 10.244.0.0/24.
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import json
 import sys
@@ -27,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import Kubectl, Proc, _child_env, _service_account_kubeconfig, wait_for
+from conftest import Kubectl, Proc, _child_env, _service_account_kubeconfig, pod_ip, wait_for
 from goodput.autoscaler.loop import parse_time
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("kubelet", "operator")]
@@ -64,7 +63,6 @@ HEAVY_CLIENTS = 6   # L = 6 in flight against maxNumSeqs 4 per replica: one repl
 
 
 POD_READY_S = 240  # model load on 2 shared CPU cores
-POD_NET = ipaddress.ip_network("10.244.0.0/24")
 
 
 def manifest(ns: str, name: str, spec: dict[str, Any]) -> str:
@@ -83,11 +81,6 @@ def cond(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
             return c
     return {}
 
-
-def pod_ip(pod: dict[str, Any]) -> str:
-    ip = pod["status"]["podIP"]
-    assert ipaddress.ip_address(ip) in POD_NET, f"pod IP {ip} is not a test pod address"
-    return ip
 
 
 def pods(kubectl: Kubectl, ns: str) -> list[dict[str, Any]]:

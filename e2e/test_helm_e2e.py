@@ -37,8 +37,8 @@ import httpx
 import pytest
 import yaml
 
-from conftest import REAL_NODE, ROOT, Kubectl, LogFile, wait_for
-from test_operator_e2e import POD_READY_S, pod_ip
+from conftest import REAL_NODE, ROOT, Kubectl, LogFile, pod_ip, wait_for
+from test_operator_e2e import POD_READY_S
 
 pytestmark = [pytest.mark.e2e]
 

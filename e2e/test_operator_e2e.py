@@ -11,7 +11,6 @@ namespaces made by e2e/kubelet.py), never to a Service ClusterIP.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import os
 import time
 from pathlib import Path
@@ -21,12 +20,11 @@ import httpx
 import pytest
 import yaml
 
-from conftest import Kubectl, wait_for
+from conftest import Kubectl, pod_ip, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("kubelet", "operator")]
 
 NAME = "tiny"
-POD_NET = ipaddress.ip_network("10.244.0.0/24")
 SELECTOR = f"serving.goodput.dev/inferenceservice={NAME},app.kubernetes.io/component=worker"
 # tiny worker settings: fp32 (no conversion pass), a 16 MiB KV pool, one thread per worker
 TINY_SPEC: dict[str, Any] = {
@@ -61,11 +59,6 @@ def ready_pods(kubectl: Kubectl, ns: str) -> list[dict[str, Any]]:
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")
             and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
 
-
-def pod_ip(pod: dict[str, Any]) -> str:
-    ip = pod["status"]["podIP"]
-    assert ipaddress.ip_address(ip) in POD_NET, f"pod IP {ip} is not a test pod address"
-    return ip
 
 
 def complete(ip: str, prompt: str = "The capital of France is", max_tokens: int = 4) -> dict[str, Any]:
