@@ -75,3 +75,40 @@ OWNS = {
 def test_who_reconciles_a_namespace(case):
     namespaced, held, other, want = OWNS[case]
     assert claims.owns("ml", namespaced=namespaced, claimed=frozenset(held), other_holder=other) is want
+
+
+def test_the_lease_an_operator_writes_carries_its_release():
+    spec = claims.claim(None, "me/1", T)
+    assert claims.lease_body("team-a", spec, "team-a/gp1") == {
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
+        "metadata": {"name": "goodput-operator", "namespace": "team-a",
+                     "annotations": {"serving.goodput.dev/release": "team-a/gp1"}}}
+    body = claims.lease_body("team-a", spec, None, "42")  # an operator started without a release
+    assert body["metadata"] == {"name": "goodput-operator", "namespace": "team-a", "resourceVersion": "42"}
+    assert claims.release_of(body) is None
+    assert claims.release_of(claims.lease_body("team-a", spec, "x/y")) == "x/y"
+    assert claims.release_of(None) is None
+
+
+RELEASES = {
+    # (holder's release, whether its Lease is live, the autoscaler's release) -> decides
+    "absent": (None, None, "a/gp2", True),
+    "own-release": ("a/gp1", True, "a/gp1", True),
+    "other-release-live": ("a/gp1", True, "a/gp2", False),
+    "other-release-expired": ("a/gp1", False, "a/gp2", True),
+    "holder-without-release": ("", True, "a/gp2", True),
+    "autoscaler-without-release": ("a/gp1", True, None, True),
+}
+
+
+@pytest.mark.parametrize("case", RELEASES)
+def test_which_namespaced_autoscaler_decides(case):
+    theirs, live, mine, want = RELEASES[case]
+    if live is None:
+        obj = None
+    else:
+        # renewed 10 s ago for 15 s (live) or 20 s ago (expired at 15:00:00)
+        renew = "2026-12-01T14:59:50.000000Z" if live else "2026-12-01T14:59:40.000000Z"
+        obj = lease(renew=renew)
+        obj["metadata"]["annotations"] = {claims.RELEASE_ANNOTATION: theirs}
+    assert claims.release_decides(obj, mine, T) is want
