@@ -112,3 +112,63 @@ def test_which_namespaced_autoscaler_decides(case):
         obj = lease(renew=renew)
         obj["metadata"]["annotations"] = {claims.RELEASE_ANNOTATION: theirs}
     assert claims.release_decides(obj, mine, T) is want
+
+
+class _Resource:
+    """A fake dynamic-client resource: objects by (namespace, name); writes recorded."""
+
+    def __init__(self, objs=None):
+        self.objs, self.writes = dict(objs or {}), []
+
+    def get(self, name, namespace):
+        from kubernetes.client.exceptions import ApiException
+
+        if (namespace, name) not in self.objs:
+            raise ApiException(status=404, reason="Not Found")
+
+        class _Obj(dict):
+            def to_dict(self):
+                return dict(self)
+        return _Obj(self.objs[(namespace, name)])
+
+    def create(self, body, namespace):
+        self.writes.append(("create", body))
+        self.objs[(namespace, body["metadata"].get("name"))] = body
+
+    def replace(self, body, namespace):
+        self.writes.append(("replace", body))
+        self.objs[(namespace, body["metadata"]["name"])] = body
+
+
+def _two_operators(monkeypatch, leases: _Resource, events: _Resource):
+    from goodput.operator import handlers
+
+    monkeypatch.setattr(handlers.cluster, "resource",
+                        lambda api_version, kind: {"Lease": leases, "Event": events}[kind])
+    return handlers
+
+
+def test_the_operator_writes_its_release_and_the_second_release_stands_by_with_an_event(monkeypatch):
+    """Two namespaced releases for team-a: the first operator's claim carries its release; the
+    second one's pass finds that live claim, holds nothing and posts one Warning Event on the Lease
+    naming both releases (a second pass posts no other)."""
+    leases, events = _Resource(), _Resource()
+    handlers = _two_operators(monkeypatch, leases, events)
+    monkeypatch.setenv(claims.RELEASE_ENV, "team-a/gp1")
+    first = handlers._Claims()
+    assert first.renew(("team-a",)) == ["team-a"]
+    ((verb, body),) = leases.writes
+    assert verb == "create" and claims.release_of(body) == "team-a/gp1"
+    assert body["spec"]["holderIdentity"] == first.identity
+    leases.objs[("team-a", "goodput-operator")]["metadata"].update(resourceVersion="1", uid="lease-uid")
+
+    monkeypatch.setenv(claims.RELEASE_ENV, "team-a/gp2")
+    second = handlers._Claims()
+    second.identity = "gp2-operator-pod/1"  # another process
+    assert second.renew(("team-a",)) == [] and second.renew(("team-a",)) == []
+    assert len(leases.writes) == 1  # it wrote nothing
+    ((_, event),) = events.writes
+    assert (event["type"], event["reason"]) == ("Warning", "StandingBy")
+    assert event["involvedObject"]["kind"] == "Lease" and event["involvedObject"]["name"] == "goodput-operator"
+    assert "release team-a/gp2" in event["message"] and "release team-a/gp1" in event["message"]
+    assert "team-a" in second._standing_by and "team-a" not in second.held
