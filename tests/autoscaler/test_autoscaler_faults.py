@@ -1,6 +1,7 @@
 """The autoscaler under overlap and failover: one owner per service when an
-all-namespaces release and a namespaced one overlap (the operators' namespace Lease rule,
-goodput.autoscaler.claims), and a new leader's first pass (no rates yet) moves no idle clock."""
+all-namespaces release and a namespaced one overlap, or two namespaced releases list the same
+namespace (the operators' namespace Lease rule, goodput.autoscaler.claims), and a new leader's
+first pass (no rates yet) moves no idle clock."""
 from __future__ import annotations
 
 import asyncio
@@ -85,6 +86,80 @@ def test_two_overlapping_installs_one_decides_each_service():
     asyncio.run(scaler("cluster", None).tick())
     asyncio.run(scaler("team-a", "team-a").tick())
     assert decided == {"cluster": [("team-b", "svc")], "team-a": [("team-a", "svc")]}
+
+
+# ------------------------------------------------------------- two namespaced releases, one namespace
+
+
+def released_lease(holder: str | None, renewed_s_ago: float, release: str | None) -> dict:
+    out = lease(holder, renewed_s_ago)
+    out["metadata"].update(namespace="team-a", uid="lease-uid")
+    if release:
+        out["metadata"]["annotations"] = {"serving.goodput.dev/release": release}
+    return out
+
+
+def test_two_namespaced_releases_for_one_namespace_one_autoscaler_decides():
+    """The chart installed twice for team-a (releases gp1 and gp2, both namespaced): gp1's operator
+    holds the Lease, so gp1's autoscaler decides and gp2's stands down, with one Warning Event on the
+    Lease naming both releases; when gp1 stops (its Lease released), gp2's takes over and says so."""
+    objs = [_isvc("team-a", "svc")]
+    leases = {"team-a": released_lease("gp1-goodput-operator-x/1", 2, "team-a/gp1")}
+    decided: dict[str, list] = {"team-a/gp1": [], "team-a/gp2": []}
+    events: dict[str, list] = {"team-a/gp1": [], "team-a/gp2": []}
+    clock = [0.0]
+
+    def scaler(release: str) -> loop.Autoscaler:
+        c = ac.NamespaceClaims(lambda ns: leases[ns], clock=lambda: clock[0], now=lambda: NOW, namespaced=True,
+                               release=release, notify=lambda obj, *e: events[release].append((obj["metadata"]["name"],
+                                                                                                *e)))
+        s = loop.Autoscaler(_Kube(objs), None, None, namespace=["team-a"], claims=c)
+
+        async def reconcile(obj):
+            decided[release].append(obj["metadata"]["name"])
+        s.reconcile = reconcile
+        return s
+
+    gp1, gp2 = scaler("team-a/gp1"), scaler("team-a/gp2")
+    for _ in range(2):  # a second pass changes nothing and posts nothing
+        asyncio.run(gp1.tick())
+        asyncio.run(gp2.tick())
+        clock[0] += 10.0  # past the read cache
+    assert decided == {"team-a/gp1": ["svc", "svc"], "team-a/gp2": []}
+    assert events["team-a/gp1"] == []
+    ((name, etype, reason, message),) = events["team-a/gp2"]
+    assert (name, etype, reason) == ("goodput-operator", "Warning", "StandingDown")
+    assert "release team-a/gp2 stands down in namespace team-a" in message and "release team-a/gp1" in message
+
+    leases["team-a"] = released_lease(None, 0, "team-a/gp1")  # gp1 uninstalled: its operator released the Lease
+    asyncio.run(gp2.tick())
+    assert decided["team-a/gp2"] == ["svc"]
+    assert [e[1:3] for e in events["team-a/gp2"]] == [("Warning", "StandingDown"), ("Normal", "Deciding")]
+
+
+@pytest.mark.parametrize("the_lease,release,decides", [
+    (None, "ns/gp2", True),                                               # nobody claims it
+    (released_lease("op/1", 3, "ns/gp1"), "ns/gp2", False),               # another release's live operator
+    (released_lease("op/1", 3, "ns/gp2"), "ns/gp2", True),                # its own release's operator
+    (released_lease("op/1", 15, "ns/gp1"), "ns/gp2", True),               # lapsed: nobody's
+    (released_lease("op/1", 3, None), "ns/gp2", True),                    # an operator without a release: as before
+    (released_lease("op/1", 3, "ns/gp1"), None, True),                    # an autoscaler without one: as before
+])
+def test_a_namespaced_autoscaler_follows_its_releases_operator(the_lease, release, decides):
+    c = ac.NamespaceClaims(lambda ns: the_lease, now=lambda: NOW, namespaced=True, release=release)
+    assert c.owns("team-a") is decides
+
+
+def test_a_namespaced_autoscaler_lists_every_namespace_it_is_given():
+    objs = [_isvc("a", "x"), _isvc("b", "y"), _isvc("c", "z")]
+    s = loop.Autoscaler(_Kube(objs), None, None, namespace=["a", "b"])
+    seen = []
+
+    async def reconcile(obj):
+        seen.append((obj["metadata"]["namespace"], obj["metadata"]["name"]))
+    s.reconcile = reconcile
+    asyncio.run(s.tick())
+    assert seen == [("a", "x"), ("b", "y")]
 
 
 # ---------------------------------------------------------------------------------- failover clock

@@ -87,7 +87,8 @@ def test_default_render(helm: str):
                          "--router-url=http://goodput-router.goodput-system.svc:8080"]
     assert {e["name"]: e.get("value") or e["valueFrom"] for e in c["env"]} == {
         "POD_ID": {"fieldRef": {"fieldPath": "metadata.name"}},  # kopf's peering identity: no passwd lookup
-        "GOODPUT_OPERATOR_RESYNC_SECONDS": "60", "GOODPUT_OPERATOR_WORKERS": "16"}
+        "GOODPUT_OPERATOR_RESYNC_SECONDS": "60", "GOODPUT_OPERATOR_WORKERS": "16",
+        "GOODPUT_RELEASE": "goodput-system/rel"}  # written on the namespace Leases it holds
     assert c["livenessProbe"]["httpGet"] == c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert op["spec"]["replicas"] == 1 and op["spec"]["strategy"]["type"] == "Recreate"
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "rel-goodput-operator"
@@ -465,3 +466,23 @@ def test_notes_give_commands_that_work_on_the_local_cluster_and_say_what_uninsta
             "app.kubernetes.io/component=router -o jsonpath='{.items[0].status.podIP}')") in text
     assert "curl -s http://$RIP:8080/v1/completions" in text and "http://goodput-router.goodput-system.svc:8080/v1" in text
     assert "RIP=" not in notes(helm, "--set", "router.enabled=false")
+
+
+def test_two_releases_for_one_namespace_carry_their_own_release_names(helm: str):
+    """Two namespaced releases listing team-a: each operator and autoscaler is told its own release
+    (<release namespace>/<release name>), which the operator writes on the namespace Lease and the
+    autoscaler compares with it (goodput.api.claims.release_decides): they cannot both decide."""
+    seen = {}
+    for rel in ("gp1", "gp2"):
+        r = subprocess.run([helm, "template", rel, str(CHART), "--namespace", "team-a",
+                            "--set", "watchNamespaces={team-a}", "--set", "crds.install=false"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        k = by_kind([d for d in yaml.safe_load_all(r.stdout) if d])
+        for component in ("operator", "autoscaler"):
+            c = container(k[("Deployment", "team-a", f"{rel}-goodput-{component}")])
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            seen[(rel, component)] = env["GOODPUT_RELEASE"]
+        assert "--namespace=team-a" in container(k[("Deployment", "team-a", f"{rel}-goodput-autoscaler")])["args"]
+    assert seen == {("gp1", "operator"): "team-a/gp1", ("gp1", "autoscaler"): "team-a/gp1",
+                    ("gp2", "operator"): "team-a/gp2", ("gp2", "autoscaler"): "team-a/gp2"}

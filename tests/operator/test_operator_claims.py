@@ -75,3 +75,100 @@ OWNS = {
 def test_who_reconciles_a_namespace(case):
     namespaced, held, other, want = OWNS[case]
     assert claims.owns("ml", namespaced=namespaced, claimed=frozenset(held), other_holder=other) is want
+
+
+def test_the_lease_an_operator_writes_carries_its_release():
+    spec = claims.claim(None, "me/1", T)
+    assert claims.lease_body("team-a", spec, "team-a/gp1") == {
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
+        "metadata": {"name": "goodput-operator", "namespace": "team-a",
+                     "annotations": {"serving.goodput.dev/release": "team-a/gp1"}}}
+    body = claims.lease_body("team-a", spec, None, "42")  # an operator started without a release
+    assert body["metadata"] == {"name": "goodput-operator", "namespace": "team-a", "resourceVersion": "42"}
+    assert claims.release_of(body) is None
+    assert claims.release_of(claims.lease_body("team-a", spec, "x/y")) == "x/y"
+    assert claims.release_of(None) is None
+
+
+RELEASES = {
+    # (holder's release, whether its Lease is live, the autoscaler's release) -> decides
+    "absent": (None, None, "a/gp2", True),
+    "own-release": ("a/gp1", True, "a/gp1", True),
+    "other-release-live": ("a/gp1", True, "a/gp2", False),
+    "other-release-expired": ("a/gp1", False, "a/gp2", True),
+    "holder-without-release": ("", True, "a/gp2", True),
+    "autoscaler-without-release": ("a/gp1", True, None, True),
+}
+
+
+@pytest.mark.parametrize("case", RELEASES)
+def test_which_namespaced_autoscaler_decides(case):
+    theirs, live, mine, want = RELEASES[case]
+    if live is None:
+        obj = None
+    else:
+        # renewed 10 s ago for 15 s (live) or 20 s ago (expired at 15:00:00)
+        renew = "2026-12-01T14:59:50.000000Z" if live else "2026-12-01T14:59:40.000000Z"
+        obj = lease(renew=renew)
+        obj["metadata"]["annotations"] = {claims.RELEASE_ANNOTATION: theirs}
+    assert claims.release_decides(obj, mine, T) is want
+
+
+class _Resource:
+    """A fake dynamic-client resource: objects by (namespace, name); writes recorded."""
+
+    def __init__(self, objs=None):
+        self.objs, self.writes = dict(objs or {}), []
+
+    def get(self, name, namespace):
+        from kubernetes.client.exceptions import ApiException
+
+        if (namespace, name) not in self.objs:
+            raise ApiException(status=404, reason="Not Found")
+
+        class _Obj(dict):
+            def to_dict(self):
+                return dict(self)
+        return _Obj(self.objs[(namespace, name)])
+
+    def create(self, body, namespace):
+        self.writes.append(("create", body))
+        self.objs[(namespace, body["metadata"].get("name"))] = body
+
+    def replace(self, body, namespace):
+        self.writes.append(("replace", body))
+        self.objs[(namespace, body["metadata"]["name"])] = body
+
+
+def _two_operators(monkeypatch, leases: _Resource, events: _Resource):
+    from goodput.operator import handlers
+
+    monkeypatch.setattr(handlers.cluster, "resource",
+                        lambda api_version, kind: {"Lease": leases, "Event": events}[kind])
+    return handlers
+
+
+def test_the_operator_writes_its_release_and_the_second_release_stands_by_with_an_event(monkeypatch):
+    """Two namespaced releases for team-a: the first operator's claim carries its release; the
+    second one's pass finds that live claim, holds nothing and posts one Warning Event on the Lease
+    naming both releases (a second pass posts no other)."""
+    leases, events = _Resource(), _Resource()
+    handlers = _two_operators(monkeypatch, leases, events)
+    monkeypatch.setenv(claims.RELEASE_ENV, "team-a/gp1")
+    first = handlers._Claims()
+    assert first.renew(("team-a",)) == ["team-a"]
+    ((verb, body),) = leases.writes
+    assert verb == "create" and claims.release_of(body) == "team-a/gp1"
+    assert body["spec"]["holderIdentity"] == first.identity
+    leases.objs[("team-a", "goodput-operator")]["metadata"].update(resourceVersion="1", uid="lease-uid")
+
+    monkeypatch.setenv(claims.RELEASE_ENV, "team-a/gp2")
+    second = handlers._Claims()
+    second.identity = "gp2-operator-pod/1"  # another process
+    assert second.renew(("team-a",)) == [] and second.renew(("team-a",)) == []
+    assert len(leases.writes) == 1  # it wrote nothing
+    ((_, event),) = events.writes
+    assert (event["type"], event["reason"]) == ("Warning", "StandingBy")
+    assert event["involvedObject"]["kind"] == "Lease" and event["involvedObject"]["name"] == "goodput-operator"
+    assert "release team-a/gp2" in event["message"] and "release team-a/gp1" in event["message"]
+    assert "team-a" in second._standing_by and "team-a" not in second.held

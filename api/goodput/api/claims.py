@@ -11,6 +11,14 @@ The rule (docs/kubernetes.md, "Namespaced mode and two releases"): **a namespace
   holder: the namespaced release wins there, and the all-namespaces one takes the namespace back
   when that Lease lapses (the namespaced release is uninstalled or stops).
 
+- **Two namespaced releases for the same namespace** (the chart installed twice, both listing it):
+  the operators settle it by the Lease (one holds it, the other stands by); the autoscalers follow
+  their release's operator. Each operator writes its release (``<release namespace>/<release
+  name>``, from :data:`RELEASE_ENV`, which the chart sets) on the Lease it holds, annotation
+  :data:`RELEASE_ANNOTATION`; a namespaced autoscaler decides for a namespace unless a live holder
+  of *another* release holds its Lease (:func:`release_decides`). The one that stands down says so
+  in its log and in an Event on the Lease, and takes the namespace back if that Lease lapses.
+
 A Lease is live while ``renewTime + leaseDurationSeconds`` is in the future, as in Kubernetes'
 leader election (client-go ``tools/leaderelection``; Lease fields: core API
 ``coordination.k8s.io/v1`` LeaseSpec). Times are ``datetime`` in UTC; the API's MicroTime is
@@ -23,6 +31,10 @@ import datetime
 from typing import Any
 
 LEASE_NAME = "goodput-operator"
+# The release (``<release namespace>/<release name>``) of the operator holding the Lease.
+RELEASE_ANNOTATION = "serving.goodput.dev/release"
+# Where the operator and the autoscaler read their release from (the chart sets it on both).
+RELEASE_ENV = "GOODPUT_RELEASE"
 LEASE_SECONDS = 15
 RENEW_SECONDS = 5
 _FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -92,3 +104,34 @@ def owns(namespace: str, *, namespaced: bool, claimed: set[str] | frozenset[str]
     if namespaced:
         return namespace in claimed
     return other_holder is None
+
+
+def release_of(lease: dict[str, Any] | None) -> str | None:
+    """The release written on ``lease`` (annotation :data:`RELEASE_ANNOTATION`), None when absent or empty."""
+    annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
+    return annotations.get(RELEASE_ANNOTATION) or None
+
+
+def lease_body(namespace: str, spec: dict[str, Any], release: str | None,
+               resource_version: str | None = None) -> dict[str, Any]:
+    """The whole Lease object an operator writes to claim, renew or release ``namespace``: ``spec`` (from
+    :func:`claim` or :func:`release`), its release as annotation :data:`RELEASE_ANNOTATION` (none when
+    ``release`` is None or empty) and, to replace an existing Lease, its ``resource_version``."""
+    meta: dict[str, Any] = {"name": LEASE_NAME, "namespace": namespace}
+    if release:
+        meta["annotations"] = {RELEASE_ANNOTATION: release}
+    if resource_version is not None:
+        meta["resourceVersion"] = resource_version
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+
+
+def release_decides(lease: dict[str, Any] | None, release: str | None, now: datetime.datetime) -> bool:
+    """Whether a namespaced autoscaler of ``release`` decides for the namespace whose operator Lease is
+    ``lease`` at ``now``: False only when a live holder's release is known and is another one. True when
+    nobody holds the Lease (absent, released, expired), when it is held by ``release``'s own operator, or
+    when either release is unknown (an operator or autoscaler started without :data:`RELEASE_ENV`:
+    nothing to compare, so as before the rule)."""
+    if live_holder(lease, now) is None:
+        return True
+    theirs = release_of(lease)
+    return not release or not theirs or theirs == release

@@ -1,6 +1,6 @@
 """``python -m goodput.autoscaler``: the goodput autoscaler's control loop (see ``loop``).
 
-    python -m goodput.autoscaler [--namespace NS | --all-namespaces] [--period 5] [--metrics-port 9091]
+    python -m goodput.autoscaler [--namespace NS ... | --all-namespaces] [--release NS/NAME] [--period 5] [--metrics-port 9091]
         [--metrics-host 0.0.0.0] [--scrape-timeout 2] [--prometheus-url URL] [--once] [--dry-run]
         [--router-namespace NS] [--router-metrics-url URL ...]
         [--no-leader-elect] [--lease-name goodput-autoscaler] [--lease-namespace NS]
@@ -16,6 +16,11 @@ Leader election (on by default; ``lease``): every replica is a candidate for the
 ``--lease-name`` in ``--lease-namespace`` (default ``$POD_NAMESPACE``, else goodput-system); only
 the holder reconciles, a standby takes over within ``--lease-duration`` seconds of the holder's
 last renewal. ``--once`` and ``--dry-run`` write nothing and do not take part.
+
+Overlapping releases (``goodput.api.claims``, ``goodput.autoscaler.claims``): all namespaces, it
+skips the namespaces a namespaced release's operator claims; with ``--namespace`` (repeatable), it
+stands down in a namespace whose operator Lease is held by another release's operator
+(``--release``, ``$GOODPUT_RELEASE``: its own release, which the chart sets).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from goodput.api.claims import RELEASE_ENV
 from goodput.api.settings import add_flags, setting, settings
 
 from goodput.autoscaler.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S
@@ -36,7 +42,8 @@ from goodput.autoscaler.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_P
 class AutoscalerSettings:
     """The autoscaler's flags, one declaration each (``goodput.api.settings.setting``)."""
 
-    namespace: str | None = setting(None, "only this namespace", alias="-n")
+    namespace: list[str] = setting([], "only this namespace (repeatable: one per namespace)", alias="-n",
+                                   metavar="NS")
     all_namespaces: bool = setting(False, "every namespace (the default)", alias="-A")
     period: float = setting(5.0, "seconds between reconcile passes", gt=0)
     metrics_port: int = setting(9091, "port of its own /metrics (0 = off)", ge=0, le=65535, metavar="PORT")
@@ -61,6 +68,9 @@ class AutoscalerSettings:
                                     "renewal", gt=0)
     retry_period: float = setting(RETRY_PERIOD_S, "seconds between tries to acquire or renew", gt=0)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    release: str | None = setting(None, "its Helm release, <release namespace>/<release name>: with --namespace, "
+                                  "it stands down in a namespace whose operator Lease another release holds",
+                                  env=RELEASE_ENV, metavar="NS/NAME")
 
 
 _SCOPE = ("namespace", "all_namespaces")
@@ -103,10 +113,12 @@ async def _main(ns: argparse.Namespace) -> int:
             routers = RouterScraper(http, ns.scrape_timeout, ns.router_metrics_url,
                                     kube if ns.router_namespace else None, ns.router_namespace)
         from goodput.autoscaler.claims import NamespaceClaims
-        scaler = Autoscaler(kube, source, http, namespace=ns.namespace, period_s=ns.period, metrics=metrics,
+        scaler = Autoscaler(kube, source, http, namespace=ns.namespace or None, period_s=ns.period, metrics=metrics,
                             dry_run=ns.dry_run, routers=routers,
-                            # all namespaces: skip those a namespaced release claims (as the operators)
-                            claims=None if ns.namespace else NamespaceClaims(kube.operator_lease))
+                            # all namespaces: skip those a namespaced release claims (as the operators);
+                            # namespaced: stand down where another release's operator holds the Lease
+                            claims=NamespaceClaims(kube.operator_lease, namespaced=bool(ns.namespace),
+                                                   release=ns.release, notify=kube.lease_event))
         if ns.once:
             try:
                 decisions = await scaler.tick()
@@ -124,7 +136,7 @@ async def _main(ns: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         logging.getLogger("goodput.autoscaler").info(
             "autoscaling InferenceServices in %s every %.3g s (metrics from %s)",
-            ns.namespace or "all namespaces", ns.period, ns.prometheus_url or "the pods' /metrics")
+            ", ".join(ns.namespace) or "all namespaces", ns.period, ns.prometheus_url or "the pods' /metrics")
         if not ns.leader_elect or ns.dry_run:
             await scaler.run(stop)
             return 0

@@ -557,6 +557,11 @@ class Kube:
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self.pods.get(namespace=namespace, label_selector=selector).to_dict().get("items") or []
 
+    def lease_event(self, lease: Mapping[str, Any], etype: str, reason: str, message: str) -> None:
+        """An Event about a namespace's operator Lease (best effort)."""
+        self.recorder.record({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": lease["metadata"]},
+                             etype, reason, message)
+
     def operator_lease(self, namespace: str) -> dict[str, Any] | None:
         """The operator's namespace Lease (goodput.api.claims.LEASE_NAME), None when absent."""
         from kubernetes.client.exceptions import ApiException
@@ -609,19 +614,23 @@ class Autoscaler:
     """
 
     def __init__(self, kube: Any, source: MetricsSource, http: httpx.AsyncClient, *,
-                 namespace: str | None = None, period_s: float = 5.0, metrics: AutoscalerMetrics | None = None,
+                 namespace: str | Sequence[str] | None = None, period_s: float = 5.0,
+                 metrics: AutoscalerMetrics | None = None,
                  wall_clock=time.time, dry_run: bool = False, routers: RouterScraper | None = None,
                  drain_unready_wait_s: float = 30.0, claims: Any = None):
         self.kube, self.source, self.http = kube, source, http
-        # an all-namespaces autoscaler skips the namespaces a namespaced release claims
-        # (goodput.autoscaler.claims.NamespaceClaims; None: every namespace listed is decided here)
+        # the namespaces another release owns are skipped (goodput.autoscaler.claims.NamespaceClaims;
+        # None: every namespace listed is decided here)
         self.claims = claims
         # a scale-in waits up to this long for its drained pods to be reported unready (see apply)
         self.drain_unready_wait_s = drain_unready_wait_s
         self.routers = routers  # None: no router in front of the services (Observation.router None)
         self._router_view: dict[observe.ServiceKey, policy.RouterObservation] | None = None
         self.dry_run = dry_run  # observe, decide and plan; apply nothing
-        self.namespace, self.period_s = namespace, period_s
+        # the namespaces it decides for (None: all); a str is one namespace
+        self.namespaces: tuple[str, ...] | None = ((namespace,) if isinstance(namespace, str)
+                                                   else None if namespace is None else tuple(namespace))
+        self.period_s = period_s
         self.metrics = metrics
         self.wall_clock = wall_clock
         self._prev: dict[tuple[str, str], dict[str, observe.PodSample]] = {}  # (ns, name) -> uid -> sample
@@ -652,7 +661,10 @@ class Autoscaler:
 
     async def tick(self) -> dict[tuple[str, str], policy.Decision]:
         """One pass over every autoscaled InferenceService; returns the decisions by (namespace, name)."""
-        objs = await asyncio.to_thread(self.kube.list_isvcs, self.namespace)
+        if self.namespaces is None:
+            objs = await asyncio.to_thread(self.kube.list_isvcs, None)
+        else:
+            objs = [o for n in self.namespaces for o in await asyncio.to_thread(self.kube.list_isvcs, n)]
         self._router_view = await self._observe_routers()
         todo = [o for o in objs if ((o.get("spec") or {}).get("autoscaling") or {}).get("enabled")
                 and not o["metadata"].get("deletionTimestamp")]

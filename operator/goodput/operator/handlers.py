@@ -186,6 +186,8 @@ class _Claims:
     def __init__(self) -> None:
         # the pod's name (Kubernetes sets HOSTNAME to it) and the process: unique per operator process
         self.identity = f"{os.environ.get('HOSTNAME') or socket.gethostname()}/{os.getpid()}"
+        # its release, written on the Leases it holds (the autoscalers of other releases stand down there)
+        self.release = os.environ.get(claims.RELEASE_ENV) or None
         self._lock = threading.Lock()
         self.held: set[str] = set()
         self.renewed: dict[str, float] = {}  # namespace -> monotonic time of the last successful claim write
@@ -207,13 +209,11 @@ class _Claims:
                 lease = self._read(ns)
                 spec = claims.claim(lease, self.identity, now)
                 if spec is not None:
-                    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
-                            "metadata": {"name": claims.LEASE_NAME, "namespace": ns}}
                     if lease is None:
-                        res.create(body=body, namespace=ns)
+                        res.create(body=claims.lease_body(ns, spec, self.release), namespace=ns)
                     else:
-                        body["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
-                        res.replace(body=body, namespace=ns)
+                        res.replace(body=claims.lease_body(ns, spec, self.release,
+                                                           lease["metadata"]["resourceVersion"]), namespace=ns)
             except ApiException as e:  # 409: someone else wrote it first; the next pass reads it again
                 log.warning("Lease %s/%s: %s %s", ns, claims.LEASE_NAME, e.status, e.reason)
                 spec = None
@@ -235,8 +235,13 @@ class _Claims:
                                     claims.LEASE_NAME)
                     if self._standing_by.get(ns) != holder:
                         self._standing_by[ns] = holder
-                        log.warning("namespace %s is claimed by another goodput operator (%s, Lease %s/%s): "
-                                    "standing by until it lapses", ns, holder, ns, claims.LEASE_NAME)
+                        theirs = claims.release_of(lease) or "unknown release"
+                        message = (f"the goodput operator {self.identity} (release {self.release or 'unknown'}) "
+                                   f"stands by in namespace {ns}: the operator {holder} of release {theirs} "
+                                   f"holds Lease {ns}/{claims.LEASE_NAME}; it takes over if that Lease lapses")
+                        log.warning("%s", message)
+                        if lease is not None:
+                            post_lease_event(lease, "Warning", "StandingBy", message)
         return gained
 
     def release_all(self) -> None:
@@ -247,10 +252,8 @@ class _Claims:
                 lease = self._read(ns)
                 spec = claims.release(lease, self.identity)
                 if spec is not None and lease is not None:
-                    cluster.resource("coordination.k8s.io/v1", "Lease").replace(namespace=ns, body={
-                        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
-                        "metadata": {"name": claims.LEASE_NAME, "namespace": ns,
-                                     "resourceVersion": lease["metadata"]["resourceVersion"]}})
+                    cluster.resource("coordination.k8s.io/v1", "Lease").replace(namespace=ns, body=claims.lease_body(
+                        ns, spec, self.release, lease["metadata"]["resourceVersion"]))
                     log.info("namespace %s released (Lease %s)", ns, claims.LEASE_NAME)
             except ApiException as e:
                 log.warning("releasing Lease %s/%s: %s %s", ns, claims.LEASE_NAME, e.status, e.reason)
@@ -500,6 +503,17 @@ def post_event(body: dict[str, Any], etype: str, reason: str, message: str) -> N
         cluster.resource("v1", "Event").create(body=event, namespace=meta["namespace"])
     except ApiException as e:  # an event is best effort; the condition already says it
         log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
+
+
+def post_lease_event(lease: dict[str, Any], etype: str, reason: str, message: str) -> None:
+    """Create a core/v1 Event about a namespace's claim Lease (``kubectl get events -n NS`` shows it)."""
+    meta = lease["metadata"]
+    obj = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta}
+    event = kube.event_body(obj, etype, reason, message, component=resources.MANAGED_BY, now=time.time())
+    try:
+        cluster.resource("v1", "Event").create(body=event, namespace=meta["namespace"])
+    except ApiException as e:  # best effort: the log line says it too
+        log.warning("could not post event %s for Lease %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 
 
 def _plain(body: Any) -> dict[str, Any]:

@@ -8,10 +8,9 @@ passed through event by event), ``GET /v1/models`` (every served model), ``/v1/m
 One request (generate routes): the body is read (413 beyond ``max_body_bytes``) and parsed (400:
 not JSON, not an object, no string ``model``); ``model`` names the service (404 naming it when
 unknown); :class:`~goodput.router.admission.Admission` holds, picks, queues or refuses; the body
-is sent as is to the pod over one pooled ``aiohttp.ClientSession`` (keep-alive; the data path:
-httpx's pool rescans every pooled connection per request, which measured ~4 ms of CPU per request
-at a few hundred connections; bench/results/*-router-latency.md). The low-rate calls (scrape,
-models, tokenize) use an ``httpx.AsyncClient``. The request itself (retries before the first byte,
+is sent as is to the pod over the router's one HTTP client (goodput.router.upstream: one pooled
+``aiohttp.ClientSession`` for the data path and the router's own calls, scrape, probes, model
+cards, tokenize; its timeouts declared once there). The request itself (retries before the first byte,
 the buffered and SSE relays) is :func:`goodput.router.forward.forward`; pods that keep failing are
 set aside by outlier ejection (goodput.router.outlier); a pod whose engine id changes
 (goodput.api.identity: answer header or scrape) loses its prefix-cache knowledge at once
@@ -32,7 +31,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from goodput.api.errors import error_body
@@ -40,6 +38,7 @@ from goodput.api.settings import setting, validate
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from goodput.router.admission import Admission
+from goodput.router.discovery_static import StaticDiscovery
 from goodput.router.errors import APIError, install_error_handlers
 from goodput.router.fleet import Discovery, Fleet, Pod, Service
 from goodput.router.forward import DRAINING, Attempt, Exchange, forward, verdict
@@ -48,6 +47,7 @@ from goodput.router.outlier import FAILURE, OutlierConfig, Outliers
 from goodput.router.picker import PickConfig, PrefixIndex
 from goodput.router.routing import request_key
 from goodput.router.scrape import scrape_forever, scrape_pod
+from goodput.router.upstream import ERRORS, Timeouts, Upstream
 from goodput.api.identity import INSTANCE_HEADER
 
 log = logging.getLogger("goodput.router")
@@ -59,8 +59,6 @@ _FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", 
 _FORWARD_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 # The router's own refusals by error code -> goodput_router_requests_total outcome.
 _OUTCOMES = {"queue_full": "refused", "queue_timeout": "timeout", "no_ready_pod": "timeout"}
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-              httpx.WriteError)
 
 
 @dataclass
@@ -83,6 +81,9 @@ class RouterSettings:
                                   ge=1)
     connect_timeout_s: float = setting(5.0, "upstream connect timeout (retried on another pod)",
                                        flag="--connect-timeout", gt=0)
+    probe_timeout_s: float = setting(5.0, "longest wait for the whole answer to one of the router's own calls to "
+                                     "a pod (scrape of /metrics, static mode's /ready probe, /v1/models card)",
+                                     flag="--probe-timeout", gt=0)
     max_connections: int = setting(2000, "upstream connection pool size (keep-alive)", flag="--max-connections",
                                    ge=1)
     header_timeout_s: float = setting(30.0, "longest wait for a client's request head (a connection that sends "
@@ -102,6 +103,10 @@ class RouterSettings:
     def __post_init__(self) -> None:
         validate(self)
         self.outlier_config()
+
+    def timeouts(self) -> Timeouts:
+        """The upstream client's timeouts (goodput.router.upstream)."""
+        return Timeouts(connect_s=self.connect_timeout_s, probe_s=self.probe_timeout_s)
 
     def outlier_config(self) -> OutlierConfig:
         """The outlier-ejection knobs (goodput.router.outlier); ValueError on bad values."""
@@ -177,7 +182,7 @@ def _req_headers(request: Request) -> dict[str, str]:
     return h
 
 
-def _resp_headers(resp: httpx.Response | aiohttp.ClientResponse, pod: Pod | None) -> dict[str, str]:
+def _resp_headers(resp: Any, pod: Pod | None) -> dict[str, str]:
     h = {k: v for k in _FORWARD_RESP if (v := resp.headers.get(k)) is not None}
     if pod is not None:
         h[POD_HEADER] = pod.name
@@ -249,7 +254,7 @@ def _asgi_resp_headers(resp: aiohttp.ClientResponse, pod: Pod) -> list[tuple[byt
 
 
 class Router:
-    """The router's state: the fleet, admission, the upstream client, metrics."""
+    """The router's state: the fleet, admission, the upstream client (``upstream``), metrics."""
 
     def __init__(self, discovery: Discovery, settings: RouterSettings, fleet: Fleet | None = None,
                  pick_cfg: PickConfig | None = None):
@@ -266,8 +271,7 @@ class Router:
                                    learn_limits=self.learn_limits, outliers=self.outliers)
         self.metrics.watch_fleet(self.fleet, self.outliers)
         self._scrapes: dict[str, asyncio.Future] = {}  # pod URL -> the scrape in progress
-        self.client: httpx.AsyncClient | None = None
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream = Upstream(settings.timeouts(), settings.max_connections)
         self.cards: dict[tuple[str, str], dict[str, Any]] = {}  # (pod URL, model) -> the pod's card
         self._tasks: list[asyncio.Task] = []
 
@@ -275,16 +279,11 @@ class Router:
 
     async def start(self) -> None:
         s = self.settings
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
-            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections,
-                                keepalive_expiry=60.0))
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=s.max_connections, keepalive_timeout=60.0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s),
-            skip_auto_headers=("User-Agent",))
+        self.upstream.open()
+        if isinstance(self.discovery, StaticDiscovery) and self.discovery.http is None:
+            self.discovery.http = self.upstream  # its /ready probes: the same client and timeouts
         self._tasks = [asyncio.create_task(self._run_discovery(), name="discovery"),
-                       asyncio.create_task(scrape_forever(self.fleet, self.client, s.scrape_period_s,
+                       asyncio.create_task(scrape_forever(self.fleet, self.upstream, s.scrape_period_s,
                                                           self.admission.dispatch, self.note_instance),
                                            name="scrape")]
 
@@ -304,10 +303,7 @@ class Router:
         for t in self._tasks:
             with suppress(asyncio.CancelledError, Exception):
                 await t
-        if self.client is not None:
-            await self.client.aclose()
-        if self.session is not None:
-            await self.session.close()
+        await self.upstream.close()
 
     # ------------------------------------------------------------------------- helpers
 
@@ -318,8 +314,7 @@ class Router:
         for p in pods:
             fut = self._scrapes.get(p.url)
             if fut is None:
-                assert self.client is not None
-                fut = self._scrapes[p.url] = asyncio.ensure_future(scrape_pod(self.client, p, self.note_instance))
+                fut = self._scrapes[p.url] = asyncio.ensure_future(scrape_pod(self.upstream, p, self.note_instance))
                 fut.add_done_callback(lambda _, url=p.url: self._scrapes.pop(url, None))
             futs.append(fut)
         if futs:
@@ -458,11 +453,10 @@ class Router:
                            headers={"Retry-After": str(max(1, round(self.settings.retry_after_s)))})
         for pod in pods[:2]:
             try:
-                assert self.client is not None
-                r = await self.client.post(pod.url + path, content=raw, headers=_req_headers(request))
-            except _RETRYABLE:
+                r = await self.upstream.post(pod.url + path, raw, _req_headers(request))
+            except ERRORS:  # no answer, or one cut short: the next pod
                 continue
-            return Response(r.content, status_code=r.status_code, headers=_resp_headers(r, pod))
+            return Response(r.body, status_code=r.status, headers=_resp_headers(r, pod))
         raise APIError(502, f"no pod of {model!r} answered")
 
     async def card(self, svc: Service) -> dict[str, Any]:
@@ -472,13 +466,12 @@ class Router:
             if (pod.url, svc.info.model) in self.cards:
                 return self.cards[(pod.url, svc.info.model)]
             try:
-                assert self.client is not None
-                r = await self.client.get(pod.url + "/v1/models", timeout=2.0)
-                for card in r.json().get("data", []):
+                r = await self.upstream.get(pod.url + "/v1/models")
+                for card in json.loads(r.body).get("data", []):
                     if card.get("id") == svc.info.model:
                         self.cards[(pod.url, svc.info.model)] = card
                         return card
-            except (httpx.HTTPError, ValueError, AttributeError):
+            except (*ERRORS, ValueError, AttributeError):
                 continue
         return fallback
 

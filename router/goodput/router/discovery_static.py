@@ -5,19 +5,20 @@ Each ``MODEL=URL,...`` is one service (namespace ``""``, name = the model) whose
 (pod name = ``host:port`` of the URL). Without a kubelet to say which pod is Ready, the source
 probes each pod's ``GET /ready`` every ``period_s`` (the router's ``--scrape-period``): 200 →
 Ready; 503 with ``{"status": "draining"}`` → draining (the worker's drain, see
-worker_image/goodput/worker/server/app.py); anything else, or no answer → not Ready. Pods start
-not Ready until their first probe.
+worker_image/goodput/worker/server/app.py); anything else, or no answer within the probe timeout
+→ not Ready. Pods start not Ready until their first probe. The probes go through the router's one
+client (goodput.router.upstream; the router hands it over as ``http``).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx
-
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo
+from goodput.router.upstream import ERRORS, Timeouts, Upstream
 
 
 def parse_static(spec: str) -> tuple[str, list[str]]:
@@ -49,13 +50,15 @@ def pod_name(url: str) -> str:
 
 @dataclass
 class StaticDiscovery:
-    """Fills the fleet from ``--static`` specs once. ``startup_timeout_s``: the ``--hold-timeout``
-    (None: the router's default)."""
+    """Fills the fleet from ``--static`` specs once, then probes the pods. ``startup_timeout_s``:
+    the ``--hold-timeout`` (None: the router's default); ``period_s``: seconds between probes;
+    ``http``: the router's client (the router sets it before :meth:`run`; None: :meth:`run` opens
+    one of its own with default timeouts)."""
 
     specs: list[str]
     startup_timeout_s: float | None = None
     period_s: float = 2.0
-    probe_timeout_s: float = 2.0
+    http: Upstream | None = None
 
     def services(self) -> list[tuple[ServiceInfo, list[PodInfo]]]:
         """The parsed specs; raises ValueError for a bad spec or a model given twice."""
@@ -79,14 +82,20 @@ class StaticDiscovery:
     async def run(self, fleet: Fleet) -> None:
         """Fill the fleet, then probe every pod's ``/ready`` each ``period_s``, forever."""
         self.fill(fleet)
-        async with httpx.AsyncClient(timeout=self.probe_timeout_s) as client:
+        own = self.http is None
+        client = Upstream(Timeouts(connect_s=2.0, probe_s=2.0), max_connections=100) if own else self.http
+        client.open()
+        try:
             await self.probe_all(fleet, client)
             fleet.mark_synced()
             while True:
                 await asyncio.sleep(self.period_s)
                 await self.probe_all(fleet, client)
+        finally:
+            if own:
+                await client.close()
 
-    async def probe_all(self, fleet: Fleet, client: httpx.AsyncClient) -> None:
+    async def probe_all(self, fleet: Fleet, client: Upstream) -> None:
         """One probe of every pod of every service; updates the pods whose state changed."""
         pods = [(svc.key, pod.info) for svc in fleet.services() for pod in svc.pods.values()]
         states = await asyncio.gather(*(probe_ready(client, info.url) for _, info in pods))
@@ -95,17 +104,17 @@ class StaticDiscovery:
                 fleet.set_pod(key[0], key[1], dataclasses.replace(info, ready=ready, draining=draining))
 
 
-async def probe_ready(client: httpx.AsyncClient, url: str) -> tuple[bool, bool]:
+async def probe_ready(client: Upstream, url: str) -> tuple[bool, bool]:
     """``GET url/ready`` → (ready, draining): 200 → (True, False); 503 whose JSON ``status`` is
-    ``"draining"`` → (False, True); any other answer or a transport error → (False, False)."""
+    ``"draining"`` → (False, True); any other answer, a transport error or a timeout → (False, False)."""
     try:
         r = await client.get(url + "/ready")
-    except httpx.HTTPError:
+    except ERRORS:
         return False, False
-    if r.status_code == 200:
+    if r.status == 200:
         return True, False
     try:
-        draining = r.json().get("status") == "draining"
+        draining = json.loads(r.body).get("status") == "draining"
     except (ValueError, AttributeError):
         draining = False
     return False, draining

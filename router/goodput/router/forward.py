@@ -22,7 +22,6 @@ Never after the first byte: a stream cut mid-way ends the client's stream with o
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -35,6 +34,7 @@ import aiohttp
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
 from goodput.router.picker import RouteKey
+from goodput.router.upstream import CONNECTION_ERRORS as RETRYABLE
 
 log = logging.getLogger("goodput.router")
 
@@ -42,9 +42,6 @@ log = logging.getLogger("goodput.router")
 ANSWER, DRAINING, FULL, SERVER_ERROR, CONN_ERROR = "answer", "draining", "full", "server_error", "conn_error"
 # Next actions.
 DELIVER, RETRY_OTHER, RETRY_SAME, REQUEUE, FAIL = "deliver", "retry_other", "retry_same", "requeue", "fail"
-
-# The data path's (aiohttp) errors before the first byte: refused, reset, closed, connect timeout.
-RETRYABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -221,7 +218,7 @@ async def attempt(session: aiohttp.ClientSession, ex: Exchange) -> tuple[aiohttp
 async def forward(rt: Any, ex: Exchange, send) -> None:
     """Acquire a pod, send, act on :func:`next_action`, relay the answer (module doc).
 
-    ``rt``: the :class:`~goodput.router.app.Router` (admission, session, metrics, prefix index,
+    ``rt``: the :class:`~goodput.router.app.Router` (admission, upstream client, metrics, prefix index,
     and its ``observe(ex, resp, attempt)`` / ``scrape_now``). Raises APIError for the router's
     own refusals (429, 503, 404 from admission) and the 502 of ``fail``."""
     adm, svc = rt.admission, ex.svc
@@ -232,7 +229,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
     try:
         while True:
             sent = time.perf_counter()
-            resp, a = await attempt(rt.session, ex)
+            resp, a = await attempt(rt.upstream.session, ex)
             rt.observe(ex, resp, a)
             other = None
             if a.kind != ANSWER and not ex.moved:

@@ -1,19 +1,20 @@
 """Periodic scrape of each pod's ``/metrics`` (Prometheus text, parsed by prometheus_client):
 the worker's running / waiting requests, KV-cache usage and admission limits, written onto the
 fleet's :class:`~goodput.router.fleet.Pod` records (names: ``goodput.api.worker_metrics``,
-standard library only)."""
+standard library only). Fetched through the router's one client (goodput.router.upstream: the
+probe timeout bounds each scrape)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
 
-import httpx
 from goodput.api import worker_metrics as wmn
 from goodput.api.identity import INSTANCE_LABEL
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodput.router.fleet import Fleet, Pod, Service
+from goodput.router.upstream import ERRORS, Upstream
 
 log = logging.getLogger("goodput.router.scrape")
 
@@ -46,17 +47,18 @@ def instance_id(text: str) -> str | None:
     return None
 
 
-async def scrape_pod(client: httpx.AsyncClient, pod: Pod,
+async def scrape_pod(client: Upstream, pod: Pod,
                      on_instance: Callable[[Pod, str | None], None] | None = None) -> bool:
     """Scrape one pod; True when its limits changed (a queued request may now fit).
     ``on_instance(pod, engine id)`` with the id the scrape found (the router's restart check)."""
     try:
         r = await client.get(pod.url + "/metrics")
-        if r.status_code != 200:
+        if r.status != 200:
             return False
-        values = parse_pod_metrics(r.text)
-        instance = instance_id(r.text) if on_instance is not None else None
-    except (httpx.HTTPError, ValueError) as e:
+        text = r.body.decode("utf-8", errors="replace")
+        values = parse_pod_metrics(text)
+        instance = instance_id(text) if on_instance is not None else None
+    except (*ERRORS, ValueError) as e:
         log.debug("scrape %s: %r", pod.url, e)
         return False
     if on_instance is not None:
@@ -67,7 +69,7 @@ async def scrape_pod(client: httpx.AsyncClient, pod: Pod,
     return (pod.max_num_seqs, pod.max_waiting) != before
 
 
-async def scrape_forever(fleet: Fleet, client: httpx.AsyncClient, period_s: float,
+async def scrape_forever(fleet: Fleet, client: Upstream, period_s: float,
                          on_limits: Callable[[Service], None],
                          on_instance: Callable[[Pod, str | None], None] | None = None) -> None:
     """Every ``period_s``: scrape every pod of every service at once; ``on_limits(service)`` for
