@@ -123,7 +123,7 @@ def release(kubectl: Kubectl, crd: dict, real_node: LogFile, operator, ns: str):
 def on_real_node(real_node: LogFile | None) -> LogFile:
     """The real kubelet's log; skips a test that needs what only the real node has."""
     if real_node is None:
-        pytest.skip("no real node (start the cluster with GOODPUT_REAL_NODE=1): the chart runs on the test kubelet")
+        pytest.skip("no real node (the cluster was started with GOODPUT_REAL_NODE=0): the chart runs on the test kubelet")
     return real_node
 
 
