@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels-only", action="store_true", help="only make the wheels directory and print it")
     ap.add_argument("--kernel-levels", default=os.environ.get("GOODPUT_KERNEL_LEVELS") or "all",
                     help="the worker's prebuilt C++ kernel levels: all (default), none, or e.g. avx2,baseline "
-                         "(each level compiles for ~3 CPU-minutes once; later builds reuse it)")
+                         "(each level compiles for ~1 CPU-minute once; later builds reuse it)")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     cache = Cache(a.cache)

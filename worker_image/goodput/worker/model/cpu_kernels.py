@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f
            for f in ("paged_attention.cpp", "layer_ops.cpp", "block_linear.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "kernel_api.h"]  # part of the build's key, not compiled
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _PORTABLE_CFLAGS = [f for f in CFLAGS if not f.startswith("-march=")]  # + a level's -march flags
@@ -91,7 +92,7 @@ def cache_dir() -> Path:
 
 
 def _key(*parts: str) -> str:
-    src = "\0".join(p.read_text() for p in SOURCES)
+    src = "\0".join(p.read_text() for p in SOURCES + HEADERS)
     return hashlib.sha256("\0".join([src, *parts, torch.__version__]).encode()).hexdigest()[:12]
 
 

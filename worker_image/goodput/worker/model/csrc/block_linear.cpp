@@ -32,7 +32,7 @@
 //                each). Groups of T <= 2 store steps in twos, 32 bytes: byte i = code(t₀, i) |
 //                code(t₀ + 1, i) << 4 (a missing last odd step has codes 0). d, m float16 [N, nb].
 //   Q8 (kind 1): codes int8 [N, K] in weight order; d float16 [N, nb]; no m.
-#include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <ATen/Parallel.h>
 

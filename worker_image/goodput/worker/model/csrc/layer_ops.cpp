@@ -4,7 +4,7 @@
 // torch would round to T is rounded to T here too (round to nearest even), so results equal the
 // torch ops bit for bit except where a reduction (RMSNorm's mean) or exp (SiLU) is summed or
 // evaluated in another order (float32 ulps).
-#include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <ATen/Parallel.h>
 

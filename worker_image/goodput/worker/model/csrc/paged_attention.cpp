@@ -7,7 +7,7 @@
 // Layouts (goodput.worker.model.attention.base): q [B, H, D]; caches [num_blocks, block_size,
 // KV, D]; block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query head h reads KV head
 // h / (H / KV) (grouped-query attention).
-#include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <ATen/Parallel.h>
 
