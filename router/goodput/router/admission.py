@@ -20,8 +20,10 @@ Outlier ejection (goodput.router.outlier): a pod set aside is not picked while a
 pod is not (a retry never goes to one); when every routable pod is set aside they are all
 picked from (never a service without a pod). Picking a pod due for its probe claims the probe.
 
-A chosen pod's ``in_flight`` is incremented at the choice (so the next pick sees it) and
-decremented by :meth:`Admission.release` when the response ends. All of it runs on the event loop.
+A chosen pod's ``in_flight`` is incremented at the choice (so the next pick sees it), its
+``work`` grows by the pick's cost and the prefix index holds the request's chunks for it (a
+prefill pending there counts as cached for the next request); :meth:`Admission.release` undoes
+all three when the response ends. All of it runs on the event loop.
 """
 from __future__ import annotations
 
@@ -102,6 +104,8 @@ class Admission:
         if self.outliers is not None:
             self.outliers.claim((*svc.key, pod.name), self.clock())
         pod.in_flight += 1
+        pod.work += choice.cost
+        self.index.hold(key, pod.name)
         self.metrics.decisions.labels(choice.reason).inc()
         return pod, choice
 
@@ -117,10 +121,15 @@ class Admission:
         ok = [p for p in pods if self.outliers.admits((*svc.key, p.name), now)]
         return ok or pods
 
-    def release(self, svc: Service, pod: Pod) -> None:
-        """The response from ``pod`` ended: ``in_flight -= 1`` and let a queued request in (a
-        probe claimed and never judged is given back)."""
+    def release(self, svc: Service, pod: Pod, key: RouteKey | None = None, choice: Pick | None = None) -> None:
+        """The response from ``pod`` ended: ``in_flight -= 1``, the request's work
+        (``choice.cost``) and prefix hold (``key``) leave the pod, and a queued request gets in
+        (a probe claimed and never judged is given back)."""
         pod.in_flight -= 1
+        if choice is not None:
+            pod.work = max(0, pod.work - choice.cost)
+        if key is not None:
+            self.index.unhold(key, pod.name)
         if self.outliers is not None:
             self.outliers.unclaim((*svc.key, pod.name))
         current = self.fleet.service(svc.key)
@@ -203,12 +212,14 @@ class Admission:
         """A waiter gave up (timeout, client gone): leave the queue; a pod it was given goes back."""
         fut = waiter.fut
         if fut.done() and not fut.cancelled() and fut.exception() is None:
-            pod, _ = fut.result()
+            pod, choice = fut.result()
             svc = self.fleet.service(key)
             if svc is not None:
-                self.release(svc, pod)
+                self.release(svc, pod, waiter.key, choice)
             else:
                 pod.in_flight -= 1
+                pod.work = max(0, pod.work - choice.cost)
+                self.index.unhold(waiter.key, pod.name)
         if waiter in gate.queue:
             gate.queue.remove(waiter)
             heapq.heapify(gate.queue)

@@ -33,7 +33,7 @@ import aiohttp
 
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
-from goodput.router.picker import RouteKey
+from goodput.router.picker import Pick, RouteKey
 from goodput.router.upstream import CONNECTION_ERRORS as RETRYABLE
 
 log = logging.getLogger("goodput.router")
@@ -128,6 +128,7 @@ class Exchange:
     headers: dict[str, str]
     t0: float
     pod: Pod | None = None
+    choice: Pick | None = None
     reserved: bool = False
     tried: set[str] = field(default_factory=set)
     moved: bool = False
@@ -136,9 +137,9 @@ class Exchange:
     started: bool = False
     outcome: str | None = None
 
-    def take(self, pod: Pod) -> None:
-        """``pod`` (reserved by admission) now carries the request."""
-        self.pod, self.reserved = pod, True
+    def take(self, pod: Pod, choice: Pick | None = None) -> None:
+        """``pod`` (reserved by admission with the picker's ``choice``) now carries the request."""
+        self.pod, self.choice, self.reserved = pod, choice, True
         self.tried.add(pod.name)
 
 
@@ -222,8 +223,8 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
     and its ``observe(ex, resp, attempt)`` / ``scrape_now``). Raises APIError for the router's
     own refusals (429, 503, 404 from admission) and the 502 of ``fail``."""
     adm, svc = rt.admission, ex.svc
-    pod, _, waited = await adm.acquire(svc, ex.key, ex.priority)
-    ex.take(pod)
+    pod, choice, waited = await adm.acquire(svc, ex.key, ex.priority)
+    ex.take(pod, choice)
     rt.metrics.overhead.observe(max(0.0, time.perf_counter() - ex.t0 - waited))
     resp: aiohttp.ClientResponse | None = None
     try:
@@ -248,19 +249,19 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
                 ex.stale_retried = True
                 log.info("retrying on %s: closed keep-alive connection (%s)", ex.pod.name, a.detail)
                 continue
-            adm.release(svc, ex.pod)
+            adm.release(svc, ex.pod, ex.key, ex.choice)
             ex.reserved = False
             if action == RETRY_OTHER:
                 log.info("retrying on %s: %s failed before its first byte (%s)", other[0].name, ex.pod.name,
                          a.detail)
                 ex.moved = True
-                ex.take(other[0])
+                ex.take(*other)
             else:  # REQUEUE: the pod's limits were stale; learn them, then admission again, once
                 ex.requeued, ex.moved, ex.tried = True, False, set()
                 stale_pod, ex.pod = ex.pod, None
                 await rt.scrape_now([stale_pod])
-                pod, _, _ = await adm.acquire(svc, ex.key, ex.priority)
-                ex.take(pod)
+                pod, choice, _ = await adm.acquire(svc, ex.key, ex.priority)
+                ex.take(pod, choice)
         await _deliver(rt, ex, resp, send, sent)
     finally:
         if resp is not None:
@@ -269,7 +270,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
             else:
                 resp.close()  # client gone or pod failed: closing the connection aborts the request
         if ex.reserved and ex.pod is not None:
-            adm.release(svc, ex.pod)
+            adm.release(svc, ex.pod, ex.key, ex.choice)
             ex.reserved = False
 
 
