@@ -394,7 +394,7 @@ def test_cost_scores_by_hand(work_a, w, pod, reason, cost):
         assert got.pod == want
         assert got.cost == (4 if want == "a" else 7)
     else:
-        assert got == Pick(pod, reason, {"a": 3, "b": 0, "c": 1}[pod], cost)
+        assert got == Pick(pod, reason, {"a": 3, "b": 0, "c": 1}[pod], cost, cost - 2)
 
 
 def test_cost_cold_burst_stays_on_two_pods():
@@ -418,6 +418,7 @@ def test_cost_cold_burst_stays_on_two_pods():
         got.append(choice)
     assert [c.pod for c in got] == [order[0]] * 9 + [order[1]] * 7
     assert [c.cost for c in got] == [27] + [3] * 8 + [27] + [3] * 6
+    assert [c.prefill for c in got] == [25] + [1] * 8 + [25] + [1] * 6   # cost less request_cost 2
     assert got[0].reason == "rendezvous" and got[1].reason == "affinity" and got[9].reason == "load_bound_fallback"
     assert work == {order[0]: 51, order[1]: 45, order[2]: 0}
     # counting requests instead (the bounded-load rule, eps_no_affinity 0) spreads it over all 3
@@ -437,13 +438,13 @@ def test_cost_continuation_goes_home_on_a_replica_that_never_saw_it():
     home = max("abc", key=lambda p: weight(77, p))
     later = RouteKey("m", "r1", None, (7, 8, 9, 10), 77, continuation=True)
     eps = [ep(p, 0) for p in "abc"]
-    assert pick(later, eps, PrefixIndex(), COST) == Pick(home, "rendezvous", 0, 3)
+    assert pick(later, eps, PrefixIndex(), COST) == Pick(home, "rendezvous", 0, 3, 1)
     # home's work 6: 9 vs 9 -> still home (its weight); 7: 10 > 9 -> the top weight of the others
     eps = [ep(p, 0, work=6 if p == home else 0) for p in "abc"]
     assert pick(later, eps, PrefixIndex(), COST).pod == home
     eps = [ep(p, 0, work=7 if p == home else 0) for p in "abc"]
     other = max((p for p in "abc" if p != home), key=lambda p: weight(77, p))
-    assert pick(later, eps, PrefixIndex(), COST) == Pick(other, "load_bound_fallback", 0, 6)
+    assert pick(later, eps, PrefixIndex(), COST) == Pick(other, "load_bound_fallback", 0, 6, 4)
     # a new conversation (not a continuation) gets no such credit: 6 vs 6 + 7 -> the least work
     new = RouteKey("m", "r1", None, (7, 8, 9, 10), 77)
     assert pick(new, eps, PrefixIndex(), COST).pod == other
@@ -455,6 +456,6 @@ def test_cost_respects_limits():
     # a holds all of it but is at its limits (2 >= 1 + 1): b or c, equal scores -> weight of chunk 2
     eps = [ep("a", 2, max_num_seqs=1, max_waiting=1), ep("b", 0), ep("c", 0)]
     got = pick(key(1, 2), eps, idx, COST)
-    assert got == Pick(max("bc", key=lambda p: weight(2, p)), "rendezvous", 0, 4)
+    assert got == Pick(max("bc", key=lambda p: weight(2, p)), "rendezvous", 0, 4, 2)
     assert pick(key(1, 2), [eps[0]], idx, COST) == Pick(None, "full", 0)
     assert pick(key(1, 2), [], idx, COST) == Pick(None, "full", 0)

@@ -70,7 +70,7 @@ class SimRouter:
         self.rng = random.Random(seed)
         self.turn = itertools.count()
         self.decisions: Counter[str] = Counter()
-        self.cost: dict[str, int] = {}   # request id -> its Pick.cost (the work it holds on its pod)
+        self.cost: dict[str, tuple[int, int]] = {}   # request id -> its Pick (cost, prefill)
 
     def key(self, trace: "Trace", k: int) -> RouteKey:
         """Request ``k``'s route key (see the module doc)."""
@@ -106,14 +106,19 @@ class SimRouter:
             pod = min(eps, key=lambda e: e.in_flight).name
         self.index.record(key, pod)
         if got.cost:
-            self.cost[f"q{k}"] = got.cost
+            self.cost[f"q{k}"] = (got.cost, got.prefill)
         return by_name[pod]
 
     def work(self, pod: "Replica") -> int:
-        """The router's ``Pod.work`` of ``pod``: the picks' costs of its open requests (running
-        or waiting; a finished or refused request no longer counts, as the router releases it)."""
-        get = self.cost.get
-        return sum(get(r.request_id, 0) for r in (*pod.sched.running, *pod.sched.waiting))
+        """The router's ``Pod.work`` of ``pod`` (streamed answers): the picks' costs of its open
+        requests (running or waiting; a finished or refused one no longer counts), less the
+        prefill of those that have their first token."""
+        get, none = self.cost.get, (0, 0)
+        total = 0
+        for r in (*pod.sched.running, *pod.sched.waiting):
+            cost, prefill = get(r.request_id, none)
+            total += cost if r.first_token_time is None else cost - prefill
+        return total
 
 
 def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:

@@ -53,6 +53,8 @@ from goodput.api.identity import INSTANCE_HEADER
 log = logging.getLogger("goodput.router")
 
 POD_HEADER = "x-goodput-pod"
+TENANT_HEADER = "x-goodput-tenant"              # the request's fairness id (else the body's "user")
+QUEUE_TIMEOUT_HEADER = "x-goodput-queue-timeout"  # the request's own longest queue wait, seconds
 # Request headers passed to the pod; response headers passed back (the rest are hop-by-hop or
 # recomputed: content-length, transfer-encoding, connection, date, server).
 _FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept")
@@ -169,6 +171,32 @@ def _unknown_model(model: str, fleet: Fleet) -> APIError:
     known = ", ".join(repr(s.info.model) for s in fleet.models()) or "none"
     return APIError(404, f"The model '{model}' does not exist (served here: {known})", param="model",
                     code="model_not_found")
+
+
+def _tenant(scope, body: dict[str, Any], max_len: int = 256) -> str:
+    """The fairness id: the ``x-goodput-tenant`` header, else the OpenAI body's ``user`` (a
+    string), else ``""`` (one shared anonymous tenant); at most ``max_len`` characters."""
+    for k, v in scope["headers"]:
+        if k == b"x-goodput-tenant":
+            return v.decode("latin-1")[:max_len]
+    user = body.get("user")
+    return user[:max_len] if isinstance(user, str) else ""
+
+
+def _queue_timeout(scope) -> float | None:
+    """The ``x-goodput-queue-timeout`` header in seconds (a finite number >= 0); None when absent.
+    400 when it is not such a number."""
+    for k, v in scope["headers"]:
+        if k == b"x-goodput-queue-timeout":
+            try:
+                t = float(v)
+            except ValueError:
+                t = -1.0
+            if not (0 <= t < float("inf")):
+                raise APIError(400, f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds >= 0; got "
+                                    f"{v.decode('latin-1')!r}", param=QUEUE_TIMEOUT_HEADER)
+            return t
+    return None
 
 
 def _priority(body: dict[str, Any]) -> int:
@@ -350,7 +378,8 @@ class Router:
             if svc is None:
                 raise _unknown_model(model, self.fleet)
             ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg), _priority(body), scope["path"],
-                          raw, _asgi_req_headers(scope), t0)
+                          raw, _asgi_req_headers(scope), t0, tenant=_tenant(scope, body),
+                          queue_timeout_s=_queue_timeout(scope))
             work = asyncio.ensure_future(forward(self, ex, send))
             watch = asyncio.ensure_future(_until_disconnect(receive))
             watch.add_done_callback(lambda w: (not w.cancelled()) and work.cancel())

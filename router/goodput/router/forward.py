@@ -118,6 +118,8 @@ class Exchange:
     when the router refused it itself); ``reserved``: ``pod`` holds this request's in-flight
     slot. ``tried``: pod names sent to since the last admission. ``started``: the client got its
     response head (no error answer can follow). ``outcome``: the count's outcome once known.
+    ``tenant``: the fairness id (goodput.router.fairqueue); ``queue_timeout_s``: the request's
+    own longest wait in the fleet queue (None: the router's).
     """
 
     svc: Service
@@ -129,6 +131,7 @@ class Exchange:
     t0: float
     pod: Pod | None = None
     choice: Pick | None = None
+    work: int = 0
     reserved: bool = False
     tried: set[str] = field(default_factory=set)
     moved: bool = False
@@ -136,10 +139,13 @@ class Exchange:
     stale_retried: bool = False
     started: bool = False
     outcome: str | None = None
+    tenant: str = ""
+    queue_timeout_s: float | None = None
 
     def take(self, pod: Pod, choice: Pick | None = None) -> None:
         """``pod`` (reserved by admission with the picker's ``choice``) now carries the request."""
         self.pod, self.choice, self.reserved = pod, choice, True
+        self.work = choice.cost if choice is not None else 0
         self.tried.add(pod.name)
 
 
@@ -223,7 +229,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
     and its ``observe(ex, resp, attempt)`` / ``scrape_now``). Raises APIError for the router's
     own refusals (429, 503, 404 from admission) and the 502 of ``fail``."""
     adm, svc = rt.admission, ex.svc
-    pod, choice, waited = await adm.acquire(svc, ex.key, ex.priority)
+    pod, choice, waited = await adm.acquire(svc, ex.key, ex.priority, ex.tenant, ex.queue_timeout_s)
     ex.take(pod, choice)
     rt.metrics.overhead.observe(max(0.0, time.perf_counter() - ex.t0 - waited))
     resp: aiohttp.ClientResponse | None = None
@@ -249,7 +255,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
                 ex.stale_retried = True
                 log.info("retrying on %s: closed keep-alive connection (%s)", ex.pod.name, a.detail)
                 continue
-            adm.release(svc, ex.pod, ex.key, ex.choice)
+            adm.release(svc, ex.pod, ex.key, ex.work)
             ex.reserved = False
             if action == RETRY_OTHER:
                 log.info("retrying on %s: %s failed before its first byte (%s)", other[0].name, ex.pod.name,
@@ -260,7 +266,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
                 ex.requeued, ex.moved, ex.tried = True, False, set()
                 stale_pod, ex.pod = ex.pod, None
                 await rt.scrape_now([stale_pod])
-                pod, choice, _ = await adm.acquire(svc, ex.key, ex.priority)
+                pod, choice, _ = await adm.acquire(svc, ex.key, ex.priority, ex.tenant, ex.queue_timeout_s)
                 ex.take(pod, choice)
         await _deliver(rt, ex, resp, send, sent)
     finally:
@@ -270,7 +276,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
             else:
                 resp.close()  # client gone or pod failed: closing the connection aborts the request
         if ex.reserved and ex.pod is not None:
-            adm.release(svc, ex.pod, ex.key, ex.choice)
+            adm.release(svc, ex.pod, ex.key, ex.work)
             ex.reserved = False
 
 
@@ -292,7 +298,12 @@ async def _deliver(rt: Any, ex: Exchange, resp: aiohttp.ClientResponse, send, se
         ex.outcome = "success" if status < 400 else "error"
         return
     ex.started = True
-    ok = await relay_sse(resp, send, headers, pod, on_first=lambda: ttft.observe(time.perf_counter() - sent))
+    def first() -> None:
+        ttft.observe(time.perf_counter() - sent)
+        if ex.choice is not None and ex.reserved:  # its prefill is done: only its decode is left there
+            ex.work = rt.admission.prefilled(pod, ex.choice)
+
+    ok = await relay_sse(resp, send, headers, pod, on_first=first)
     if not ok:
         rt.mid_stream_failure(ex)
     ex.outcome = "success" if ok and status < 400 else "error"

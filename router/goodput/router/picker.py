@@ -93,8 +93,9 @@ class Endpoint:
         scraped yet.
     running, waiting: ``goodput_requests_running`` / ``goodput_requests_waiting`` (scrape).
     kv_usage: ``goodput_kv_cache_usage_ratio`` in [0, 1] (scrape).
-    work: work held on the pod, in chunks: the sum of ``Pick.cost`` over the requests the router
-        has open to it (its prompt chunks to prefill plus ``request_cost`` each; >= 0).
+    work: work held on the pod, in chunks: over the requests the router has open to it, their
+        ``Pick.cost`` (prompt chunks to prefill plus ``request_cost``), less ``Pick.prefill`` for
+        those whose first token came back; >= 0.
     """
 
     name: str
@@ -135,14 +136,17 @@ class RouteKey:
 class Pick:
     """The decision: ``pod`` (an ``Endpoint.name``; None when every endpoint is at its limits),
     ``reason`` (one of the module's ``REASON_*``), ``matched_chunks`` (the picked pod's prefix
-    score: leading chunks of the request it holds or was sent; 0 when ``pod`` is None) and
-    ``cost`` (cost picking: the work, in chunks, the request adds on the picked pod, its
-    ``Endpoint.work`` grows by it until the request ends; 0 for count picking and for None)."""
+    score: leading chunks of the request it holds or was sent; 0 when ``pod`` is None),
+    ``cost`` (cost picking: the work, in chunks, the request adds on the picked pod: its
+    ``Endpoint.work`` grows by it; 0 for count picking and for None) and ``prefill`` (the part of
+    ``cost`` that is prompt to prefill: it leaves the pod's work at the request's first token,
+    the rest, ``request_cost``, when the request ends)."""
 
     pod: str | None
     reason: str
     matched_chunks: int
     cost: int = 0
+    prefill: int = 0
 
 
 @dataclass(frozen=True)
@@ -523,7 +527,8 @@ def pick_by_cost(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixInde
         reason = REASON_RENDEZVOUS
     else:
         reason = REASON_FALLBACK
-    return Pick(best.name, reason, known, added_work(n, held[best.name], cfg))
+    cost = added_work(n, held[best.name], cfg)
+    return Pick(best.name, reason, known, cost, cost - cfg.request_cost)
 
 
 def pick_by_count(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: PickConfig) -> Pick:
