@@ -8,7 +8,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from goodput.router.app import POD_HEADER
+from goodput.router.picker import PickConfig
 from router_stub import StubState
 from test_router_app import HANG_GUARD_S, fleet, sample, wait_until
 
@@ -16,16 +18,23 @@ from test_router_app import HANG_GUARD_S, fleet, sample, wait_until
 PREFIX = ("You are a careful assistant for the billing team. Answer from the policy below. " * 80)[:6000]
 
 
-def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods():
+@pytest.mark.parametrize("request_cost, want_split, want_decisions", [
+    (0, [16, 0, 0], {"rendezvous": 1, "affinity": 15, "load_bound_fallback": 0}),
+    # request 9 moves to P2 (load): the only fallback; 10-16 find P2 holding the prefix too
+    (2, [8, 8, 0], {"rendezvous": 1, "affinity": 14, "load_bound_fallback": 1}),
+])
+def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods(request_cost, want_split, want_decisions):
     """16 requests sharing a new ~1,500-token prefix, all open at once, to 3 pods. Each is 24
     chunks (the 24th: the prefix's last 112 characters and the request's own question), 23
-    shared; request_cost 2. The first goes to the rendezvous pod P1 (cost 26); the next see its
-    pending prefill as held: P1 costs 26 + 3 (k - 2) + 3, another pod 24 + 2 + 23 = 49, so P1
-    takes requests 1-8 (8 x 29 .. 47 <= 49) and P2 the other 8 (29 .. 47 <= 49 < P1's 50).
-    Counting requests instead (the bounded-load rule) split it 6/5/5: every pod prefilled it."""
+    shared; request_cost 0 (the default). The first goes to the rendezvous pod P1 (cost 24); the
+    next see its pending prefill as held: P1 scores 24 + (k - 2) + 1 for request k, another pod
+    24 + 23 = 47, so P1 takes all 16 (its last: 39 <= 47). With request_cost 2 (below) P1
+    scores 26 + 3 (k - 2) + 3 against 24 + 2 + 23 = 49: requests 1-8 (29 .. 47), then P2 the other
+    8 (29 .. 47 <= 49 < P1's 50). Counting requests instead (the bounded-load rule) split the
+    same burst 6/5/5: every pod prefilled the prefix."""
     hold = threading.Event()
     stubs = [StubState("m1", name, hold=hold) for name in "ABC"]
-    with fleet({"m1": stubs}) as r:
+    with fleet({"m1": stubs}, pick_cfg=PickConfig(request_cost=request_cost)) as r:
         def one(i: int) -> httpx.Response:
             return httpx.post(r.url + "/v1/completions", timeout=HANG_GUARD_S,
                               json={"model": "m1", "prompt": PREFIX + f" Question {i}: what is due?",
@@ -37,12 +46,12 @@ def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods():
             hold.set()
             out = [f.result() for f in futs]
         assert all(x.status_code == 200 for x in out), [x.status_code for x in out]
-        assert split == [8, 8, 0], split
-        assert len({x.headers[POD_HEADER] for x in out}) == 2
-        # decisions: 1 rendezvous (the first), 14 affinity (they joined a pending prefill), 1 moved by load
+        assert split == want_split, split
+        assert len({x.headers[POD_HEADER] for x in out}) == sum(1 for n in want_split if n)
+        # decisions: the first by rendezvous, the rest joined a pending prefill, or were moved by load
         got = {reason: sample(r.url, "goodput_router_decisions_total", reason=reason)
                for reason in ("rendezvous", "affinity", "load_bound_fallback")}
-        assert got == {"rendezvous": 1, "affinity": 14, "load_bound_fallback": 1}
+        assert got == want_decisions
         # every request ended: the pods' work and the pending holds are back to nothing
         router = r.server.config.app.router
         wait_until(lambda: all(p.work == 0 and p.in_flight == 0 for svc in router.fleet.services()

@@ -5,8 +5,23 @@ not-draining pods of its InferenceService as :class:`Endpoint` values and its ow
 :class:`PrefixIndex`; after sending the request it calls ``index.record(key, pod)``. The
 simulator (``--routing``) calls the same functions. Nothing here does I/O or reads a clock.
 
-How a pod is picked (filter -> score -> pick, the shape of llm-d's endpoint picker, with the
-scores compared in a fixed order instead of summed with weights):
+How a pod is picked by default (``PickConfig.cost``, :func:`pick_by_cost`): by cost, in chunks
+of work. Pods at their admission limits are filtered (step 1 below); each other pod ``p`` is
+scored ``work(p) + added(p) + request_cost + recompute_weight * (added(p) - min added)``, where
+``added(p)`` is the request's prompt chunks ``p`` does not hold (by the prefix index, which
+counts the chunks of requests still open on ``p`` as held: a prefill pending there is as good
+as cached for the next request sharing it) and ``work(p)`` the work the router's open requests
+hold there (``Endpoint.work``: their ``Pick.cost``, the prefill part released at the first
+token). The least score wins, then the higher rendezvous weight (step 3). So a request
+stays with the pod holding its prefix until the work queued there exceeds what moving would
+cost: its own prefill elsewhere plus, once more (``recompute_weight``), the fleet work that
+prefill takes from the requests after it. A burst of requests sharing a new prefix stays on
+one pod until the queued work there passes one recompute of the prefix, then fills a second,
+and reaches a third only when both hold that much more than a fresh prefill would cost.
+
+With ``cost = False`` (:func:`pick_by_count`) the pipeline is by in-flight counts (filter ->
+score -> pick, the shape of llm-d's endpoint picker, with the scores compared in a fixed order
+instead of summed with weights):
 
 1. **Filter: admission limits** (:func:`at_limits`). A pod whose router-side in-flight count has
    reached ``max_num_seqs + max_waiting`` (its scraped admission limits; unknown limits never
@@ -48,7 +63,8 @@ scores compared in a fixed order instead of summed with weights):
 
 Reasons (``Pick.reason``, the router's ``goodput_router_decisions_total{reason}``): ``affinity``
 (the preferred pod, with a prefix match), ``rendezvous`` (the preferred pod, no match anywhere),
-``load_bound_fallback``, ``full``.
+``load_bound_fallback`` (load moved it; cost picking: any pod other than one holding the
+longest match or, with no match, the rendezvous pod), ``full``.
 
 Router replicas: each keeps its own index; a chat conversation whose turns reach different
 router replicas still lands on one pod (the anchor is the same in every turn) unless the load
@@ -182,7 +198,7 @@ class PickConfig:
     index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
     respect_limits: bool = setting(True, "skip pods at their admission limits")
     cost: bool = setting(True, "pick by work (prefill chunks to do + work held), not by in-flight counts")
-    request_cost: int = setting(2, "cost picking: chunks of work a request counts for beyond its prefill", ge=0)
+    request_cost: int = setting(0, "cost picking: chunks of work a request counts for beyond its prefill", ge=0)
     recompute_weight: float = setting(1.0, "cost picking: weight of prefill another pod would not need, "
                                       "on top of the request's own wait", ge=0)
 
