@@ -74,3 +74,23 @@ def test_a_flooder_cannot_crowd_a_light_tenant_out_of_a_full_queue():
                       pod="", outcome="refused") == 2
         assert sample(r.url, "goodput_router_requests_total", namespace="", inferenceservice="m1", model="m1",
                       pod="", outcome="timeout") == 1
+
+
+def test_requests_and_ttft_counted_per_slo_class():
+    st = StubState("m1", "A")
+    with fleet({"m1": [st]}, max_slo_classes=2) as r:
+        sent = ["interactive", "interactive", "batch", "bulk", "bad name!", None]
+        for i, cls in enumerate(sent):
+            headers = {"x-goodput-slo-class": cls} if cls else {}
+            resp = httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": f"c{i}"}, headers=headers,
+                              timeout=HANG_GUARD_S)
+            assert resp.status_code == 200
+        # the first 2 names get a label each; "bulk" is the third: "other"; no name, or not a name: ""
+        want = {"interactive": 2, "batch": 1, "other": 1, "": 2}
+        for cls, n in want.items():
+            assert sample(r.url, "goodput_router_class_requests_total", namespace="", inferenceservice="m1",
+                          slo_class=cls, outcome="success") == n, cls
+            assert sample(r.url, "goodput_router_class_upstream_ttft_seconds_count", namespace="",
+                          inferenceservice="m1", slo_class=cls) == n, cls
+        assert sample(r.url, "goodput_router_class_requests_total", namespace="", inferenceservice="m1",
+                      slo_class="bulk", outcome="success") == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from goodput.api import router_metrics as mn
 from goodput.api.errors import error_body
 from goodput.api.settings import setting, validate
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -55,6 +57,8 @@ log = logging.getLogger("goodput.router")
 POD_HEADER = "x-goodput-pod"
 TENANT_HEADER = "x-goodput-tenant"              # the request's fairness id (else the body's "user")
 QUEUE_TIMEOUT_HEADER = "x-goodput-queue-timeout"  # the request's own longest queue wait, seconds
+SLO_CLASS_HEADER = "x-goodput-slo-class"          # the request's SLO class (per-class metrics)
+_CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # Request headers passed to the pod; response headers passed back (the rest are hop-by-hop or
 # recomputed: content-length, transfer-encoding, connection, date, server).
 _FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept")
@@ -101,6 +105,8 @@ class RouterSettings:
                                             gt=0)
     outlier_interval_s: float = setting(10.0, "window of the success-rate and failure-percentage outlier rules, "
                                         "seconds", flag="--outlier-interval", gt=0)
+    max_slo_classes: int = setting(16, "distinct SLO class names (x-goodput-slo-class) counted under their own "
+                                   "slo_class label; later ones count as 'other'", flag="--max-slo-classes", ge=0)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -302,6 +308,7 @@ class Router:
         self.upstream = Upstream(settings.timeouts(), settings.max_connections)
         self.cards: dict[tuple[str, str], dict[str, Any]] = {}  # (pod URL, model) -> the pod's card
         self._tasks: list[asyncio.Task] = []
+        self._classes: set[str] = set()  # SLO class names with a label of their own
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -352,9 +359,28 @@ class Router:
         """Scrape the routable pods of ``svc`` whose admission limits are unknown."""
         await self.scrape_now([p for p in svc.routable_pods() if p.capacity is None])
 
-    def _count(self, svc: Service, pod: Pod | None, outcome: str) -> None:
+    def _count(self, svc: Service, pod: Pod | None, outcome: str, slo_class: str = mn.NO_CLASS) -> None:
         self.metrics.requests.labels(svc.key[0], svc.key[1], svc.info.model, pod.name if pod else "",
                                      outcome).inc()
+        self.metrics.class_requests.labels(*svc.key, slo_class, outcome).inc()
+
+    def slo_class(self, scope) -> str:
+        """The request's SLO class label: its ``x-goodput-slo-class`` header when that is a name
+        (a letter or digit, then up to 62 of letters, digits, ``_ . -``) among the first
+        ``max_slo_classes`` distinct names this router saw, ``"other"`` beyond them, ``""``
+        without one (or not a name)."""
+        for k, v in scope["headers"]:
+            if k == b"x-goodput-slo-class":
+                name = v.decode("latin-1")
+                if not _CLASS_NAME.fullmatch(name):
+                    return mn.NO_CLASS
+                if name in self._classes:
+                    return name
+                if len(self._classes) < self.settings.max_slo_classes and name != mn.OTHER_CLASS:
+                    self._classes.add(name)
+                    return name
+                return mn.OTHER_CLASS
+        return mn.NO_CLASS
 
     def _mark_draining(self, svc: Service, pod: Pod) -> None:
         current = self.fleet.service(svc.key)
@@ -379,7 +405,7 @@ class Router:
                 raise _unknown_model(model, self.fleet)
             ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg), _priority(body), scope["path"],
                           raw, _asgi_req_headers(scope), t0, tenant=_tenant(scope, body),
-                          queue_timeout_s=_queue_timeout(scope))
+                          queue_timeout_s=_queue_timeout(scope), slo_class=self.slo_class(scope))
             work = asyncio.ensure_future(forward(self, ex, send))
             watch = asyncio.ensure_future(_until_disconnect(receive))
             watch.add_done_callback(lambda w: (not w.cancelled()) and work.cancel())
@@ -409,7 +435,7 @@ class Router:
                 await _send_json(send, 500, error_body(f"router error: {type(e).__name__}", "internal_error"))
         finally:
             if ex is not None:
-                self._count(ex.svc, ex.pod, outcome or ex.outcome or "client_abort")
+                self._count(ex.svc, ex.pod, outcome or ex.outcome or "client_abort", ex.slo_class)
 
     # ------------------------------------------------------------------------- forward's hooks
 

@@ -119,7 +119,8 @@ class Exchange:
     slot. ``tried``: pod names sent to since the last admission. ``started``: the client got its
     response head (no error answer can follow). ``outcome``: the count's outcome once known.
     ``tenant``: the fairness id (goodput.router.fairqueue); ``queue_timeout_s``: the request's
-    own longest wait in the fleet queue (None: the router's).
+    own longest wait in the fleet queue (None: the router's). ``slo_class``: the request's SLO
+    class (the ``slo_class`` label of the per-class metrics; "" when it names none).
     """
 
     svc: Service
@@ -141,6 +142,7 @@ class Exchange:
     outcome: str | None = None
     tenant: str = ""
     queue_timeout_s: float | None = None
+    slo_class: str = ""
 
     def take(self, pod: Pod, choice: Pick | None = None) -> None:
         """``pod`` (reserved by admission with the picker's ``choice``) now carries the request."""
@@ -287,19 +289,26 @@ async def _deliver(rt: Any, ex: Exchange, resp: aiohttp.ClientResponse, send, se
     if status < 400:
         rt.index.record(ex.key, pod.name)
     headers = rt.response_headers(resp, pod)
-    ttft = rt.metrics.upstream_ttft.labels(*labels)
+    ttft_all = rt.metrics.upstream_ttft.labels(*labels)
+    ttft_class = rt.metrics.class_ttft.labels(*labels, ex.slo_class)
+
+    def observe_ttft(v: float) -> None:  # the service's histogram and its SLO class's
+        ttft_all.observe(v)
+        ttft_class.observe(v)
+
     if not resp.headers.get("content-type", "").startswith("text/event-stream"):
         try:
             await relay_buffered(resp, send, headers, ex)
         except APIError:
             rt.mid_stream_failure(ex)
             raise
-        ttft.observe(time.perf_counter() - sent)
+        observe_ttft(time.perf_counter() - sent)
         ex.outcome = "success" if status < 400 else "error"
         return
     ex.started = True
+
     def first() -> None:
-        ttft.observe(time.perf_counter() - sent)
+        observe_ttft(time.perf_counter() - sent)
         if ex.choice is not None and ex.reserved:  # its prefill is done: only its decode is left there
             ex.work = rt.admission.prefilled(pod, ex.choice)
 
