@@ -57,3 +57,28 @@ def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods(request_cost, want_
         wait_until(lambda: all(p.work == 0 and p.in_flight == 0 for svc in router.fleet.services()
                                for p in svc.pods.values()), "work released")
         assert router.index.held() == 0
+
+
+def test_a_streamed_answer_releases_its_prefill_work_at_the_first_token():
+    """request_cost 2: a 2-chunk prompt ("x" * 300: chunks of 256 + 44 characters) on an idle
+    pod costs 2 + 2 = 4; after the first streamed event only its request_cost (2) is left, and
+    nothing once it ends. Its chunks stay held in the index until the end."""
+    gate = threading.Semaphore(0)
+    st = StubState("m1", "A", gate=gate)
+    with fleet({"m1": [st]}, pick_cfg=PickConfig(request_cost=2)) as r:
+        router = r.server.config.app.router
+        svc = next(iter(router.fleet.services()))
+        pod = next(iter(svc.pods.values()))
+        with httpx.stream("POST", r.url + "/v1/completions", timeout=HANG_GUARD_S,
+                          json={"model": "m1", "prompt": "x" * 300, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert "A-0" in first
+            wait_until(lambda: pod.work == 2, "prefill released at the first token")
+            assert pod.in_flight == 1 and router.index.held() == 2
+            for _ in range(st.chunks):
+                gate.release()
+            rest = list(lines)
+        assert "data: [DONE]" in rest
+        wait_until(lambda: pod.work == 0 and pod.in_flight == 0, "work released at the end")
+        assert router.index.held() == 0
