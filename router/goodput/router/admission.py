@@ -15,8 +15,9 @@ For one request to a service (docs/router-autoscaler-contract.md):
    tenants of a band in turn, each tenant's requests by arrival; bounded by
    ``Service.queue_bound()`` (``routerMaxQueued``): a newcomer to a full queue replaces the
    newest request of a heavier tenant of its band (or of a worse band), else it is refused; a
-   request refused, replaced, or still waiting after its queue timeout (``queue_timeout_s``, or
-   its own shorter one) gets 429 with ``Retry-After``. A request leaves the queue when a pod has room again (a response ended,
+   request refused, replaced, or still waiting after its queue timeout (the shortest of
+   ``queue_timeout_s``, its band's in ``band_timeouts_s`` and its own) gets 429 with
+   ``Retry-After``. A request leaves the queue when a pod has room again (a response ended,
    a scrape raised a limit, a pod turned Ready). ``goodput_router_queued_requests``.
 
 Outlier ejection (goodput.router.outlier): a pod set aside is not picked while another routable
@@ -64,17 +65,20 @@ class Admission:
 
     ``hold_timeout_s``: the hold bound for services without a startup timeout (seconds).
     ``queue_timeout_s``: the longest wait in the fleet queue (seconds).
+    ``band_timeouts_s``: {priority: seconds}, a band's own longest wait (the shorter one applies).
     ``retry_after_s``: the ``Retry-After`` of a 429 (queue full) and of the hold-timeout 503.
     """
 
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, index: PrefixIndex, cfg: PickConfig,
                  hold_timeout_s: float = 600.0, queue_timeout_s: float = 60.0, retry_after_s: float = 1.0,
                  learn_limits: Callable[[Service], Awaitable[None]] | None = None,
+                 band_timeouts_s: dict[int, float] | None = None,
                  outliers: Outliers | None = None, clock: Callable[[], float] = time.monotonic):
         self.fleet, self.metrics, self.index, self.cfg = fleet, metrics, index, cfg
         self.outliers, self.clock = outliers, clock
         self.learn_limits = learn_limits
         self.hold_timeout_s, self.queue_timeout_s, self.retry_after_s = hold_timeout_s, queue_timeout_s, retry_after_s
+        self.band_timeouts_s = dict(band_timeouts_s or {})
         self._gates: dict[ServiceKey, _Gate] = {}
         self._pods: dict[ServiceKey, set[str]] = {}  # pod names last seen, to forget removed ones
         fleet.add_listener(self.on_change)
@@ -151,7 +155,8 @@ class Admission:
 
         ``priority``: the request's band (lower first); ``tenant``: its fairness id (turns within
         a band, goodput.router.fairqueue); ``queue_timeout_s``: its own longest queue wait
-        (seconds; None or above ``self.queue_timeout_s``: the router's). Raises
+        (seconds; None: none). The wait is bounded by the shortest of it, the band's
+        (``band_timeouts_s``) and ``self.queue_timeout_s``. Raises
         :class:`APIError` 503 (hold timed out; ``Retry-After``), 429 (queue full, or replaced in
         a full queue by another tenant's request, or queue wait timed out; ``Retry-After``), 404
         (the service went away while waiting)."""
@@ -184,7 +189,8 @@ class Admission:
         waiter.entry = gate.queue.push(waiter, priority, tenant)
         self._set_queued(svc.key, gate)
         self.dispatch(svc)
-        timeout = self.queue_timeout_s if queue_timeout_s is None else min(queue_timeout_s, self.queue_timeout_s)
+        timeout = min(self.queue_timeout_s, self.band_timeouts_s.get(priority, self.queue_timeout_s),
+                      self.queue_timeout_s if queue_timeout_s is None else queue_timeout_s)
         # asyncio.wait, not wait_for: wait_for (before 3.12) may return a result that arrived with a
         # cancellation and lose the cancellation; _drop gives back a pod handed over meanwhile.
         try:

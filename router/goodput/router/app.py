@@ -105,12 +105,32 @@ class RouterSettings:
                                             gt=0)
     outlier_interval_s: float = setting(10.0, "window of the success-rate and failure-percentage outlier rules, "
                                         "seconds", flag="--outlier-interval", gt=0)
+    band_queue_timeout: list[str] = setting([], "a priority band's longest fleet-queue wait, PRIORITY=SECONDS "
+                                            "(repeatable); the shortest of it, --queue-timeout and the request's "
+                                            "x-goodput-queue-timeout applies", flag="--band-queue-timeout")
     max_slo_classes: int = setting(16, "distinct SLO class names (x-goodput-slo-class) counted under their own "
                                    "slo_class label; later ones count as 'other'", flag="--max-slo-classes", ge=0)
 
     def __post_init__(self) -> None:
         validate(self)
         self.outlier_config()
+        self.band_timeouts()
+
+    def band_timeouts(self) -> dict[int, float]:
+        """``band_queue_timeout`` as {priority: seconds}; ValueError on an entry that is not
+        ``INT=SECONDS`` with seconds a finite number >= 0, or a band given twice."""
+        out: dict[int, float] = {}
+        for item in self.band_queue_timeout:
+            band, sep, secs = item.partition("=")
+            try:
+                b, t = int(band), float(secs)
+            except ValueError:
+                b, t = 0, -1.0
+            if not sep or not (0 <= t < float("inf")) or b in out:
+                raise ValueError(f"band_queue_timeout: want PRIORITY=SECONDS (an integer band, once each; "
+                                 f"seconds >= 0), got {item!r}")
+            out[b] = t
+        return out
 
     def timeouts(self) -> Timeouts:
         """The upstream client's timeouts (goodput.router.upstream)."""
@@ -301,6 +321,7 @@ class Router:
         self.admission = Admission(self.fleet, self.metrics, self.index, self.pick_cfg,
                                    hold_timeout_s=settings.hold_timeout_s,
                                    queue_timeout_s=settings.queue_timeout_s,
+                                   band_timeouts_s=settings.band_timeouts(),
                                    retry_after_s=settings.retry_after_s,
                                    learn_limits=self.learn_limits, outliers=self.outliers)
         self.metrics.watch_fleet(self.fleet, self.outliers)
