@@ -14,7 +14,7 @@ For one request to a service (docs/router-autoscaler-contract.md):
    (goodput.router.fairqueue): by the request's ``priority`` band (lower first, as the worker),
    tenants of a band in turn, each tenant's requests by arrival; bounded by
    ``Service.queue_bound()`` (``routerMaxQueued``): a newcomer to a full queue replaces the
-   newest request of a heavier tenant of its band (or of a worse band), else it is refused; a
+   newest request of a heavier tenant of its band, else it is refused; a
    request refused, replaced, or still waiting after its queue timeout (the shortest of
    ``queue_timeout_s``, its band's in ``band_timeouts_s`` and its own) gets 429 with
    ``Retry-After``. A request leaves the queue when a pod has room again (a response ended,
@@ -180,7 +180,7 @@ class Admission:
             if victim is None or bound < 1:
                 self.metrics.decisions.labels("refused").inc()
                 raise self._queue_full(svc, len(gate.queue), bound)
-            gate.queue.remove(victim)   # a heavier tenant's newest request (or a worse band's) makes room
+            gate.queue.remove(victim)   # a heavier tenant's newest request of this band makes room
             self.metrics.decisions.labels("refused").inc()
             if not victim.item.fut.done():
                 victim.item.fut.set_exception(self._queue_full(svc, len(gate.queue) + 1, bound))

@@ -59,6 +59,8 @@ TENANT_HEADER = "x-goodput-tenant"              # the request's fairness id (els
 QUEUE_TIMEOUT_HEADER = "x-goodput-queue-timeout"  # the request's own longest queue wait, seconds
 SLO_CLASS_HEADER = "x-goodput-slo-class"          # the request's SLO class (per-class metrics)
 _CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_TENANT_B, _QUEUE_TIMEOUT_B, _SLO_CLASS_B = (h.encode() for h in (TENANT_HEADER, QUEUE_TIMEOUT_HEADER,
+                                                                    SLO_CLASS_HEADER))
 # Request headers passed to the pod; response headers passed back (the rest are hop-by-hop or
 # recomputed: content-length, transfer-encoding, connection, date, server).
 _FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept")
@@ -203,7 +205,7 @@ def _tenant(scope, body: dict[str, Any], max_len: int = 256) -> str:
     """The fairness id: the ``x-goodput-tenant`` header, else the OpenAI body's ``user`` (a
     string), else ``""`` (one shared anonymous tenant); at most ``max_len`` characters."""
     for k, v in scope["headers"]:
-        if k == b"x-goodput-tenant":
+        if k == _TENANT_B:
             return v.decode("latin-1")[:max_len]
     user = body.get("user")
     return user[:max_len] if isinstance(user, str) else ""
@@ -213,7 +215,7 @@ def _queue_timeout(scope) -> float | None:
     """The ``x-goodput-queue-timeout`` header in seconds (a finite number >= 0); None when absent.
     400 when it is not such a number."""
     for k, v in scope["headers"]:
-        if k == b"x-goodput-queue-timeout":
+        if k == _QUEUE_TIMEOUT_B:
             try:
                 t = float(v)
             except ValueError:
@@ -391,7 +393,7 @@ class Router:
         ``max_slo_classes`` distinct names this router saw, ``"other"`` beyond them, ``""``
         without one (or not a name)."""
         for k, v in scope["headers"]:
-            if k == b"x-goodput-slo-class":
+            if k == _SLO_CLASS_B:
                 name = v.decode("latin-1")
                 if not _CLASS_NAME.fullmatch(name):
                     return mn.NO_CLASS
