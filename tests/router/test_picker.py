@@ -43,7 +43,7 @@ def key(*chunks: int, salt: str | None = None) -> RouteKey:
     return RouteKey("m", "r1", salt, tuple(chunks))
 
 
-CFG = PickConfig(chunk_size=4, eps=0.25, rendezvous_chunks=2, index_capacity=1000)
+CFG = PickConfig(cost=False, chunk_size=4, eps=0.25, rendezvous_chunks=2, index_capacity=1000)
 
 
 # ------------------------------------------------------------------------------- chunk hashes
@@ -149,7 +149,7 @@ def test_rendezvous_adding_a_pod_moves_only_its_keys():
     keys = [key(k) for k in range(1, 41)]
     three = [ep("a"), ep("b"), ep("c")]
     four = three + [ep("d")]
-    cfg = PickConfig(eps=None)
+    cfg = PickConfig(cost=False, eps=None)
     before = {k.chunks[0]: pick(k, three, PrefixIndex(), cfg).pod for k in keys}
     after = {k.chunks[0]: pick(k, four, PrefixIndex(), cfg).pod for k in keys}
     # by the HRW rule: key k moves iff d's weight beats a, b and c's; it moves to d
@@ -191,9 +191,9 @@ def test_bounded_load_fallback():
     eps = [ep("a", 1, waiting=3), ep("b", 5), ep("c", 0, waiting=0)]
     assert pick(key(1, 2, 3), eps, idx, CFG) == Pick("a", "load_bound_fallback", 1)
     # a looser bound (eps 2: ceil(3 * 7 / 3) = 7 >= 5 + 1) keeps b
-    assert pick(key(1, 2, 3), eps, idx, PickConfig(eps=2.0, rendezvous_chunks=2)) == Pick("b", "affinity", 3)
+    assert pick(key(1, 2, 3), eps, idx, PickConfig(cost=False, eps=2.0, rendezvous_chunks=2)) == Pick("b", "affinity", 3)
     # no bound at all (affinity routing) keeps b too
-    assert pick(key(1, 2, 3), eps, idx, PickConfig(eps=None, respect_limits=False)).pod == "b"
+    assert pick(key(1, 2, 3), eps, idx, PickConfig(cost=False, eps=None, respect_limits=False)).pod == "b"
 
 
 def test_at_limits_pod_is_skipped():
@@ -201,7 +201,7 @@ def test_at_limits_pod_is_skipped():
     idx.record(key(7, 8), "b")
     # b: 2 + 1 = 3 in flight = its limits -> skipped even though the bound (eps None) allows it
     eps = [ep("a", 0), ep("b", 3, max_num_seqs=2, max_waiting=1), ep("c", 0)]
-    cfg = PickConfig(eps=None, rendezvous_chunks=2)
+    cfg = PickConfig(cost=False, eps=None, rendezvous_chunks=2)
     got = pick(key(7, 8), eps, idx, cfg)
     assert got.reason == "load_bound_fallback" and got.pod == max("ac", key=lambda p: weight(8, p))
     # one below its limits: b is picked
@@ -212,7 +212,7 @@ def test_at_limits_pod_is_skipped():
     assert pick(key(7, 8), eps, idx, cfg) == Pick("b", "affinity", 2)
     # affinity routing ignores limits
     eps[1] = ep("b", 3, max_num_seqs=2, max_waiting=1)
-    assert pick(key(7, 8), eps, idx, PickConfig(eps=None, respect_limits=False)).pod == "b"
+    assert pick(key(7, 8), eps, idx, PickConfig(cost=False, eps=None, respect_limits=False)).pod == "b"
 
 
 def test_all_full_gives_no_pod():
@@ -247,7 +247,7 @@ def test_slack_only_for_a_prefix_no_other_pod_has():
         shared.record(key(900), p)
     assert pick(key(900, k), eps, shared, CFG) == Pick("c", "load_bound_fallback", 1)
     # with eps_no_affinity 0.25 it stays on a
-    loose = PickConfig(chunk_size=4, eps=0.25, eps_no_affinity=0.25, rendezvous_chunks=2)
+    loose = PickConfig(cost=False, chunk_size=4, eps=0.25, eps_no_affinity=0.25, rendezvous_chunks=2)
     assert pick(key(900, k), eps, shared, loose) == Pick("a", "affinity", 1)
     # a also holds the request's second chunk: the eps slack keeps it there
     shared.record(key(900, k), "a")
@@ -344,3 +344,118 @@ def test_chat_anchor_is_the_same_in_every_turn_and_spreads_a_shared_system_promp
         assert got.reason == "affinity" and got.matched_chunks == n_sys
     # completions have no anchor
     assert route_key("m", "r1", None, CFG, prompt="abc").anchor is None
+
+
+# ------------------------------------------------------------------------------- cost picking
+COST = PickConfig(chunk_size=4, rendezvous_chunks=8, request_cost=2, recompute_weight=1.0)
+
+
+def test_prefix_index_holds_open_requests():
+    idx = PrefixIndex()
+    idx.hold(key(1, 2, 3), "a")
+    idx.hold(key(1, 2), "a")
+    idx.hold(key(1, 9), "b")
+    # a holds chunks 1, 2, 3 (two open requests share 1, 2); b holds 1 and 9 (not 2)
+    assert idx.match(key(1, 2, 3, 4)) == {"a": 3, "b": 1}
+    assert len(idx) == 0 and idx.held() == 4            # nothing recorded; chunks 1, 2, 3, 9 held
+    idx.unhold(key(1, 2, 3), "a")                       # a's other request still holds 1, 2
+    assert idx.match(key(1, 2, 3, 4)) == {"a": 2, "b": 1}
+    idx.record(key(1, 2, 3), "c")                       # a recorded send counts beside the holds
+    assert idx.match(key(1, 2, 3, 4)) == {"a": 2, "b": 1, "c": 3}
+    idx.forget("a")                                     # a left: its holds go too
+    assert idx.match(key(1, 2, 3, 4)) == {"b": 1, "c": 3}
+    idx.unhold(key(1, 2), "a")                          # a late release of a forgotten hold: ignored
+    idx.unhold(key(1, 9), "b")
+    assert idx.held() == 0
+
+
+@pytest.mark.parametrize("work_a, w, pod, reason, cost", [
+    # n = 5 chunks; a holds 3 (added 2), b none (5), c 1 (4); least added 2; request_cost 2.
+    # w 1: a = 10 + 2 + 2 + 0 = 14, b = 0 + 5 + 2 + 3 = 10, c = 4 + 4 + 2 + 2 = 12 -> b
+    (10, 1.0, "b", "load_bound_fallback", 7),
+    # a's work 5: a = 9 < b 10 -> a keeps the request; it adds 2 + 2
+    (5, 1.0, "a", "affinity", 4),
+    # a's work 6: a = 10 = b 10 -> the higher rendezvous weight (key 5's order: see below)
+    (6, 1.0, "tie", None, None),
+    # w 0 (latency only): a = 14, b = 7, c = 10 -> b
+    (10, 0.0, "b", "load_bound_fallback", 7),
+    # w 3: a = 14, b = 0 + 5 + 2 + 9 = 16, c = 4 + 4 + 2 + 6 = 16 -> a
+    (10, 3.0, "a", "affinity", 4),
+])
+def test_cost_scores_by_hand(work_a, w, pod, reason, cost):
+    idx = PrefixIndex()
+    idx.record(key(1, 2, 3), "a")
+    idx.record(key(1, 7), "c")
+    eps = [ep("a", 1, work=work_a), ep("b", 0, work=0), ep("c", 1, work=4)]
+    cfg = PickConfig(chunk_size=4, rendezvous_chunks=8, request_cost=2, recompute_weight=w)
+    got = pick(key(1, 2, 3, 4, 5), eps, idx, cfg)
+    if pod == "tie":  # rendezvous key = chunk min(5, 8) = 5: the higher weight of a and b
+        want = max("ab", key=lambda p: weight(5, p))
+        assert got.pod == want
+        assert got.cost == (4 if want == "a" else 7)
+    else:
+        assert got == Pick(pod, reason, {"a": 3, "b": 0, "c": 1}[pod], cost, cost - 2)
+
+
+def test_cost_cold_burst_stays_on_two_pods():
+    """16 requests sharing a new 24-chunk prefix (+1 chunk of their own), each open when the
+    next is picked. n = 25; request_cost 2; rendezvous key = chunk 8 (shared): one order
+    P1 > P2 > P3 for all of them. Request 1: every pod 0 + 25 + 2 = 27 -> P1 (cost 27).
+    Request k >= 2: P1 holds 24 (pending) -> 27 + 3 (k - 2) + 1 + 2; P2, P3: 25 + 2 + 24 = 51.
+    P1 while 30 + 3 (k - 2) <= 51 (ties: P1's weight): k <= 9 -> 9 requests, work 51.
+    Request 10: P1 54 > 51 -> P2 (cost 27); P2 then takes j more while 30 + 3 j <= 51: all 6
+    left (j <= 6). Split 9 / 7 / 0."""
+    prefix = tuple(range(1000, 1024))
+    order = sorted("xyz", key=lambda p: -weight(prefix[7], p))
+    idx = PrefixIndex()
+    work = {p: 0 for p in "xyz"}
+    got = []
+    for i in range(16):
+        k = RouteKey("m", "r1", None, prefix + (5000 + i,))
+        choice = pick(k, [ep(p, 0, work=work[p]) for p in "xyz"], idx, COST)
+        idx.hold(k, choice.pod)
+        work[choice.pod] += choice.cost
+        got.append(choice)
+    assert [c.pod for c in got] == [order[0]] * 9 + [order[1]] * 7
+    assert [c.cost for c in got] == [27] + [3] * 8 + [27] + [3] * 6
+    assert [c.prefill for c in got] == [25] + [1] * 8 + [25] + [1] * 6   # cost less request_cost 2
+    assert got[0].reason == "rendezvous" and got[1].reason == "affinity" and got[9].reason == "load_bound_fallback"
+    assert work == {order[0]: 51, order[1]: 45, order[2]: 0}
+    # counting requests instead (the bounded-load rule, eps_no_affinity 0) spreads it over all 3
+    idx, loads, pods = PrefixIndex(), {p: 0 for p in "xyz"}, set()
+    for i in range(16):
+        k = RouteKey("m", "r1", None, prefix + (5000 + i,))
+        choice = pick(k, [ep(p, loads[p]) for p in "xyz"], idx, PickConfig(cost=False, chunk_size=4))
+        idx.hold(k, choice.pod)
+        loads[choice.pod] += 1
+        pods.add(choice.pod)
+    assert pods == {"x", "y", "z"}
+
+
+def test_cost_continuation_goes_home_on_a_replica_that_never_saw_it():
+    # empty index; a continuation of 4 chunks (anchor 77): its home (top weight of 77) is taken
+    # to hold 3 -> home 0 + 1 + 2 + 0 = 3; others 0 + 4 + 2 + 3 = 9
+    home = max("abc", key=lambda p: weight(77, p))
+    later = RouteKey("m", "r1", None, (7, 8, 9, 10), 77, continuation=True)
+    eps = [ep(p, 0) for p in "abc"]
+    assert pick(later, eps, PrefixIndex(), COST) == Pick(home, "rendezvous", 0, 3, 1)
+    # home's work 6: 9 vs 9 -> still home (its weight); 7: 10 > 9 -> the top weight of the others
+    eps = [ep(p, 0, work=6 if p == home else 0) for p in "abc"]
+    assert pick(later, eps, PrefixIndex(), COST).pod == home
+    eps = [ep(p, 0, work=7 if p == home else 0) for p in "abc"]
+    other = max((p for p in "abc" if p != home), key=lambda p: weight(77, p))
+    assert pick(later, eps, PrefixIndex(), COST) == Pick(other, "load_bound_fallback", 0, 6, 4)
+    # a new conversation (not a continuation) gets no such credit: 6 vs 6 + 7 -> the least work
+    new = RouteKey("m", "r1", None, (7, 8, 9, 10), 77)
+    assert pick(new, eps, PrefixIndex(), COST).pod == other
+
+
+def test_cost_respects_limits():
+    idx = PrefixIndex()
+    idx.record(key(1, 2), "a")
+    # a holds all of it but is at its limits (2 >= 1 + 1): b or c, equal scores -> weight of chunk 2
+    eps = [ep("a", 2, max_num_seqs=1, max_waiting=1), ep("b", 0), ep("c", 0)]
+    got = pick(key(1, 2), eps, idx, COST)
+    assert got == Pick(max("bc", key=lambda p: weight(2, p)), "rendezvous", 0, 4, 2)
+    assert pick(key(1, 2), [eps[0]], idx, COST) == Pick(None, "full", 0)
+    assert pick(key(1, 2), [], idx, COST) == Pick(None, "full", 0)

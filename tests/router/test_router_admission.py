@@ -122,3 +122,41 @@ def test_queue_timeout_is_429():
         assert (e.value.status, e.value.code) == (429, "queue_timeout")
         assert adm.metrics.queued.labels("ns", "svc")._value.get() == 0
     asyncio.run(main())
+
+
+def test_band_and_request_queue_timeouts():
+    async def main():
+        # 1 in flight fills the pod; queue bound 3; band 5 waits at most 0 s, the rest 3600 s
+        fleet, adm = _setup(max_num_seqs=1, max_waiting=0, queue_timeout_s=3600, band_timeouts_s={5: 0.0})
+        fleet.set_service(ServiceInfo("ns", "svc", "m", router_max_queued=3))
+        svc = fleet.for_model("m")
+        pod, _, _ = await adm.acquire(svc, KEY)
+        with pytest.raises(APIError) as e:   # band 5: its own 0 s
+            await adm.acquire(svc, KEY, 5)
+        assert (e.value.status, e.value.code, e.value.headers) == (429, "queue_timeout", {"Retry-After": "1"})
+        with pytest.raises(APIError) as e:   # band 0, the request's own 0 s
+            await adm.acquire(svc, KEY, 0, "t", 0.0)
+        assert e.value.code == "queue_timeout"
+        waiting = asyncio.ensure_future(adm.acquire(svc, KEY, 0, "t", 7200.0))  # min(7200, 3600): waits
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        adm.release(svc, pod)
+        got, _, _ = await waiting
+        assert got is pod and pod.in_flight == 1
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("given, want", [
+    ([], {}),
+    (["5=0.5", "-1=2"], {5: 0.5, -1: 2.0}),
+])
+def test_band_queue_timeout_setting(given, want):
+    from goodput.router.app import RouterSettings
+    assert RouterSettings(band_queue_timeout=given).band_timeouts() == want
+
+
+@pytest.mark.parametrize("bad", [["5"], ["x=1"], ["5=-1"], ["5=inf"], ["5=1", "5=2"]])
+def test_band_queue_timeout_setting_errors(bad):
+    from goodput.router.app import RouterSettings
+    with pytest.raises(ValueError):
+        RouterSettings(band_queue_timeout=bad)

@@ -42,7 +42,8 @@ def sample(url: str, name: str, **labels) -> float:
 
 
 @contextlib.contextmanager
-def fleet(models: dict[str, list[StubState]], extra_urls: dict[str, list[str]] | None = None, **settings):
+def fleet(models: dict[str, list[StubState]], extra_urls: dict[str, list[str]] | None = None, pick_cfg=None,
+          **settings):
     """Start every stub, then the router with ``--static model=urls`` for each model."""
     with contextlib.ExitStack() as stack:
         urls: dict[str, list[str]] = {m: [] for m in models}
@@ -57,7 +58,7 @@ def fleet(models: dict[str, list[StubState]], extra_urls: dict[str, list[str]] |
         s = RouterSettings(**settings)
         disc = StaticDiscovery([f"{m}={','.join(u)}" for m, u in urls.items()],
                                startup_timeout_s=s.hold_timeout_s, period_s=s.scrape_period_s)
-        router = stack.enter_context(ServerThread(create_app(disc, s)))
+        router = stack.enter_context(ServerThread(create_app(disc, s, pick_cfg=pick_cfg)))
         wait_until(lambda: httpx.get(router.url + "/ready").status_code == 200, "router ready")
         router.stub_urls, router.stub_servers = urls, servers
         yield router

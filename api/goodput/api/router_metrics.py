@@ -19,10 +19,12 @@ REQUESTS = "goodput_router_requests"
 DECISIONS = "goodput_router_decisions"
 EJECTIONS = "goodput_router_ejections"
 POD_RESTARTS = "goodput_router_pod_restarts"
+CLASS_REQUESTS = "goodput_router_class_requests"   # by SLO class (the request's x-goodput-slo-class)
 # Histograms (seconds).
 QUEUE_WAIT = "goodput_router_queue_wait_seconds"
 OVERHEAD = "goodput_router_overhead_seconds"
 UPSTREAM_TTFT = "goodput_router_upstream_ttft_seconds"
+CLASS_UPSTREAM_TTFT = "goodput_router_class_upstream_ttft_seconds"
 
 # Labels.
 SERVICE_LABELS = ("namespace", "inferenceservice")
@@ -30,11 +32,17 @@ REQUEST_LABELS = ("namespace", "inferenceservice", "model", "pod", "outcome")
 DECISION_LABELS = ("reason",)
 POD_LABELS = ("namespace", "inferenceservice", "pod")
 EJECTION_LABELS = ("namespace", "inferenceservice", "pod", "reason")
+CLASS_LABELS = ("namespace", "inferenceservice", "slo_class")
+CLASS_REQUEST_LABELS = ("namespace", "inferenceservice", "slo_class", "outcome")
 
 # Label values.
 OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
 DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
 EJECTION_REASONS = ("consecutive_failures", "success_rate", "failure_percentage", "probe_failed")
+# slo_class: the request's class name; "" when it names none, OTHER_CLASS beyond the router's
+# --max-slo-classes distinct names (the label's cardinality stays bounded).
+NO_CLASS = ""
+OTHER_CLASS = "other"
 
 # What the autoscaler reads (sample names as scraped).
 REQUESTS_TOTAL = REQUESTS + "_total"

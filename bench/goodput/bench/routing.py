@@ -8,10 +8,11 @@
 - ``least-loaded``: the fewest in-flight requests (ties in turn);
 - ``affinity``: the router's picker (``goodput.router.picker.pick``) with prefix affinity and
   rendezvous hashing only: no load bound, admission limits ignored (``PickConfig(eps=None,
-  respect_limits=False)``);
-- ``goodput``: the router's full pipeline: prefix affinity, rendezvous, bounded loads and the
-  admission-limit filter (``PickConfig`` defaults, chunks of 64 token ids ~ the router's
-  256 characters). The simulator has no router queue: when every pod is at its limits (reason
+  respect_limits=False, cost=False)``);
+- ``goodput``: the router's full pipeline: the admission-limit filter and cost picking (prefix
+  affinity weighed against the work held on each pod; ``PickConfig`` defaults, chunks of 64
+  token ids ~ the router's 256 characters). A pod's work is, as in the router, the picks'
+  costs of its open (running or waiting) requests. The simulator has no router queue: when every pod is at its limits (reason
   ``full``) the request goes to the pod with the fewest in flight and that pod's admission
   decides (the real router queues it first, up to ``routerMaxQueued``). Without a load bound,
   ``affinity`` sends every new conversation to the pod that first served the shared system
@@ -24,7 +25,8 @@ are read at the arrival instant (the real router's are up to one scrape period o
 Requests of a trace with token ids (``Trace.tokens``: the chat trace) are keyed by
 ``chunk_hashes`` of their ids, with the conversation's anchor (its system prompt and first user
 message, as the router computes for chat); requests of the other traces share no prefix: each is
-keyed by its own number.
+keyed by its own number repeated to its prompt's length (as many chunks as the router would cut
+from a prompt that long, none shared).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def pick_config(routing: str) -> PickConfig | None:
     if routing == "goodput":
         return PickConfig(chunk_size=SIM_CHUNK_TOKENS)
     if routing == "affinity":
-        return PickConfig(chunk_size=SIM_CHUNK_TOKENS, eps=None, respect_limits=False)
+        return PickConfig(chunk_size=SIM_CHUNK_TOKENS, eps=None, respect_limits=False, cost=False)
     if routing in ROUTINGS:
         return None
     raise ValueError(f"unknown routing {routing!r}; one of {', '.join(ROUTINGS)}")
@@ -68,12 +70,14 @@ class SimRouter:
         self.rng = random.Random(seed)
         self.turn = itertools.count()
         self.decisions: Counter[str] = Counter()
+        self.cost: dict[str, tuple[int, int]] = {}   # request id -> its Pick (cost, prefill)
 
     def key(self, trace: "Trace", k: int) -> RouteKey:
         """Request ``k``'s route key (see the module doc)."""
         size = self.cfg.chunk_size if self.cfg is not None else SIM_CHUNK_TOKENS
-        if trace.tokens is None:
-            return RouteKey("sim", "r", None, chunk_hashes("sim", "r", None, token_ids=(k,), chunk_size=size))
+        if trace.tokens is None:   # k's own ids, its prompt's length: a chain no other request shares
+            ids = (k % 2**32,) * max(1, trace.prompt[k])
+            return RouteKey("sim", "r", None, chunk_hashes("sim", "r", None, token_ids=ids, chunk_size=size))
         ids = trace.tokens[k]
         n_anchor = trace.anchor_tokens[k] if trace.anchor_tokens is not None else 0
         anchor = chunk_hashes("sim", "r", None, token_ids=ids[:n_anchor], chunk_size=size)[-1] if n_anchor else None
@@ -94,14 +98,27 @@ class SimRouter:
         by_name = {p.name: p for p in pods}
         eps = [Endpoint(p.name, f"sim://{p.name}", len(p.sched.running) + len(p.sched.waiting),
                         p.sched.max_num_seqs, p.sched.max_waiting, len(p.sched.running),
-                        len(p.sched.waiting), p.sched.block_manager.usage) for p in pods]
+                        len(p.sched.waiting), p.sched.block_manager.usage, self.work(p)) for p in pods]
         got = pick(key, eps, self.index, self.cfg)
         self.decisions[got.reason] += 1
         pod = got.pod
         if pod is None:   # no router queue here: the least-loaded pod's own admission decides
             pod = min(eps, key=lambda e: e.in_flight).name
         self.index.record(key, pod)
+        if got.cost:
+            self.cost[f"q{k}"] = (got.cost, got.prefill)
         return by_name[pod]
+
+    def work(self, pod: "Replica") -> int:
+        """The router's ``Pod.work`` of ``pod`` (streamed answers): the picks' costs of its open
+        requests (running or waiting; a finished or refused one no longer counts), less the
+        prefill of those that have their first token."""
+        get, none = self.cost.get, (0, 0)
+        total = 0
+        for r in (*pod.sched.running, *pod.sched.waiting):
+            cost, prefill = get(r.request_id, none)
+            total += cost if r.first_token_time is None else cost - prefill
+        return total
 
 
 def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:

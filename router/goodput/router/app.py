@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from goodput.api import router_metrics as mn
 from goodput.api.errors import error_body
 from goodput.api.settings import setting, validate
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -53,6 +55,12 @@ from goodput.api.identity import INSTANCE_HEADER
 log = logging.getLogger("goodput.router")
 
 POD_HEADER = "x-goodput-pod"
+TENANT_HEADER = "x-goodput-tenant"              # the request's fairness id (else the body's "user")
+QUEUE_TIMEOUT_HEADER = "x-goodput-queue-timeout"  # the request's own longest queue wait, seconds
+SLO_CLASS_HEADER = "x-goodput-slo-class"          # the request's SLO class (per-class metrics)
+_CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_TENANT_B, _QUEUE_TIMEOUT_B, _SLO_CLASS_B = (h.encode() for h in (TENANT_HEADER, QUEUE_TIMEOUT_HEADER,
+                                                                    SLO_CLASS_HEADER))
 # Request headers passed to the pod; response headers passed back (the rest are hop-by-hop or
 # recomputed: content-length, transfer-encoding, connection, date, server).
 _FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept")
@@ -99,10 +107,32 @@ class RouterSettings:
                                             gt=0)
     outlier_interval_s: float = setting(10.0, "window of the success-rate and failure-percentage outlier rules, "
                                         "seconds", flag="--outlier-interval", gt=0)
+    band_queue_timeout: list[str] = setting([], "a priority band's longest fleet-queue wait, PRIORITY=SECONDS "
+                                            "(repeatable); the shortest of it, --queue-timeout and the request's "
+                                            "x-goodput-queue-timeout applies", flag="--band-queue-timeout")
+    max_slo_classes: int = setting(16, "distinct SLO class names (x-goodput-slo-class) counted under their own "
+                                   "slo_class label; later ones count as 'other'", flag="--max-slo-classes", ge=0)
 
     def __post_init__(self) -> None:
         validate(self)
         self.outlier_config()
+        self.band_timeouts()
+
+    def band_timeouts(self) -> dict[int, float]:
+        """``band_queue_timeout`` as {priority: seconds}; ValueError on an entry that is not
+        ``INT=SECONDS`` with seconds a finite number >= 0, or a band given twice."""
+        out: dict[int, float] = {}
+        for item in self.band_queue_timeout:
+            band, sep, secs = item.partition("=")
+            try:
+                b, t = int(band), float(secs)
+            except ValueError:
+                b, t = 0, -1.0
+            if not sep or not (0 <= t < float("inf")) or b in out:
+                raise ValueError(f"band_queue_timeout: want PRIORITY=SECONDS (an integer band, once each; "
+                                 f"seconds >= 0), got {item!r}")
+            out[b] = t
+        return out
 
     def timeouts(self) -> Timeouts:
         """The upstream client's timeouts (goodput.router.upstream)."""
@@ -169,6 +199,32 @@ def _unknown_model(model: str, fleet: Fleet) -> APIError:
     known = ", ".join(repr(s.info.model) for s in fleet.models()) or "none"
     return APIError(404, f"The model '{model}' does not exist (served here: {known})", param="model",
                     code="model_not_found")
+
+
+def _tenant(scope, body: dict[str, Any], max_len: int = 256) -> str:
+    """The fairness id: the ``x-goodput-tenant`` header, else the OpenAI body's ``user`` (a
+    string), else ``""`` (one shared anonymous tenant); at most ``max_len`` characters."""
+    for k, v in scope["headers"]:
+        if k == _TENANT_B:
+            return v.decode("latin-1")[:max_len]
+    user = body.get("user")
+    return user[:max_len] if isinstance(user, str) else ""
+
+
+def _queue_timeout(scope) -> float | None:
+    """The ``x-goodput-queue-timeout`` header in seconds (a finite number >= 0); None when absent.
+    400 when it is not such a number."""
+    for k, v in scope["headers"]:
+        if k == _QUEUE_TIMEOUT_B:
+            try:
+                t = float(v)
+            except ValueError:
+                t = -1.0
+            if not (0 <= t < float("inf")):
+                raise APIError(400, f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds >= 0; got "
+                                    f"{v.decode('latin-1')!r}", param=QUEUE_TIMEOUT_HEADER)
+            return t
+    return None
 
 
 def _priority(body: dict[str, Any]) -> int:
@@ -267,6 +323,7 @@ class Router:
         self.admission = Admission(self.fleet, self.metrics, self.index, self.pick_cfg,
                                    hold_timeout_s=settings.hold_timeout_s,
                                    queue_timeout_s=settings.queue_timeout_s,
+                                   band_timeouts_s=settings.band_timeouts(),
                                    retry_after_s=settings.retry_after_s,
                                    learn_limits=self.learn_limits, outliers=self.outliers)
         self.metrics.watch_fleet(self.fleet, self.outliers)
@@ -274,6 +331,7 @@ class Router:
         self.upstream = Upstream(settings.timeouts(), settings.max_connections)
         self.cards: dict[tuple[str, str], dict[str, Any]] = {}  # (pod URL, model) -> the pod's card
         self._tasks: list[asyncio.Task] = []
+        self._classes: set[str] = set()  # SLO class names with a label of their own
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -324,9 +382,28 @@ class Router:
         """Scrape the routable pods of ``svc`` whose admission limits are unknown."""
         await self.scrape_now([p for p in svc.routable_pods() if p.capacity is None])
 
-    def _count(self, svc: Service, pod: Pod | None, outcome: str) -> None:
+    def _count(self, svc: Service, pod: Pod | None, outcome: str, slo_class: str = mn.NO_CLASS) -> None:
         self.metrics.requests.labels(svc.key[0], svc.key[1], svc.info.model, pod.name if pod else "",
                                      outcome).inc()
+        self.metrics.class_requests.labels(*svc.key, slo_class, outcome).inc()
+
+    def slo_class(self, scope) -> str:
+        """The request's SLO class label: its ``x-goodput-slo-class`` header when that is a name
+        (a letter or digit, then up to 62 of letters, digits, ``_ . -``) among the first
+        ``max_slo_classes`` distinct names this router saw, ``"other"`` beyond them, ``""``
+        without one (or not a name)."""
+        for k, v in scope["headers"]:
+            if k == _SLO_CLASS_B:
+                name = v.decode("latin-1")
+                if not _CLASS_NAME.fullmatch(name):
+                    return mn.NO_CLASS
+                if name in self._classes:
+                    return name
+                if len(self._classes) < self.settings.max_slo_classes and name != mn.OTHER_CLASS:
+                    self._classes.add(name)
+                    return name
+                return mn.OTHER_CLASS
+        return mn.NO_CLASS
 
     def _mark_draining(self, svc: Service, pod: Pod) -> None:
         current = self.fleet.service(svc.key)
@@ -350,7 +427,8 @@ class Router:
             if svc is None:
                 raise _unknown_model(model, self.fleet)
             ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg), _priority(body), scope["path"],
-                          raw, _asgi_req_headers(scope), t0)
+                          raw, _asgi_req_headers(scope), t0, tenant=_tenant(scope, body),
+                          queue_timeout_s=_queue_timeout(scope), slo_class=self.slo_class(scope))
             work = asyncio.ensure_future(forward(self, ex, send))
             watch = asyncio.ensure_future(_until_disconnect(receive))
             watch.add_done_callback(lambda w: (not w.cancelled()) and work.cancel())
@@ -380,7 +458,7 @@ class Router:
                 await _send_json(send, 500, error_body(f"router error: {type(e).__name__}", "internal_error"))
         finally:
             if ex is not None:
-                self._count(ex.svc, ex.pod, outcome or ex.outcome or "client_abort")
+                self._count(ex.svc, ex.pod, outcome or ex.outcome or "client_abort", ex.slo_class)
 
     # ------------------------------------------------------------------------- forward's hooks
 

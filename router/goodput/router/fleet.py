@@ -77,7 +77,9 @@ class Pod:
     """A pod in the fleet: its discovery record plus the router's runtime view of it.
 
     ``in_flight``: requests this router has open to the pod (incremented before the upstream
-    request is sent, decremented when its response, stream included, ends). The rest come from
+    request is sent, decremented when its response, stream included, ends). ``work``: the sum of
+    the picker's ``Pick.cost`` (chunks of prefill plus a per-request share) over those requests.
+    The rest come from
     the last scrape of the pod's ``/metrics`` (None = not scraped yet): ``running``, ``waiting``
     (goodput_requests_running / _waiting), ``kv_usage`` (goodput_kv_cache_usage_ratio, 0..1),
     ``max_num_seqs``, ``max_waiting`` (goodput_admission_max_num_seqs / _max_waiting).
@@ -87,6 +89,7 @@ class Pod:
 
     info: PodInfo
     in_flight: int = 0
+    work: int = 0
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None

@@ -33,7 +33,7 @@ import aiohttp
 
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
-from goodput.router.picker import RouteKey
+from goodput.router.picker import Pick, RouteKey
 from goodput.router.upstream import CONNECTION_ERRORS as RETRYABLE
 
 log = logging.getLogger("goodput.router")
@@ -118,6 +118,9 @@ class Exchange:
     when the router refused it itself); ``reserved``: ``pod`` holds this request's in-flight
     slot. ``tried``: pod names sent to since the last admission. ``started``: the client got its
     response head (no error answer can follow). ``outcome``: the count's outcome once known.
+    ``tenant``: the fairness id (goodput.router.fairqueue); ``queue_timeout_s``: the request's
+    own longest wait in the fleet queue (None: the router's). ``slo_class``: the request's SLO
+    class (the ``slo_class`` label of the per-class metrics; "" when it names none).
     """
 
     svc: Service
@@ -128,6 +131,8 @@ class Exchange:
     headers: dict[str, str]
     t0: float
     pod: Pod | None = None
+    choice: Pick | None = None
+    work: int = 0
     reserved: bool = False
     tried: set[str] = field(default_factory=set)
     moved: bool = False
@@ -135,10 +140,14 @@ class Exchange:
     stale_retried: bool = False
     started: bool = False
     outcome: str | None = None
+    tenant: str = ""
+    queue_timeout_s: float | None = None
+    slo_class: str = ""
 
-    def take(self, pod: Pod) -> None:
-        """``pod`` (reserved by admission) now carries the request."""
-        self.pod, self.reserved = pod, True
+    def take(self, pod: Pod, choice: Pick | None = None) -> None:
+        """``pod`` (reserved by admission with the picker's ``choice``) now carries the request."""
+        self.pod, self.choice, self.reserved = pod, choice, True
+        self.work = choice.cost if choice is not None else 0
         self.tried.add(pod.name)
 
 
@@ -222,8 +231,8 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
     and its ``observe(ex, resp, attempt)`` / ``scrape_now``). Raises APIError for the router's
     own refusals (429, 503, 404 from admission) and the 502 of ``fail``."""
     adm, svc = rt.admission, ex.svc
-    pod, _, waited = await adm.acquire(svc, ex.key, ex.priority)
-    ex.take(pod)
+    pod, choice, waited = await adm.acquire(svc, ex.key, ex.priority, ex.tenant, ex.queue_timeout_s)
+    ex.take(pod, choice)
     rt.metrics.overhead.observe(max(0.0, time.perf_counter() - ex.t0 - waited))
     resp: aiohttp.ClientResponse | None = None
     try:
@@ -248,19 +257,19 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
                 ex.stale_retried = True
                 log.info("retrying on %s: closed keep-alive connection (%s)", ex.pod.name, a.detail)
                 continue
-            adm.release(svc, ex.pod)
+            adm.release(svc, ex.pod, ex.key, ex.work)
             ex.reserved = False
             if action == RETRY_OTHER:
                 log.info("retrying on %s: %s failed before its first byte (%s)", other[0].name, ex.pod.name,
                          a.detail)
                 ex.moved = True
-                ex.take(other[0])
+                ex.take(*other)
             else:  # REQUEUE: the pod's limits were stale; learn them, then admission again, once
                 ex.requeued, ex.moved, ex.tried = True, False, set()
                 stale_pod, ex.pod = ex.pod, None
                 await rt.scrape_now([stale_pod])
-                pod, _, _ = await adm.acquire(svc, ex.key, ex.priority)
-                ex.take(pod)
+                pod, choice, _ = await adm.acquire(svc, ex.key, ex.priority, ex.tenant, ex.queue_timeout_s)
+                ex.take(pod, choice)
         await _deliver(rt, ex, resp, send, sent)
     finally:
         if resp is not None:
@@ -269,7 +278,7 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
             else:
                 resp.close()  # client gone or pod failed: closing the connection aborts the request
         if ex.reserved and ex.pod is not None:
-            adm.release(svc, ex.pod)
+            adm.release(svc, ex.pod, ex.key, ex.work)
             ex.reserved = False
 
 
@@ -280,18 +289,30 @@ async def _deliver(rt: Any, ex: Exchange, resp: aiohttp.ClientResponse, send, se
     if status < 400:
         rt.index.record(ex.key, pod.name)
     headers = rt.response_headers(resp, pod)
-    ttft = rt.metrics.upstream_ttft.labels(*labels)
+    ttft_all = rt.metrics.upstream_ttft.labels(*labels)
+    ttft_class = rt.metrics.class_ttft.labels(*labels, ex.slo_class)
+
+    def observe_ttft(v: float) -> None:  # the service's histogram and its SLO class's
+        ttft_all.observe(v)
+        ttft_class.observe(v)
+
     if not resp.headers.get("content-type", "").startswith("text/event-stream"):
         try:
             await relay_buffered(resp, send, headers, ex)
         except APIError:
             rt.mid_stream_failure(ex)
             raise
-        ttft.observe(time.perf_counter() - sent)
+        observe_ttft(time.perf_counter() - sent)
         ex.outcome = "success" if status < 400 else "error"
         return
     ex.started = True
-    ok = await relay_sse(resp, send, headers, pod, on_first=lambda: ttft.observe(time.perf_counter() - sent))
+
+    def first() -> None:
+        observe_ttft(time.perf_counter() - sent)
+        if ex.choice is not None and ex.reserved:  # its prefill is done: only its decode is left there
+            ex.work = rt.admission.prefilled(pod, ex.choice)
+
+    ok = await relay_sse(resp, send, headers, pod, on_first=first)
     if not ok:
         rt.mid_stream_failure(ex)
     ex.outcome = "success" if ok and status < 400 else "error"

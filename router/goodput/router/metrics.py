@@ -34,6 +34,10 @@ class RouterMetrics:
                                   "(excluding queue and hold).", buckets=OVERHEAD_BUCKETS, registry=r)
         self.upstream_ttft = Histogram(mn.UPSTREAM_TTFT, "First upstream byte after send.", mn.SERVICE_LABELS,
                                        buckets=WAIT_BUCKETS, registry=r)
+        self.class_requests = Counter(mn.CLASS_REQUESTS, "Requests by SLO class (x-goodput-slo-class) and outcome.",
+                                      mn.CLASS_REQUEST_LABELS, registry=r)
+        self.class_ttft = Histogram(mn.CLASS_UPSTREAM_TTFT, "First upstream byte after send, by SLO class.",
+                                    mn.CLASS_LABELS, buckets=WAIT_BUCKETS, registry=r)
         self.ejections = Counter(mn.EJECTIONS, "Pods set aside by outlier ejection, by reason.",
                                  mn.EJECTION_LABELS, registry=r)
         self.restarts = Counter(mn.POD_RESTARTS, "Engine restarts in place seen (a new instance id): the "

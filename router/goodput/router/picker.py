@@ -5,8 +5,23 @@ not-draining pods of its InferenceService as :class:`Endpoint` values and its ow
 :class:`PrefixIndex`; after sending the request it calls ``index.record(key, pod)``. The
 simulator (``--routing``) calls the same functions. Nothing here does I/O or reads a clock.
 
-How a pod is picked (filter -> score -> pick, the shape of llm-d's endpoint picker, with the
-scores compared in a fixed order instead of summed with weights):
+How a pod is picked by default (``PickConfig.cost``, :func:`pick_by_cost`): by cost, in chunks
+of work. Pods at their admission limits are filtered (step 1 below); each other pod ``p`` is
+scored ``work(p) + added(p) + request_cost + recompute_weight * (added(p) - min added)``, where
+``added(p)`` is the request's prompt chunks ``p`` does not hold (by the prefix index, which
+counts the chunks of requests still open on ``p`` as held: a prefill pending there is as good
+as cached for the next request sharing it) and ``work(p)`` the work the router's open requests
+hold there (``Endpoint.work``: their ``Pick.cost``, the prefill part released at the first
+token). The least score wins, then the higher rendezvous weight (step 3). So a request
+stays with the pod holding its prefix until the work queued there exceeds what moving would
+cost: its own prefill elsewhere plus, once more (``recompute_weight``), the fleet work that
+prefill takes from the requests after it. A burst of requests sharing a new prefix stays on
+one pod until the queued work there passes one recompute of the prefix, then fills a second,
+and reaches a third only when both hold that much more than a fresh prefill would cost.
+
+With ``cost = False`` (:func:`pick_by_count`) the pipeline is by in-flight counts (filter ->
+score -> pick, the shape of llm-d's endpoint picker, with the scores compared in a fixed order
+instead of summed with weights):
 
 1. **Filter: admission limits** (:func:`at_limits`). A pod whose router-side in-flight count has
    reached ``max_num_seqs + max_waiting`` (its scraped admission limits; unknown limits never
@@ -48,7 +63,8 @@ scores compared in a fixed order instead of summed with weights):
 
 Reasons (``Pick.reason``, the router's ``goodput_router_decisions_total{reason}``): ``affinity``
 (the preferred pod, with a prefix match), ``rendezvous`` (the preferred pod, no match anywhere),
-``load_bound_fallback``, ``full``.
+``load_bound_fallback`` (load moved it; cost picking: any pod other than one holding the
+longest match or, with no match, the rendezvous pod), ``full``.
 
 Router replicas: each keeps its own index; a chat conversation whose turns reach different
 router replicas still lands on one pod (the anchor is the same in every turn) unless the load
@@ -71,7 +87,7 @@ from goodput.api.settings import setting, validate
 __all__ = [
     "Endpoint", "RouteKey", "Pick", "PickConfig", "PrefixIndex", "chunk_hashes", "route_key",
     "render_messages", "at_limits", "load_bound", "prefix_scores", "rendezvous_key",
-    "rendezvous_weight", "pick",
+    "rendezvous_weight", "pick", "pick_by_cost", "pick_by_count", "added_work",
     "REASON_AFFINITY", "REASON_RENDEZVOUS", "REASON_FALLBACK", "REASON_FULL",
 ]
 
@@ -93,6 +109,9 @@ class Endpoint:
         scraped yet.
     running, waiting: ``goodput_requests_running`` / ``goodput_requests_waiting`` (scrape).
     kv_usage: ``goodput_kv_cache_usage_ratio`` in [0, 1] (scrape).
+    work: work held on the pod, in chunks: over the requests the router has open to it, their
+        ``Pick.cost`` (prompt chunks to prefill plus ``request_cost``), less ``Pick.prefill`` for
+        those whose first token came back; >= 0.
     """
 
     name: str
@@ -103,6 +122,7 @@ class Endpoint:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
+    work: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,12 +151,18 @@ class RouteKey:
 @dataclass(frozen=True)
 class Pick:
     """The decision: ``pod`` (an ``Endpoint.name``; None when every endpoint is at its limits),
-    ``reason`` (one of the module's ``REASON_*``) and ``matched_chunks`` (the picked pod's prefix
-    score: leading chunks of the request it was sent before; 0 when ``pod`` is None)."""
+    ``reason`` (one of the module's ``REASON_*``), ``matched_chunks`` (the picked pod's prefix
+    score: leading chunks of the request it holds or was sent; 0 when ``pod`` is None),
+    ``cost`` (cost picking: the work, in chunks, the request adds on the picked pod: its
+    ``Endpoint.work`` grows by it; 0 for count picking and for None) and ``prefill`` (the part of
+    ``cost`` that is prompt to prefill: it leaves the pod's work at the request's first token,
+    the rest, ``request_cost``, when the request ends)."""
 
     pod: str | None
     reason: str
     matched_chunks: int
+    cost: int = 0
+    prefill: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +181,13 @@ class PickConfig:
     rendezvous_chunks: how many leading chunks the rendezvous hash keys on.
     index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
     respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
+    cost: pick by cost (:func:`pick_by_cost`: the work the request adds on a pod plus the work
+        held there); False: by counts (the prefix-first order under the in-flight load bound).
+    request_cost: cost picking: chunks of work a request counts for beyond its prefill (its
+        decode and its slot; a request with its whole prompt cached still counts this much).
+    recompute_weight: cost picking: how much prefill that some other pod would not need (it
+        holds more of the prompt) counts again on top of the request's own wait: the fleet's
+        work that the request would take from the requests after it.
     """
 
     chunk_size: int = setting(256, "characters of canonical text, or token ids, per chunk", gt=0)
@@ -164,6 +197,10 @@ class PickConfig:
     rendezvous_chunks: int = setting(8, "leading chunks the rendezvous hash keys on", ge=1)
     index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
     respect_limits: bool = setting(True, "skip pods at their admission limits")
+    cost: bool = setting(True, "pick by work (prefill chunks to do + work held), not by in-flight counts")
+    request_cost: int = setting(0, "cost picking: chunks of work a request counts for beyond its prefill", ge=0)
+    recompute_weight: float = setting(1.0, "cost picking: weight of prefill another pod would not need, "
+                                      "on top of the request's own wait", ge=0)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -296,6 +333,7 @@ class PrefixIndex:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._map: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        self._pending: dict[int, dict[str, int]] = {}  # chunk -> {pod: requests open with it}
 
     def __len__(self) -> int:
         return len(self._map)
@@ -304,8 +342,41 @@ class PrefixIndex:
         return chunk in self._map
 
     def pods(self, chunk: int) -> tuple[str, ...]:
-        """Pods ``chunk`` was sent to (most recent last); () when unknown. Does not touch LRU."""
+        """Pods ``chunk`` was sent to (most recent last); () when unknown. Does not touch LRU.
+        Pending holds (:meth:`hold`) are not included."""
         return self._map.get(chunk, ())
+
+    def hold(self, key: RouteKey, pod: str) -> None:
+        """A request with ``key`` was just given to ``pod`` and is open there: until
+        :meth:`unhold`, :meth:`match` counts its chunks as held by ``pod`` (its prefill is
+        pending there: the next request sharing the prefix finds it cached once it runs).
+        Counted per request; not bounded by ``capacity`` (at most the open requests' chunks)."""
+        pend = self._pending
+        for h in key.chunks:
+            d = pend.get(h)
+            if d is None:
+                pend[h] = {pod: 1}
+            else:
+                d[pod] = d.get(pod, 0) + 1
+
+    def unhold(self, key: RouteKey, pod: str) -> None:
+        """The request of a :meth:`hold` ended (answered, failed or moved); a hold that
+        :meth:`forget` dropped already is ignored."""
+        pend = self._pending
+        for h in key.chunks:
+            d = pend.get(h)
+            if d is None or pod not in d:
+                continue
+            if d[pod] <= 1:
+                del d[pod]
+                if not d:
+                    del pend[h]
+            else:
+                d[pod] -= 1
+
+    def held(self) -> int:
+        """Distinct chunk hashes held by open requests (:meth:`hold`)."""
+        return len(self._pending)
 
     def record(self, key: RouteKey, pod: str) -> None:
         """Remember that ``pod`` was sent ``key``'s chunks; evicts least recently used entries
@@ -323,12 +394,17 @@ class PrefixIndex:
             m.popitem(last=False)
 
     def match(self, key: RouteKey) -> dict[str, int]:
-        """Prefix score per pod: the number of leading chunks of ``key`` the pod was sent (pods
-        with none are absent). Walks the chain until no pod is left; O(longest match)."""
+        """Prefix score per pod: the number of leading chunks of ``key`` the pod was sent or
+        holds for an open request (:meth:`hold`; pods with none are absent). Walks the chain
+        until no pod is left; O(longest match)."""
         out: dict[str, int] = {}
         alive: set[str] | None = None
+        pend = self._pending
         for i, h in enumerate(key.chunks):
-            pods = self._map.get(h)
+            pods = self._map.get(h, ())
+            held = pend.get(h)
+            if held:
+                pods = (*pods, *held)
             if not pods:
                 break
             alive = set(pods) if alive is None else alive.intersection(pods)
@@ -339,7 +415,12 @@ class PrefixIndex:
         return out
 
     def forget(self, pod: str) -> None:
-        """Drop ``pod`` from every entry (it left the fleet); O(entries)."""
+        """Drop ``pod`` from every entry, pending holds included (it left the fleet, or its
+        engine restarted); O(entries)."""
+        for h in list(self._pending):
+            d = self._pending[h]
+            if d.pop(pod, None) is not None and not d:
+                del self._pending[h]
         m = self._map
         for h in list(m):
             pods = m[h]
@@ -390,13 +471,87 @@ def rendezvous_weight(rkey: int, pod: str) -> int:
 
 
 def pick(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: PickConfig) -> Pick:
-    """Pick the pod for ``key`` among ``endpoints`` (the module doc gives the pipeline).
+    """Pick the pod for ``key`` among ``endpoints`` (the module doc gives the pipeline):
+    :func:`pick_by_cost` when ``cfg.cost`` (the default), else :func:`pick_by_count`.
 
-    Pure: reads ``index`` without changing it (call ``index.record(key, pick.pod)`` once the
-    request is sent). Ties between equal weights cannot occur for distinct pod names except by
-    a 64-bit collision; they then fall to the endpoint order. No endpoints: ``Pick(None,
+    Pure: reads ``index`` without changing it (the router calls ``index.hold(key, pick.pod)``
+    when it gives the request to the pod, ``index.unhold`` when the request ends, and
+    ``index.record(key, pick.pod)`` once the pod answered). No endpoints: ``Pick(None, "full",
+    0)``.
+    """
+    if cfg.cost:
+        return pick_by_cost(key, endpoints, index, cfg)
+    return pick_by_count(key, endpoints, index, cfg)
+
+
+def added_work(n_chunks: int, held: int, cfg: PickConfig) -> int:
+    """Work (chunks) a request of ``n_chunks`` chunks adds on a pod holding ``held`` leading
+    chunks of it: ``max(0, n_chunks - held) + cfg.request_cost``."""
+    return max(0, n_chunks - held) + cfg.request_cost
+
+
+def pick_by_cost(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: PickConfig) -> Pick:
+    """Pick by cost: the pod where the request's wait plus the fleet work it wastes is least.
+
+    Units are chunks of work (one chunk of prompt to prefill = 1). For each pod ``p`` that is
+    not at its admission limits (when ``cfg.respect_limits``), with ``n`` the request's chunks
+    and ``held(p)`` the leading chunks of it ``p`` holds (``index.match``: sent before, or held
+    by an open request there, a prefill still pending counts as held):
+
+    - ``added(p) = max(0, n - held(p))``: the prompt chunks ``p`` would prefill;
+    - ``cost(p) = added(p) + request_cost`` (:func:`added_work`): what ``p``'s work grows by;
+    - ``score(p) = work(p) + cost(p) + recompute_weight * (added(p) - min_q added(q))``:
+      the work ahead of the request there plus its own, plus the prefill it does that the pod
+      holding most of it would not (that fleet work is taken from the requests after it).
+
+    The least score wins; ties go to the higher rendezvous weight (:func:`rendezvous_weight`
+    of :func:`rendezvous_key`), so idle pods split new prefixes by rendezvous. A continuation
+    (``key.continuation``) whose rendezvous home (over all endpoints) holds at least as much as
+    any pod this index knows of is taken to hold all of it but the last chunk there (another
+    router replica most likely sent the earlier turns home). Reason: ``affinity`` when the
+    picked pod holds a prefix and no fitting pod holds more, ``rendezvous`` when no fitting pod
+    holds any and the picked one has the top weight, ``load_bound_fallback`` otherwise (load
+    moved it), all by the index's own scores (a continuation's assumed hold is not one).
+    ``Pick.cost`` is ``cost(picked)``; no pod outside its limits: ``Pick(None,
     "full", 0)``.
     """
+    fits = [e for e in endpoints if not (cfg.respect_limits and at_limits(e))]
+    if not fits:
+        return Pick(None, REASON_FULL, 0)
+    rk = rendezvous_key(key, cfg.rendezvous_chunks)
+    scores = prefix_scores(key, index)
+    weight = {e.name: rendezvous_weight(rk, e.name) for e in fits}
+    n = len(key.chunks)
+    held = {e.name: min(n, scores.get(e.name, 0)) for e in fits}
+    if key.continuation and n:
+        home = max(endpoints, key=lambda e: rendezvous_weight(rk, e.name)).name
+        if home in held and held[home] >= max(held.values()):
+            held[home] = max(held[home], n - 1)
+    top = max(held.values())
+    least = n - top
+
+    def score(e: Endpoint) -> tuple[float, int]:
+        added = n - held[e.name]
+        return e.work + added + cfg.request_cost + cfg.recompute_weight * (added - least), -weight[e.name]
+
+    best = min(fits, key=score)
+    known = scores.get(best.name, 0)
+    known_top = max(scores.get(e.name, 0) for e in fits)
+    if known > 0 and known == known_top:
+        reason = REASON_AFFINITY
+    elif known_top == 0 and weight[best.name] == max(weight.values()):
+        reason = REASON_RENDEZVOUS
+    else:
+        reason = REASON_FALLBACK
+    cost = added_work(n, held[best.name], cfg)
+    return Pick(best.name, reason, known, cost, cost - cfg.request_cost)
+
+
+def pick_by_count(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: PickConfig) -> Pick:
+    """Pick by in-flight counts: the preferred pod by (prefix score, rendezvous weight) under
+    the bounded-load rule (the module doc, steps 1-4). Ties between equal weights cannot occur
+    for distinct pod names except by a 64-bit collision; they then fall to the endpoint order.
+    ``Pick.cost`` is 0."""
     if not endpoints:
         return Pick(None, REASON_FULL, 0)
     rk = rendezvous_key(key, cfg.rendezvous_chunks)

@@ -53,5 +53,6 @@ def request_key(svc: Service, path: str, body: dict[str, Any], cfg: PickConfig) 
 def endpoints(pods: Sequence[Pod]) -> list[Endpoint]:
     """The picker's view of ``pods`` (the router's in-flight counts and the last scrape)."""
     return [Endpoint(name=p.name, url=p.url, in_flight=p.in_flight, max_num_seqs=p.max_num_seqs,
-                     max_waiting=p.max_waiting, running=p.running, waiting=p.waiting, kv_usage=p.kv_usage)
+                     max_waiting=p.max_waiting, running=p.running, waiting=p.waiting, kv_usage=p.kv_usage,
+                     work=p.work)
             for p in pods]
