@@ -347,7 +347,7 @@ def test_chat_anchor_is_the_same_in_every_turn_and_spreads_a_shared_system_promp
 
 
 # ------------------------------------------------------------------------------- cost picking
-COST = PickConfig(chunk_size=4, rendezvous_chunks=8, request_cost=2, recompute_weight=1.0)
+COST = PickConfig(cost=True, chunk_size=4, rendezvous_chunks=8, request_cost=2, recompute_weight=1.0)
 
 
 def test_prefix_index_holds_open_requests():
@@ -387,7 +387,7 @@ def test_cost_scores_by_hand(work_a, w, pod, reason, cost):
     idx.record(key(1, 2, 3), "a")
     idx.record(key(1, 7), "c")
     eps = [ep("a", 1, work=work_a), ep("b", 0, work=0), ep("c", 1, work=4)]
-    cfg = PickConfig(chunk_size=4, rendezvous_chunks=8, request_cost=2, recompute_weight=w)
+    cfg = PickConfig(cost=True, chunk_size=4, rendezvous_chunks=8, request_cost=2, recompute_weight=w)
     got = pick(key(1, 2, 3, 4, 5), eps, idx, cfg)
     if pod == "tie":  # rendezvous key = chunk min(5, 8) = 5: the higher weight of a and b
         want = max("ab", key=lambda p: weight(5, p))

@@ -34,7 +34,7 @@ def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods(request_cost, want_
     same burst 6/5/5: every pod prefilled the prefix."""
     hold = threading.Event()
     stubs = [StubState("m1", name, hold=hold) for name in "ABC"]
-    with fleet({"m1": stubs}, pick_cfg=PickConfig(request_cost=request_cost)) as r:
+    with fleet({"m1": stubs}, pick_cfg=PickConfig(cost=True, request_cost=request_cost)) as r:
         def one(i: int) -> httpx.Response:
             return httpx.post(r.url + "/v1/completions", timeout=HANG_GUARD_S,
                               json={"model": "m1", "prompt": PREFIX + f" Question {i}: what is due?",
@@ -65,7 +65,7 @@ def test_a_streamed_answer_releases_its_prefill_work_at_the_first_token():
     nothing once it ends. Its chunks stay held in the index until the end."""
     gate = threading.Semaphore(0)
     st = StubState("m1", "A", gate=gate)
-    with fleet({"m1": [st]}, pick_cfg=PickConfig(request_cost=2)) as r:
+    with fleet({"m1": [st]}, pick_cfg=PickConfig(cost=True, request_cost=2)) as r:
         router = r.server.config.app.router
         svc = next(iter(router.fleet.services()))
         pod = next(iter(svc.pods.values()))

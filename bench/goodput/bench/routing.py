@@ -9,10 +9,11 @@
 - ``affinity``: the router's picker (``goodput.router.picker.pick``) with prefix affinity and
   rendezvous hashing only: no load bound, admission limits ignored (``PickConfig(eps=None,
   respect_limits=False, cost=False)``);
-- ``goodput``: the router's full pipeline: the admission-limit filter and cost picking (prefix
-  affinity weighed against the work held on each pod; ``PickConfig`` defaults, chunks of 64
-  token ids ~ the router's 256 characters). A pod's work is, as in the router, the picks'
-  costs of its open (running or waiting) requests. The simulator has no router queue: when every pod is at its limits (reason
+- ``goodput``: the router's full pipeline with its defaults (``PickConfig`` defaults, chunks of 64
+  token ids ~ the router's 256 characters): the admission-limit filter, prefix affinity, rendezvous
+  and bounded loads; with ``PickConfig(cost=True)`` (the router's ``--picker-cost``) cost picking
+  instead, prefix affinity weighed against the work held on each pod, a pod's work being, as in
+  the router, the picks' costs of its open (running or waiting) requests. The simulator has no router queue: when every pod is at its limits (reason
   ``full``) the request goes to the pod with the fewest in flight and that pod's admission
   decides (the real router queues it first, up to ``routerMaxQueued``). Without a load bound,
   ``affinity`` sends every new conversation to the pod that first served the shared system
