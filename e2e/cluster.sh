@@ -332,7 +332,10 @@ cmd_up() {
     --log-dir "$LOG/pods" --api-forward "10.244.0.1:6443=127.0.0.1:$API_PORT" \
     --serve "127.0.0.1:$KUBELET_PORT" --tls-cert "$PKI/kubelet.crt" --tls-key "$PKI/kubelet.key" --client-ca "$PKI/ca.crt"
   wait_for "node goodput-e2e-node" 60 node_ready
-  if [ "${GOODPUT_REAL_NODE:-1}" = 1 ]; then real_node_up && real_node_schedule; fi
+  if [ "${GOODPUT_REAL_NODE:-1}" = 1 ]; then
+    real_node_up   # (not in an && list: set -e must stop `up` when the real node fails)
+    real_node_schedule
+  fi
   say "up. logs: $LOG. Stop with: bash $0 down"
   echo "export KUBECONFIG=$RUN/kubeconfig PATH=$BIN:\$PATH"
 }
