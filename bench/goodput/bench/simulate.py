@@ -63,7 +63,7 @@ from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
-from goodput.api.worker_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from goodput.api.worker_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, count_buckets
 
 POLICIES = ("goodput", "static-peak", "hpa-queue", "kpa", "saturation")
 FITS_PATH = os.path.join(os.path.dirname(__file__), "step_time_fits.json")
@@ -283,6 +283,7 @@ class Replica:
         self.ttft = _Hist(TTFT_BUCKETS)
         self.tpot = _Hist(TOKEN_LATENCY_BUCKETS)
         self.queue = _Hist(TTFT_BUCKETS)    # arrival -> first scheduled, as the worker exports it
+        self.prompt_len = _Hist(count_buckets(cfg.max_model_len))   # per finished request, tokens
         self.cls: dict[str, int] = {}
         self.prev: observe.PodSample | None = None     # the sample at the previous policy tick
 
@@ -301,7 +302,8 @@ class Replica:
                       "rejected_400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
                       "generation_tokens": s.generation_tokens_total, "prompt_tokens": s.prompt_tokens_total,
                       "prefix_cache_hits": s.prefix_cache_hits_total},
-            histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot()})
+            histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot(),
+                        "prompt_len": self.prompt_len.snapshot()})
 
     def observe(self, now: float) -> PodObservation:
         """The PodObservation the real loop builds from two scrapes (this tick's and the previous
@@ -457,6 +459,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                 ttft, tpot = req.ttft, req.tpot
                 if tpot is not None:
                     r.tpot.observe(tpot)
+                r.prompt_len.observe(req.num_prompt_tokens)
                 finished_total += 1
                 slo_ttft, slo_tpot = r.slos[c]
                 if ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot):
