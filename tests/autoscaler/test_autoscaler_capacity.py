@@ -189,7 +189,8 @@ def test_peak_to_mean_from_a_given_arrival_series():
 
 
 def test_headroom_records_the_offered_work_and_forgets_the_window():
-    spec = replace(SPEC, headroom_window_s=100.0)
+    # history kept max(headroom 100 s, stabilization 100 s) = 100 s
+    spec = replace(SPEC, headroom_window_s=100.0, stabilization_window_s=100.0)
     st = PolicyState(work_history=[[-150.0, 5.0, 1.0, 1.0], [-50.0, 5.0, 7000.0, 10.0]])
     fleet = replace(FLEET, offered_rps=2.0, prompt_mean=None)
     f = fc(0.0)     # smoothed prompt 600, output 100
@@ -197,9 +198,26 @@ def test_headroom_records_the_offered_work_and_forgets_the_window():
     # the call at -150 is older than the window; this call adds 2 req/s * 5 s * (600 + 100) tokens
     assert h.history == ((-50.0, 5.0, 7000.0, 10.0), (0.0, 5.0, 7000.0, 10.0))
     # 14000 tokens and 20 requests over 10 s; 10 s < the 60 s horizon: not covered
-    assert (h.mean_work, h.mean_rps, h.covered) == (1400.0, 2.0, False)
+    assert (h.mean_work, h.mean_rps, h.covered, h.recent_work) == (1400.0, 2.0, False, 1400.0)
     # without metrics nothing is added
     assert P.headroom(0.0, 5.0, fleet, f, False, spec, st).history == ((-50.0, 5.0, 7000.0, 10.0),)
+
+
+def test_headroom_off_keeps_the_stabilization_window_for_the_means():
+    # headroom off (0 s): ratio 1, but the history of the stabilization window (300 s) is kept:
+    # 12 calls of 5 s at 1000 tokens/s, then 12 at 4000 tokens/s (the spike of the test above)
+    spec = replace(SPEC, headroom_window_s=0.0, stabilization_window_s=300.0)
+    hist = [[-115.0 + 5.0 * i, 5.0, 5000.0, 50.0] for i in range(12)] + \
+           [[-55.0 + 5.0 * i, 5.0, 20000.0, 200.0] for i in range(11)]
+    h = P.headroom(0.0, 5.0, replace(FLEET, offered_rps=40.0, prompt_mean=400.0), fc(0.0), True, spec,
+                   PolicyState(work_history=hist))
+    # this call: 40 req/s * 5 s = 200 requests of 400 + 100 tokens = 100000 tokens
+    assert h.history[-1] == (0.0, 5.0, 100000.0, 200.0)
+    assert h.ratio == 1.0 and h.covered
+    # mean over 120 s: (12 * 5000 + 11 * 20000 + 100000) / 120 = 3166.67 tokens/s
+    assert h.mean_work == pytest.approx((12 * 5000 + 11 * 20000 + 100000) / 120)
+    # the last horizon (60 s): the newest 12 calls: (11 * 20000 + 100000) / 60 = 5333.33
+    assert h.recent_work == pytest.approx((11 * 20000 + 100000) / 60)
 
 
 # --------------------------------------------------------------------- rule 16: infeasible

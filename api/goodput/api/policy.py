@@ -126,8 +126,8 @@ class PolicySpec:
     capacity_margin_sd: float = setting(2.0, "a scale-down keeps this many standard deviations of the capacity "
                                         "estimate as margin (rule 14)", ge=0,
                                         crd="autoscaling.tuning.capacityMarginSd")
-    headroom_window_s: float = setting(900.0, "seconds of offered work whose peak-to-mean ratio over one model "
-                                       "load sizes the spike headroom (rule 15; 0: none)", ge=0,
+    headroom_window_s: float = setting(0.0, "seconds of offered work whose peak-to-mean ratio over one model "
+                                       "load sizes the spike headroom (rule 15; 0: off, e.g. 900)", ge=0,
                                        crd="autoscaling.tuning.headroomWindowSeconds")
 
     def __post_init__(self) -> None:

@@ -937,13 +937,15 @@ class Headroom:
     mean_rps: the window's mean offered work (tokens/s) and requests (req/s); work, rps: what the
     spike needs, ``ratio`` times the means; history: the work history to keep, ``(time, seconds,
     tokens, requests)`` per call; covered: the history spans at least one horizon (before that
-    ``work`` and ``rps`` rest on too little to replace the forecast)."""
+    ``work`` and ``rps`` rest on too little to replace the forecast); recent_work: the mean
+    offered work over the last horizon (tokens/s)."""
 
     ratio: float
     mean_work: float
     mean_rps: float
     history: tuple[tuple[float, float, float, float], ...]
     covered: bool = False
+    recent_work: float = 0.0
 
     @property
     def work(self) -> float:
@@ -983,16 +985,27 @@ def peak_to_mean(history: typing.Sequence[typing.Sequence[float]], horizon_s: fl
 
 def headroom(now: float, dt: float, fleet: Fleet, fc: Forecast, metrics_ok: bool, spec: PolicySpec,
              st: PolicyState) -> Headroom:
-    """Phase 4b: the spike headroom (rule 15). Each call with metrics adds its offered work
-    (offered req/s x (this interval's mean prompt, else the smoothed one, + the smoothed output)
-    x dt) to a history of ``headroom_window_s``; :func:`peak_to_mean` over one model-load
-    horizon sizes what a spike shorter than a model load needs."""
-    hist = [(e[0], e[1], e[2], e[3]) for e in st.work_history if now - e[0] < spec.headroom_window_s]
-    if metrics_ok and fleet.rated > 0 and dt > 0 and spec.headroom_window_s > 0:
+    """Phase 4b: the offered work's recent history and the spike headroom (rule 15). Each call
+    with metrics adds its offered work (offered req/s x (this interval's mean prompt, else the
+    smoothed one, + the smoothed output) x dt) to a history of ``max(headroom_window_s,
+    stabilization_window_s)``; :func:`peak_to_mean` over one model-load horizon sizes what a
+    spike shorter than a model load needs (ratio 1 when ``headroom_window_s`` is 0: the history
+    then only gives the means a scale-down is judged on, rule 14)."""
+    keep_s = max(spec.headroom_window_s, spec.stabilization_window_s)
+    hist = [(e[0], e[1], e[2], e[3]) for e in st.work_history if now - e[0] < keep_s]
+    if metrics_ok and fleet.rated > 0 and dt > 0:
         prompt = fleet.prompt_mean if fleet.prompt_mean is not None else fc.prompt_level
         hist.append((now, dt, fleet.offered_rps * dt * (prompt + fc.output_level), fleet.offered_rps * dt))
     ratio, mean_w, mean_n = peak_to_mean(hist, fc.horizon_s)
-    return Headroom(ratio, mean_w, mean_n, tuple(hist), sum(e[1] for e in hist) >= fc.horizon_s * 0.99)
+    if spec.headroom_window_s <= 0:
+        ratio = 1.0
+    secs = work = 0.0
+    for e in reversed(hist):            # the last horizon
+        if secs >= fc.horizon_s * 0.99:
+            break
+        secs, work = secs + e[1], work + e[2]
+    return Headroom(ratio, mean_w, mean_n, tuple(hist), sum(e[1] for e in hist) >= fc.horizon_s * 0.99,
+                    work / secs if secs > 0 else 0.0)
 
 
 # ---------------------------------------------------------------------------- phase 5: windows
@@ -1076,16 +1089,20 @@ def carries(m: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: P
             st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> bool:
     """Rules 7, 14, 15: would ``m`` replicas carry the load with margin? Little's law now, at the
     forecast and at the spike headroom (``head``); the work per replica below the work that
-    already failed; and then either a nearly idle fleet, the work per replica within
-    ``explore_ratio`` of ``proven``, or (survivor load, rule 14) the work each of the ``m``
-    would carry, within the capacity estimate's usable work per replica, or within what the fleet
-    has proven. That work is the spike headroom's (``head.work``: the window's mean offered work
-    times its peak-to-mean ratio, which is the mean on a steady load) once its history spans a
-    horizon, else the work at the forecast (``fc.work_fc``); a rise ahead reaches it through
-    Little's law at the forecast (the first check). Why not the level or the forecast of the work:
-    the stabilization window keeps the largest ``keep`` of 300 s, and the largest of 60 noisy
-    levels is ~25 % above the load (Poisson at 3.5 req/s), which Poisson queueing inside one
-    replica absorbs and the utilization target already allows for."""
+    already failed; and then either a nearly idle fleet, or (survivor load, rule 14, once the
+    capacity estimate is ready) the work each of the ``m`` would carry within the estimate's usable
+    work per replica or within what the fleet has proven, or (no estimate yet) the work per
+    replica within ``explore_ratio`` of ``proven``. (With an estimate, rule 7's step past the proof
+    is not taken: 3 -> 2 replicas at 12 req/s on the steady trace is within 1.75x of what 3 proved
+    and 1.3x over what 2 carry.) The survivors' work is the larger of the spike headroom's
+    (``head.work``: the window's mean offered work times its peak-to-mean ratio; the mean itself
+    with the headroom off or on a steady load) and the mean over the last horizon
+    (``head.recent_work``), once the history spans a horizon, else the work at the forecast
+    (``fc.work_fc``); a rise ahead reaches the check through Little's law at the forecast (the
+    first check). Why not the smoothed level or its forecast: the stabilization window keeps the
+    largest ``keep`` of 300 s, and the largest of 60 noisy levels (and trends) is ~25 % above the
+    load (Poisson at 3.5 req/s), which queueing inside one replica absorbs and the utilization
+    target already allows for."""
     if m <= 0:
         return False
     demand_fc = max(sz.demand, fc.rps * sz.service_s,
@@ -1093,13 +1110,15 @@ def carries(m: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: P
     if demand_fc > m * sz.per_replica:
         return False
     work = fc.work / m
-    survivor = (head.work if head is not None and head.covered else fc.work_fc) / m
+    survivor = (max(head.work, head.recent_work) if head is not None and head.covered else fc.work_fc) / m
     if st.floor > m and st.fail_work > 0 and max(work, survivor) >= st.fail_work * spec.floor_release:
         return False
     idle = demand_fc <= spec.idle_utilization * m * sz.per_replica
-    if idle or work <= spec.explore_ratio * proven + 1e-9:
+    if idle:
         return True
-    return cap is not None and cap.ready and survivor <= max(cap.usable, proven) + 1e-9
+    if cap is not None and cap.ready:     # the estimate replaces rule 7's bounded step past the proof
+        return survivor <= max(cap.usable, proven) + 1e-9
+    return work <= spec.explore_ratio * proven + 1e-9
 
 
 def fewest_carrying(current: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: PolicySpec,
