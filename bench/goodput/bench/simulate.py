@@ -2,7 +2,10 @@
 
 ``python -m goodput.bench.simulate [--trace bursty|diurnal|long-prompt|two-class|azure-code|all]
 [--hardware h200|cpu] [--policies goodput,static-peak,hpa-queue,kpa,saturation] [--seed 0]
-[--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler]``
+[--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler] [--metric-noise 0.05]``;
+``python -m goodput.bench.simulate --steady-rates 2,3.5,5,8,12 [--metric-noise 0.05]``: our policy
+on steady Poisson loads at each rate against the smallest fixed fleet reaching the target
+(:func:`steady_rates`).
 
 Each replica is the engine's REAL torch-free ``Scheduler`` + ``BlockManager``
 (``goodput.worker.engine``); only the model runner is replaced by a step-time model
