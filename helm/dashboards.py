@@ -296,6 +296,16 @@ def autoscaler() -> dashboard.Dashboard:
          .with_panel(_ts("Loop duration", "Seconds one reconcile pass took, p50/p99.", "s",
                          [(f"histogram_quantile({q}, sum by (le) (rate({A.LOOP_DURATION}_bucket[{RATE}])))",
                            f"p{round(q * 100)}") for q in (0.5, 0.99)], 18, y, w=6)))
+    y += 8
+    d = (d.with_panel(_ts("Replica capacity estimate", "Tokens/s one replica computes at a full step, from its "
+                          "own prefill and decode rates (policy rule 14; 0 until one model load of "
+                          "measurements).", "short",
+                          [(f"sum by ({by}) ({A.REPLICA_CAPACITY_TOKENS}{{{ISVC}}})", "{{inferenceservice}}")],
+                          0, y))
+         .with_panel(_ts("Infeasible requests/s", "Requests whose prompt no idle replica prefills within the "
+                         "TTFT SLO: counted, left out of the sizing (policy rule 16).", "ops",
+                         [(f"sum by ({by}) (rate({A.INFEASIBLE_REQUESTS}_total{{{ISVC}}}[{RATE}]))",
+                           "{{inferenceservice}}")], 12, y)))
     return d
 
 

@@ -231,3 +231,25 @@ def test_plan_events(case):
     stored, replicas, conds, limits, unreachable, want = EVENT_CASES[case]
     d = decision(replicas, {"a": L(*limits)}, "Steady", conds, current=2)
     assert loop.plan_events(stored, d, 2, d.limits, unreachable) == want
+
+
+def test_infeasible_requests_post_one_warning_series_and_count_in_the_metric():
+    from dataclasses import replace as _replace
+
+    from goodput.autoscaler.metrics import AutoscalerMetrics
+    from goodput.autoscaler import metric_names as names
+    d = _replace(decision(2, {"a": L(8, 16)}, "Steady", _cond(True), current=2), infeasible=3.4,
+                 capacity_tokens=4800.0)
+    ev = loop.plan_events(_stored(), d, 2, d.limits, ())
+    # round(3.4) = 3 requests, one Warning in the InfeasibleRequests series
+    assert ev == [E("Warning", "InfeasibleRequests",
+                    "3 request(s) over the last interval had prompts longer than one idle replica prefills "
+                    "within the TTFT SLO (4800 tokens/s per replica); counted as infeasible and left out of "
+                    "the sizing", "InfeasibleRequests")]
+    assert loop.plan_events(_stored(), _replace(d, infeasible=0.0), 2, d.limits, ()) == []
+    m = AutoscalerMetrics()
+    m.record("ns", "svc", d, 2, 2, 0)
+    m.record("ns", "svc", d, 2, 2, 0)
+    labels = {"namespace": "ns", "inferenceservice": "svc"}
+    assert m.registry.get_sample_value(names.INFEASIBLE_REQUESTS + "_total", labels) == pytest.approx(6.8)
+    assert m.registry.get_sample_value(names.REPLICA_CAPACITY_TOKENS, labels) == 4800.0

@@ -158,3 +158,31 @@ def test_steady_trace_is_constant_rate_poisson():
         n = sum(1 for x in t.t if 600 * k <= x < 600 * (k + 1))
         assert abs(n - 3000) < 4 * 55
     assert t.slos == [(1.0, 0.15)]
+
+
+def test_mean_replicas_over_a_window():
+    # 2 replicas from 0, 1 from 300 s, 3 from 900 s; over [600, 1200]: (300 * 1 + 300 * 3) / 600 = 2
+    timeline = [(0.0, 2, 2), (300.0, 1, 1), (900.0, 3, 1)]
+    assert sim.mean_replicas(timeline, 600.0, 1200.0) == pytest.approx(2.0)
+    # over [0, 600]: (300 * 2 + 300 * 1) / 600 = 1.5
+    assert sim.mean_replicas(timeline, 0.0, 600.0) == pytest.approx(1.5)
+    assert sim.mean_replicas(timeline, 600.0, 600.0) == 0.0
+
+
+def test_metric_noise_keeps_observations_consistent():
+    import random
+
+    from goodput.autoscaler.policy import HistogramDelta, PodObservation
+    h = HistogramDelta((0.1, math.inf), (5.0, 10.0), 10.0, 1.0)
+    p = PodObservation("a", 10, 2, 0.99, 64, 100, 5.0, 20.0, 10.0, 10.0, 0.0, 0.0, 0.0, 1000.0, h, h,
+                       queue=h, prompt_tokens=5000.0)
+    assert sim.noisy(p, random.Random(0), 0.0) is p
+    rng = random.Random(1)
+    for _ in range(200):
+        q = sim.noisy(p, rng, 0.05)
+        assert q.slo_met <= q.finished and 0.0 <= q.kv_usage <= 1.0 and q.running >= 0
+        assert q.ttft.counts == h.counts and q.ttft.count == h.count    # bucket counts stay exact
+    # the relative error's sd over many draws is about 0.05 (admitted: 20 * (1 + N(0, 0.05)))
+    xs = [sim.noisy(p, rng, 0.05).admitted / 20.0 - 1.0 for _ in range(2000)]
+    sd = math.sqrt(sum(x * x for x in xs) / len(xs))
+    assert 0.045 < sd < 0.055

@@ -120,6 +120,15 @@ class PolicySpec:
                                    crd="autoscaling.tuning.floorRelease")
     floor_quiet_s: float = setting(1800.0, "seconds without a new failure before the learned floor drops "
                                    "one replica (rule 7)", ge=0, crd="autoscaling.tuning.floorQuietSeconds")
+    token_utilization: float = setting(0.8, "fraction of a replica's measured token throughput (its capacity "
+                                       "estimate) a scale-down may plan to fill (rule 14)", gt=0, le=1,
+                                       crd="autoscaling.tuning.tokenUtilization")
+    capacity_margin_sd: float = setting(2.0, "a scale-down keeps this many standard deviations of the capacity "
+                                        "estimate as margin (rule 14)", ge=0,
+                                        crd="autoscaling.tuning.capacityMarginSd")
+    headroom_window_s: float = setting(0.0, "seconds of offered work whose peak-to-mean ratio over one model "
+                                       "load sizes the spike headroom (rule 15; 0: off, e.g. 900)", ge=0,
+                                       crd="autoscaling.tuning.headroomWindowSeconds")
 
     def __post_init__(self) -> None:
         for s in settings(PolicySpec):

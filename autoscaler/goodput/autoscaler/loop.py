@@ -280,7 +280,10 @@ def plan_events(prev_as: Mapping[str, Any], decision: policy.Decision, current_r
       posts); never for a first scrape (no rates yet: a new pod, a restart, a new leader), which
       posts nothing;
     - the (summarized) limits change: a Normal ``AdmissionLimits`` Event in one series per object,
-      so ``maxWaiting`` moving with the load is one Event with a count, not one per change.
+      so ``maxWaiting`` moving with the load is one Event with a count, not one per change;
+    - requests were infeasible over the interval (``decision.infeasible`` > 0: a prompt no idle
+      replica prefills within the TTFT SLO, policy rule 16): a Warning ``InfeasibleRequests`` in
+      one series per object (its count grows while they keep coming).
     """
     out: list[EventSpec] = []
     msg = decision.message
@@ -307,6 +310,12 @@ def plan_events(prev_as: Mapping[str, Any], decision: policy.Decision, current_r
     if seqs is not None and last and (last.get("maxNumSeqs"), last.get("maxWaiting")) != (seqs, waiting):
         out.append(EventSpec("Normal", "AdmissionLimits", f"limits maxNumSeqs={seqs} maxWaiting={waiting}",
                              "AdmissionLimits"))
+    n_inf = round(decision.infeasible)
+    if n_inf > 0:
+        out.append(EventSpec("Warning", "InfeasibleRequests",
+                             f"{n_inf} request(s) over the last interval had prompts longer than one idle "
+                             f"replica prefills within the TTFT SLO ({decision.capacity_tokens:.0f} tokens/s per "
+                             "replica); counted as infeasible and left out of the sizing", "InfeasibleRequests"))
     return out
 
 

@@ -15,3 +15,5 @@ SCRAPE_ERRORS = "goodput_autoscaler_scrape_errors"              # counter: pod s
 LOOP_DURATION = "goodput_autoscaler_loop_duration_seconds"      # histogram: one reconcile pass
 ADMISSION_MAX_NUM_SEQS = "goodput_autoscaler_admission_max_num_seqs"  # gauge: limit set per replica
 ADMISSION_MAX_WAITING = "goodput_autoscaler_admission_max_waiting"    # gauge: limit set per replica
+INFEASIBLE_REQUESTS = "goodput_autoscaler_infeasible_requests"  # counter: requests no idle replica serves in TTFT
+REPLICA_CAPACITY_TOKENS = "goodput_autoscaler_replica_capacity_tokens_per_second"  # gauge: capacity estimate

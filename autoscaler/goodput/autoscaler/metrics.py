@@ -29,6 +29,10 @@ class AutoscalerMetrics:
                                   registry=r)
         self.max_waiting = Gauge(n.ADMISSION_MAX_WAITING, "max_waiting set on a replica.", LABELS + ("pod",),
                                  registry=r)
+        self.infeasible = Counter(n.INFEASIBLE_REQUESTS, "Requests whose prompt no idle replica prefills within "
+                                  "the TTFT SLO (kept out of the sizing).", LABELS, registry=r)
+        self.capacity = Gauge(n.REPLICA_CAPACITY_TOKENS, "Capacity estimate of one replica: tokens/s at a full "
+                              "step (0 until one model-load time of measurements).", LABELS, registry=r)
         self._pods: dict[tuple[str, str], set[str]] = {}
 
     def record(self, namespace: str, name: str, decision, replicas: int, ready: int, starting: int) -> None:
@@ -37,6 +41,8 @@ class AutoscalerMetrics:
         self.ready.labels(namespace, name).set(ready)
         self.starting.labels(namespace, name).set(starting)
         self.decisions.labels(namespace, name, decision.reason).inc()
+        self.infeasible.labels(namespace, name).inc(max(0.0, decision.infeasible))
+        self.capacity.labels(namespace, name).set(decision.capacity_tokens)
         pods = set(decision.limits)
         for gone in self._pods.get((namespace, name), set()) - pods:
             for g in (self.max_num_seqs, self.max_waiting):

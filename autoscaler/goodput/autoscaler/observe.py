@@ -60,11 +60,12 @@ COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "prompt_tokens": (m.PROMPT_TOKENS, {}),
     "prefix_cache_hits": (m.PREFIX_CACHE_HITS, {}),
 }
-# PodObservation field -> histogram metric name (seconds)
+# PodObservation field -> histogram metric name (seconds, except prompt_len: tokens)
 HISTOGRAMS: dict[str, str] = {
     "ttft": m.TIME_TO_FIRST_TOKEN,
     "tpot": m.TIME_PER_OUTPUT_TOKEN,
     "queue": m.REQUEST_QUEUE_TIME,
+    "prompt_len": m.REQUEST_PROMPT_TOKENS,    # tokens, not seconds: per finished request (rule 16)
 }
 # PodObservation field -> gauge metric name (the current sample's value, never a delta): the
 # contract's table, which the router reads too

@@ -5,9 +5,11 @@ the fleet. It does no I/O and keeps everything it remembers in ``PolicyState`` (
 restarted autoscaler resumes with the same history and does not flap).
 
 ``decide`` is a sequence of named pure phases, each returning a small frozen value (table-tested
-one by one): :func:`tune_batch_caps` (rules 2, 4) -> :func:`aggregate` (the fleet: rules 1, 3)
+one by one): :func:`tune_batch_caps` (rules 2, 4) -> :func:`capacity` (what one replica
+computes: 14) -> :func:`aggregate` (the fleet: rules 1, 3, 16)
 -> :func:`size` (replicas wanted now: 3, 4) -> :func:`forecast` (Holt over one model load: 11)
--> :func:`proven_work` and :func:`fewest_carrying` (what the fleet carries: 7) ->
+-> :func:`headroom` (the offered work's history and spikes: 15)
+-> :func:`proven_work` and :func:`fewest_carrying` (what the fleet carries: 7, 14) ->
 :func:`windows` (7, 8, 10) -> :func:`choose_replicas` (7-10, 12) -> :func:`queue_limits` (5,
 12) -> :func:`conditions` -> :func:`next_state`.
 
@@ -46,7 +48,11 @@ How each rule follows from the ideas it rests on:
    ``service_s = min(mean TTFT, slo_ttft_s) + (mean output tokens - 1) * mean TPOT``; one replica
    carries ``c = min(cap, running * kv_target / kv_usage)`` (the batch or, when KV binds first,
    what the KV pool holds at ``kv_target``) at ``target_utilization``. Wanted replicas
-   ``w = ceil(L / (c_mean * target_utilization))``. When attainment is below target while the
+   ``w = ceil(L / (c_mean * target_utilization))``. A *calm* fleet (not saturated, attainment at
+   target, nothing loading) is sized with the batch rule 2 would grow its cap to on the interval
+   the cap binds (:func:`growth_room`): the learned batch is a floor, not a ceiling, so one
+   replica at 3.5 req/s (47-54 sequences in flight under a learned cap of 64, which it carries
+   at 0.998) is not sized at two. When attainment is below target while the
    fleet is saturated (waiting, 429s or preemptions) and nothing is loading (misses while pods
    load are the expected cost of rule 4, not new evidence), ``w >= max(ready + 1, ceil(ready *
    attainment_target / attainment))`` (HPA's proportional formula applied to goodput; attainment
@@ -106,7 +112,8 @@ How each rule follows from the ideas it rests on:
    (:func:`carries`) when (a) Little's law: L, and L at the forecast (rule 11), fit m replicas at
    ``target_utilization``; (b) the work per replica they would get (offered tokens per second,
    prompt + output, at the smoothed load) is at most
-   ``explore_ratio`` times the work per replica the fleet has *proven* (:func:`proven_work`: the
+   ``explore_ratio`` times (until rule 14's capacity estimate is ready; then rule 14's survivor
+   check decides) the work per replica the fleet has *proven* (:func:`proven_work`: the
    least work per replica over a run of calls lasting a whole model-load time in which metrics
    were complete, nothing loaded, nothing saturated and attainment held), or the fleet is nearly
    idle (L at most ``idle_utilization`` of m replicas' capacity); and (c) below a learned floor,
@@ -184,6 +191,52 @@ How each rule follows from the ideas it rests on:
    (help, bounds, where the InferenceService holds it, unit); the CRD's ``spec.autoscaling`` and
    ``spec.slo`` fields, :meth:`PolicySpec.from_crd` and the defaults derive from it
    (:func:`~goodput.api.policy.knobs`). A new knob is one new field.
+
+14. Capacity per replica, and survivor-load scale-down (:func:`capacity`, :func:`carries`).
+   A step computes at most its token budget B; while a prompt is prefilled each step carries a
+   chunk of it plus one decode token per running request (R), so with step time t the prompt
+   advances at (B - R) / t tokens/s and the decodes at R / t, the generated tokens per second:
+   their sum is the replica's throughput at a full step, B / t, at any load. Each pod measures it
+   (:func:`pod_token_rate`): mean prompt (prompt tokens / admitted) over the mean prefill time
+   (the TTFT histogram's mean less the queue-time histogram's) plus generated tokens per second.
+   It errs low rather than high (a pod idle between steps, prompts shorter than a chunk). The fleet's
+   mean is smoothed with its variance (``length_alpha`` per 5 s; West's weighted variance); the
+   estimate is *ready* after one model-load time of calls, its uncertainty is the smoothed mean's
+   standard deviation ``sd``, and a scale-down may plan to fill ``usable = token_utilization x
+   estimate x cap_scale x (1 - capacity_margin_sd x sd / estimate)`` tokens/s per replica. N ->
+   N - 1 (any m < N) goes when the survivors' work, the offered tokens/s (the mean over the last
+   horizon, or at the spike headroom when rule 15 sees a spike) divided by m, i.e. N / m times today's work per
+   replica, is within ``max(usable, proven_work)``: what the fleet proved inside the SLO (rule 7)
+   is a lower bound that tightens the estimate. With a ready estimate this replaces rule 7's
+   ``explore_ratio`` step past the proof (kept until the estimate is ready); Little's law, the
+   learned floor, the windows and the spacing of rule 7 still apply. Undone fast: a scale-up within
+   the stabilization window of a scale-down leaves rule 7's floor and ``fail_work`` and scales the
+   estimate (``cap_scale``) so that ``usable`` falls to ``(1 - tolerance)`` x the work per replica
+   that failed; ``cap_scale`` returns to 1 when the floor has decayed away. Measured (h200,
+   60 s load, steady Poisson, prompts 512 / outputs 128 median): the estimate settles at
+   4,700-5,000 tokens/s (a full 512-token step takes ~100 ms), ``sd`` 30-90; one replica
+   carries 4.5 req/s (~3,800 tokens/s) at 0.983 and 5 req/s at 0.63.
+
+15. Spike headroom (:func:`headroom`, :func:`peak_to_mean`): capacity ordered when a spike starts
+   is ready a model load later, so a spike no longer than that is served by what runs. Each call
+   records its offered work; over ``headroom_window_s`` the *short-term peak-to-mean ratio* is the
+   largest mean work of any run of calls one horizon long, less ``SPIKE_NOISE_SD`` times its own
+   arrival noise, over the window's mean work; a scale-down must leave capacity (Little's law
+   and the survivor check) for ratio x mean. On a steady load the ratio is 1 (its cost there is
+   nothing). Off by default (``headroom_window_s`` 0): measured at 900 s on azure-code it keeps
+   +0.71 replica-hours for +0.015 attainment, less than a fixed fleet buys for the same hours.
+   Off, the history still covers the stabilization window, and the survivors' work is judged on
+   the last horizon's mean, not on the noisy level.
+
+16. Infeasible requests do not pin replicas. A prompt longer than ``p_max = slo_ttft_s x
+   estimate x (1 + margin)`` tokens cannot get its first token within the TTFT SLO even on an idle
+   replica (the estimate is the full-step prefill speed, rule 14; the margin errs towards
+   feasible). The prompt-length histogram (``goodput_request_prompt_tokens``, per finished
+   request) counts them (:func:`infeasible`); they are left out of the attainment the sizing
+   reads (``slo_met / (finished + rejected - infeasible)``: their misses are no evidence that
+   replicas would help), reported in ``Decision.infeasible``, the decision message, a Warning
+   Event series ``InfeasibleRequests`` and the counter
+   ``goodput_autoscaler_infeasible_requests_total``. Their work still counts in the load.
 """
 from __future__ import annotations
 
@@ -266,6 +319,8 @@ class PodObservation:
         horizon is learned from it.
     prompt_tokens: increase of ``goodput_prompt_tokens_total`` over the interval (None when not
         scraped: the work per replica of rule 7 then counts output tokens only).
+    prompt_len: histogram increase of the prompt tokens per finished request over the interval
+        (bounds in tokens; None when not scraped: rule 16 then counts no request infeasible).
     """
 
     name: str
@@ -288,6 +343,7 @@ class PodObservation:
     queue: HistogramDelta | None = None
     load_s: float | None = None
     prompt_tokens: float | None = None
+    prompt_len: HistogramDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -370,6 +426,12 @@ class PolicyState:
     fail_work, floor, floor_time: the work per replica at which a scale-down had to be undone, the
         replicas it took, and when (floor 0 = none).
     last_busy: the last call with anything offered, held, queued or in flight (rule 12).
+    cap_tokens, cap_var, cap_seen_s: the capacity estimate of one replica (rule 14): smoothed
+        token throughput at a full step (tokens/s), the smoothed variance of the per-call estimate
+        (tokens/s squared), and the seconds of calls it rests on. cap_scale: what an undone
+        scale-down taught (the estimate is multiplied by it, <= 1; back to 1 with the floor).
+    work_history: ``[time, seconds, offered tokens, offered requests]`` per call with metrics
+        over the last ``headroom_window_s`` (rule 15).
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -396,6 +458,11 @@ class PolicyState:
     floor: int = 0
     floor_time: float | None = None
     last_busy: float | None = None
+    cap_tokens: float = 0.0
+    cap_var: float = 0.0
+    cap_seen_s: float = 0.0
+    cap_scale: float = 1.0
+    work_history: list[list[float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -416,6 +483,8 @@ class PolicyState:
                 v, t = d[f.name], hints[f.name]
                 if f.name in ("recommendations", "proof"):
                     kw[f.name] = [[float(x) for x in e] for e in v if 2 <= len(e) <= 3]
+                elif f.name == "work_history":
+                    kw[f.name] = [[float(x) for x in e] for e in v if len(e) == 4]
                 elif f.name == "caps":
                     kw[f.name] = {str(k): int(x) for k, x in (v or {}).items()}
                 elif v is None and type(None) in typing.get_args(t):
@@ -455,6 +524,10 @@ class Decision:
     state: the state to pass to the next call.
     router_max_queued: the bound of the router's fleet queue (``status.admission.routerMaxQueued``;
         None when no ready pod gives a service rate).
+    infeasible: requests over the interval whose TTFT SLO one idle replica cannot meet (rule 16;
+        counted, kept out of the attainment the sizing reads).
+    capacity_tokens: the capacity estimate of one replica, tokens/s at a full step, after what
+        undone scale-downs taught (rule 14; 0 = not enough evidence yet).
     """
 
     replicas: int
@@ -464,6 +537,8 @@ class Decision:
     conditions: dict[str, tuple[bool, str, str]]
     state: PolicyState
     router_max_queued: int | None = None
+    infeasible: float = 0.0
+    capacity_tokens: float = 0.0
 
 
 # -------------------------------------------------------------------------------- phase helpers
@@ -498,6 +573,30 @@ def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
         grown = cap + max(1, math.ceil(cap * spec.batch_increase))
     else:
         return cap
+    return max(cap, min(spec.max_num_seqs, grown, kv_room))
+
+
+def growth_room(p: PodObservation, cap: int, spec: PolicySpec) -> int:
+    """Rule 3: the batch rule 2 would grow ``cap`` to on the interval it binds, from this interval's
+    evidence (TPOT within the fast margin: ``ceil(cap * batch_fast_increase)``; within
+    ``tpot_margin``: ``cap + max(1, ceil(cap * batch_increase))``), never past ``max_num_seqs`` or
+    the batch whose KV, extrapolated from the KV per running request, reaches ``kv_target``;
+    ``cap`` itself without TPOT evidence, after a preemption or a TPOT miss."""
+    if p.interval_s <= 0 or p.tpot is None or p.preempted > 0:
+        return cap
+    ok = p.tpot.fraction_le(spec.slo_tpot_s)
+    fast = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_fast_margin)
+    margin = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin)
+    if ok is None or ok < spec.attainment_target:
+        return cap
+    if fast is not None and fast >= spec.attainment_target:
+        grown = math.ceil(cap * spec.batch_fast_increase)
+    elif margin is not None and margin >= spec.attainment_target:
+        grown = cap + max(1, math.ceil(cap * spec.batch_increase))
+    else:
+        return cap
+    kv_room = math.floor(p.running * spec.kv_target / p.kv_usage) if p.kv_usage > 0 and p.running > 0 \
+        else spec.max_num_seqs
     return max(cap, min(spec.max_num_seqs, grown, kv_room))
 
 
@@ -559,6 +658,98 @@ def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> Batc
     return BatchCaps(caps, sizing, coming, plan_cap)
 
 
+# ------------------------------------------------------------------ phase 1b: capacity estimate
+
+
+def pod_token_rate(p: PodObservation) -> float | None:
+    """Rule 14 for one pod over its interval: the tokens per second it computes with a full step,
+    ``(prompt_tokens / admitted) / (mean TTFT - mean queue time) + generation_tokens / interval_s``.
+
+    Why: a step computes at most its token budget B; while a request's prompt is prefilled, each
+    step carries a chunk of it plus one decode token per running request (R of them), so with step
+    time t the prompt advances at (B - R) / t tokens/s and the decodes at R / t, which is the
+    generated tokens per second: their sum is B / t, the replica's throughput at a full step,
+    whatever the load. The mean prompt over the mean prefill time (TTFT less the queue time, from
+    the two histograms) is the first term. A pod that idles between steps, or whose prompts are
+    shorter than a chunk, measures less than its full-step throughput (the estimate errs low).
+    None when the interval measured no prefill (no admission, no first token, no queue
+    histogram, no prompt counter, or TTFT not above the queue time)."""
+    if p.interval_s <= 0 or p.admitted <= 0 or p.prompt_tokens is None or p.ttft is None or p.queue is None:
+        return None
+    ttft, queue = p.ttft.mean, p.queue.mean
+    if ttft is None or queue is None or ttft - queue <= 0:
+        return None
+    return (p.prompt_tokens / p.admitted) / (ttft - queue) + p.generation_tokens / p.interval_s
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Rule 14: what one replica computes, from what the replicas measure about themselves.
+
+    sample: this call's estimate (tokens/s at a full step: the mean of :func:`pod_token_rate`
+    over the ready pods that measured one; None = none did). tokens, var, seen_s: the smoothed
+    estimate (tokens/s), the smoothed variance of the per-call estimate ((tokens/s)^2) and the
+    seconds of calls behind it: the state to keep. scale: ``PolicyState.cap_scale``. sd: the
+    standard deviation of the smoothed estimate (tokens/s). ready: it rests on at least one
+    model-load time of calls. margin: ``min(0.9, capacity_margin_sd * sd / tokens)``. usable: the
+    work per replica (offered tokens/s) a scale-down may plan for, ``token_utilization * tokens *
+    scale * (1 - margin)`` (0 when not ready). p_max: the longest prompt (tokens) one idle replica
+    prefills within the TTFT SLO, ``slo_ttft_s * tokens * (1 + margin)`` (None when not ready)."""
+
+    sample: float | None
+    tokens: float
+    var: float
+    seen_s: float
+    scale: float
+    sd: float
+    ready: bool
+    margin: float
+    usable: float
+    p_max: float | None
+
+
+def capacity(obs: Observation, dt: float, horizon_s: float, spec: PolicySpec, st: PolicyState) -> Capacity:
+    """Phase 1b: the capacity estimate of one replica (rule 14).
+
+    dt: seconds since the previous call with metrics (the smoothing is per 5 s, ``length_alpha``,
+    like the request lengths: the capacity moves with the length mix, slowly). The per-call
+    estimate is smoothed exponentially (weight g) with its variance (West's exponentially weighted
+    variance: ``var' = (1 - g) (var + g d^2)``, d the deviation from the old mean); the smoothed
+    mean's standard deviation is ``sqrt(var g5 / (2 - g5))`` (g5: the weight per 5 s call), that of
+    an exponentially weighted mean of independent samples. A call with an unreachable pod or no
+    measurement carries the state unchanged."""
+    rates = [x for p in obs.ready if (x := pod_token_rate(p)) is not None]
+    tokens, var, seen = st.cap_tokens, st.cap_var, st.cap_seen_s
+    sample = None
+    if rates and not obs.unreachable:
+        sample = sum(rates) / len(rates)
+        if tokens <= 0:
+            tokens, var, seen = sample, 0.0, max(0.0, dt)
+        else:
+            g = 1 - (1 - spec.length_alpha) ** (max(0.0, dt) / 5.0)
+            d = sample - tokens
+            tokens, var, seen = tokens + g * d, (1 - g) * (var + g * d * d), seen + max(0.0, dt)
+    g5 = spec.length_alpha
+    sd = math.sqrt(max(0.0, var) * g5 / (2 - g5))
+    ready = tokens > 0 and seen >= horizon_s * 0.99
+    margin = min(0.9, spec.capacity_margin_sd * sd / tokens) if tokens > 0 else 0.9
+    scale = min(1.0, max(0.0, st.cap_scale))
+    usable = spec.token_utilization * tokens * scale * (1 - margin) if ready else 0.0
+    p_max = spec.slo_ttft_s * tokens * (1 + margin) if ready else None
+    return Capacity(sample, tokens, var, seen, scale, sd, ready, margin, usable, p_max)
+
+
+def infeasible(p: PodObservation, p_max: float | None) -> float:
+    """Rule 16 for one pod: requests of the interval whose prompt is longer than ``p_max``
+    (tokens, :attr:`Capacity.p_max`): the prompt-length histogram's count above it
+    (interpolated inside its bucket). 0 without an estimate or a histogram."""
+    if p_max is None or p.prompt_len is None or p.interval_s <= 0:
+        return 0.0
+    frac = p.prompt_len.fraction_le(p_max)
+    n = p.prompt_len.counts[-1] if p.prompt_len.counts[-1] > 0 else p.prompt_len.count
+    return 0.0 if frac is None else max(0.0, n * (1.0 - frac))
+
+
 # --------------------------------------------------------------------- phase 2: fleet aggregate
 
 
@@ -575,7 +766,8 @@ class Fleet:
     plan's (rule 4). tpot_mean: mean TPOT (0 = none). capacity: mean concurrency per replica with
     the sizing caps; live_capacity: with the caps in force now. t_first: mean TTFT - mean queue
     time. prompt_mean, output_mean: tokens per request this interval (None = no evidence).
-    held, queued: at the router.
+    held, queued: at the router. infeasible: requests of the interval no replica could serve
+    within the TTFT SLO (rule 16); ``attainment`` leaves them out of its denominator.
     """
 
     rated: int
@@ -599,10 +791,16 @@ class Fleet:
     output_mean: float | None
     held: int = 0
     queued: int = 0
+    infeasible: float = 0.0
+    room: float = 0.0
 
 
-def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, st: PolicyState) -> Fleet:
-    """Phase 2: the fleet's demand, attainment, service time and per-replica capacity."""
+def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, st: PolicyState,
+              p_max: float | None = None) -> Fleet:
+    """Phase 2: the fleet's demand, attainment, service time and per-replica capacity.
+    ``p_max``: the longest feasible prompt (:attr:`Capacity.p_max`); requests above it are
+    infeasible (rule 16) and left out of the attainment: ``slo_met / max(slo_met, finished +
+    rejected - infeasible)``."""
     rated = [p for p in obs.ready if p.interval_s > 0]
     router = obs.router
     router_dt = (now - st.last_tick) if st.last_tick is not None and now > st.last_tick else \
@@ -631,22 +829,26 @@ def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, s
     fallback = float(_median(list(caps.sizing.values())) or spec.max_num_seqs)
     capacity = _mean([replica_capacity(p, caps.sizing[p.name], spec) for p in obs.ready], fallback)
     live = _mean([replica_capacity(p, caps.caps[p.name], spec) for p in obs.ready], capacity)
+    room = _mean([replica_capacity(p, growth_room(p, caps.sizing[p.name], spec), spec) for p in obs.ready],
+                 capacity)
     admitted = sum(p.admitted for p in rated)
     prompts = [p.prompt_tokens for p in rated if p.prompt_tokens is not None]
     prompt_mean = sum(prompts) / admitted if prompts and admitted > 0 else None
     output_mean = sum(p.generation_tokens for p in rated) / finished if finished > 0 else None
     held, queued = (router.held, router.queued) if router is not None else (0, 0)
+    n_inf = sum(infeasible(p, p_max) for p in rated)
     return Fleet(
         rated=len(rated), offered_rps=offered_rps, admitted_rps=admitted_rps, finished=finished,
         slo_met=slo_met, rejected=rejected, preempted=sum(p.preempted for p in rated),
         in_flight=sum(p.running + p.waiting for p in obs.ready) + held + queued,
         waiting=sum(p.waiting for p in obs.ready),
         kv_hot=any(p.kv_usage > spec.kv_target for p in obs.ready),
-        attainment=attainment(slo_met, finished, rejected), service_s=service_s,
+        attainment=attainment(slo_met, max(slo_met - rejected, finished - n_inf), rejected),
+        service_s=service_s,
         sizing_service_s=sizing_service_s,
         tpot_mean=sum(h.sum for h in tpots) / tpot_n if tpot_n > 0 else 0.0,
         capacity=capacity, live_capacity=live, t_first=t_first, prompt_mean=prompt_mean,
-        output_mean=output_mean, held=held, queued=queued)
+        output_mean=output_mean, held=held, queued=queued, infeasible=n_inf, room=room)
 
 
 # ------------------------------------------------------------------------------- phase 3: size
@@ -679,13 +881,17 @@ def size(fleet: Fleet, caps: BatchCaps, n_ready: int, spec: PolicySpec, st: Poli
     if caps.coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
         plan = st.plan_offered_rps or fleet.offered_rps
         sizing_rps = min(fleet.offered_rps, max(plan, fleet.admitted_rps))
-    per_replica = max(1e-9, fleet.capacity * spec.target_utilization)
-    demand = max(float(fleet.in_flight), sizing_rps * service_s)
-    wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
     saturated = (fleet.waiting > spec.queue_target * max(1, n_ready) or fleet.rejected > 0
                  or fleet.preempted > 0 or fleet.kv_hot or fleet.queued > 0)
     missing = fleet.attainment is not None and \
         fleet.attainment < spec.attainment_target * (1 - spec.tolerance / 2)
+    # a calm fleet (not saturated, SLO held, nothing loading) is sized with the batch rule 2 would
+    # grow to the moment it binds (growth_room): the learned batch is a floor, not a ceiling
+    calm = not saturated and caps.coming == 0 and (fleet.attainment is None or fleet.attainment
+                                                   >= spec.attainment_target)
+    per_replica = max(1e-9, max(fleet.capacity, fleet.room if calm else 0.0) * spec.target_utilization)
+    demand = max(float(fleet.in_flight), sizing_rps * service_s)
+    wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
     # misses while pods load are expected (rule 4): only a fleet with nothing coming is evidence
     evidence = missing and saturated and caps.coming == 0
     if evidence:
@@ -708,7 +914,9 @@ class Forecast:
     (tokens, prompt + output) at the smoothed level (a rise ahead reaches the scale-down through
     Little's law at ``rps``, not through the work, whose trend is too noisy to compare with the
     proven work); rec: replicas for the forecast load
-    (Little's law, bounded like ``Size.rec``); load_s: the smoothed model-load time to keep."""
+    (Little's law, bounded like ``Size.rec``); load_s: the smoothed model-load time to keep;
+    work_fc: the offered work per second at the larger of the level and the forecast (tokens/s:
+    what the survivors of a scale-down carry, rule 14)."""
 
     level_rps: float
     trend_rps: float
@@ -719,6 +927,7 @@ class Forecast:
     work: float
     rec: int
     load_s: float
+    work_fc: float = 0.0
 
 
 def forecast(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, metrics_ok: bool,
@@ -763,7 +972,93 @@ def forecast(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Si
         want = 0    # the capacity coming was ordered for this horizon already (rule 4)
     rec = max(max(1, spec.min_replicas), min(spec.max_replicas, want))
     return Forecast(level if level is not None else 0.0, trend, prompt_l, output_l, horizon, rps, work,
-                    rec, load_s)
+                    rec, load_s, max(base, rps) * (prompt_l + output_l))
+
+
+# --------------------------------------------------------------------------- phase 4b: headroom
+
+SPIKE_NOISE_SD = 2.5
+"""Rule 15: a horizon's mean work counts as a spike only above this many standard deviations of
+its own arrival noise (a compound Poisson sum whose per-request work has a coefficient of
+variation of 1: relative sd ``sqrt(2 / requests)``): on a steady load the largest of the ~15
+horizons of a 15-minute window reaches about +2 sd by chance, which must not order capacity."""
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Rule 15. ratio: the short-term peak-to-mean ratio of the offered work (>= 1); mean_work,
+    mean_rps: the window's mean offered work (tokens/s) and requests (req/s); work, rps: what the
+    spike needs, ``ratio`` times the means; history: the work history to keep, ``(time, seconds,
+    tokens, requests)`` per call; covered: the history spans at least one horizon (before that
+    ``work`` and ``rps`` rest on too little to replace the forecast); recent_work: the mean
+    offered work over the last horizon (tokens/s)."""
+
+    ratio: float
+    mean_work: float
+    mean_rps: float
+    history: tuple[tuple[float, float, float, float], ...]
+    covered: bool = False
+    recent_work: float = 0.0
+
+    @property
+    def work(self) -> float:
+        return self.ratio * self.mean_work
+
+    @property
+    def rps(self) -> float:
+        return self.ratio * self.mean_rps
+
+
+def peak_to_mean(history: typing.Sequence[typing.Sequence[float]], horizon_s: float,
+                 noise_sd: float = SPIKE_NOISE_SD) -> tuple[float, float, float]:
+    """Rule 15: ``(ratio, mean work, mean requests)`` of a work history ``[(time, seconds,
+    tokens, requests)]`` (time ascending: the end of each call's interval).
+
+    For every run of consecutive calls covering one horizon (the model-load time; runs shorter
+    than 0.99 of it are skipped), its mean work ``m`` (tokens/s) less ``noise_sd`` times its
+    arrival noise ``m * sqrt(2 / requests)``, over the whole history's mean work; ratio = the
+    largest of these, at least 1 (1 without a whole horizon or without work)."""
+    total_s = sum(e[1] for e in history)
+    total_w = sum(e[2] for e in history)
+    if total_s <= 0 or total_w <= 0 or horizon_s <= 0:
+        return 1.0, (total_w / total_s if total_s > 0 else 0.0), \
+            (sum(e[3] for e in history) / total_s if total_s > 0 else 0.0)
+    mean_w, mean_n = total_w / total_s, sum(e[3] for e in history) / total_s
+    best, j, secs, work, reqs = 1.0, 0, 0.0, 0.0, 0.0
+    for t, dt, w, n in history:
+        secs, work, reqs = secs + dt, work + w, reqs + n
+        while secs - history[j][1] >= horizon_s * 0.99:     # drop calls older than one horizon
+            secs, work, reqs = secs - history[j][1], work - history[j][2], reqs - history[j][3]
+            j += 1
+        if secs >= horizon_s * 0.99 and reqs > 0:
+            m = work / secs
+            best = max(best, (m - noise_sd * m * math.sqrt(2.0 / reqs)) / mean_w)
+    return best, mean_w, mean_n
+
+
+def headroom(now: float, dt: float, fleet: Fleet, fc: Forecast, metrics_ok: bool, spec: PolicySpec,
+             st: PolicyState) -> Headroom:
+    """Phase 4b: the offered work's recent history and the spike headroom (rule 15). Each call
+    with metrics adds its offered work (offered req/s x (this interval's mean prompt, else the
+    smoothed one, + the smoothed output) x dt) to a history of ``max(headroom_window_s,
+    stabilization_window_s)``; :func:`peak_to_mean` over one model-load horizon sizes what a
+    spike shorter than a model load needs (ratio 1 when ``headroom_window_s`` is 0: the history
+    then only gives the means a scale-down is judged on, rule 14)."""
+    keep_s = max(spec.headroom_window_s, spec.stabilization_window_s)
+    hist = [(e[0], e[1], e[2], e[3]) for e in st.work_history if now - e[0] < keep_s]
+    if metrics_ok and fleet.rated > 0 and dt > 0:
+        prompt = fleet.prompt_mean if fleet.prompt_mean is not None else fc.prompt_level
+        hist.append((now, dt, fleet.offered_rps * dt * (prompt + fc.output_level), fleet.offered_rps * dt))
+    ratio, mean_w, mean_n = peak_to_mean(hist, fc.horizon_s)
+    if spec.headroom_window_s <= 0:
+        ratio = 1.0
+    secs = work = 0.0
+    for e in reversed(hist):            # the last horizon
+        if secs >= fc.horizon_s * 0.99:
+            break
+        secs, work = secs + e[1], work + e[2]
+    return Headroom(ratio, mean_w, mean_n, tuple(hist), sum(e[1] for e in hist) >= fc.horizon_s * 0.99,
+                    work / secs if secs > 0 else 0.0)
 
 
 # ---------------------------------------------------------------------------- phase 5: windows
@@ -844,30 +1139,51 @@ def proven_work(now: float, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecas
 
 
 def carries(m: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: PolicySpec,
-            st: PolicyState) -> bool:
-    """Rule 7: would ``m`` replicas carry the load with margin? Little's law now and at the
-    forecast, the work per replica within ``explore_ratio`` of ``proven`` (or a nearly idle
-    fleet), and below the work that already failed."""
+            st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> bool:
+    """Rules 7, 14, 15: would ``m`` replicas carry the load with margin? Little's law now, at the
+    forecast and at the spike headroom (``head``); the work per replica below the work that
+    already failed; and then either a nearly idle fleet, or (survivor load, rule 14, once the
+    capacity estimate is ready) the work each of the ``m`` would carry within the estimate's usable
+    work per replica or within what the fleet has proven, or (no estimate yet) the work per
+    replica within ``explore_ratio`` of ``proven``. (With an estimate, rule 7's step past the proof
+    is not taken: 3 -> 2 replicas at 12 req/s on the steady trace is within 1.75x of what 3 proved
+    and 1.3x over what 2 carry.) The survivors' work is the mean over the last horizon
+    (``head.recent_work``), or with a spike in the window (``head.ratio`` > 1) the larger of that
+    and the spike headroom's (``head.work``: the window's mean offered work times its peak-to-mean
+    ratio), once the history spans a horizon, else the work at the forecast (``fc.work_fc``). (The
+    window's mean alone would keep a past burst's capacity for a whole window: azure-code spent
+    7.41 replica-hours with it against 6.0 with the last horizon's mean.) a rise ahead reaches the check through Little's law at the forecast (the
+    first check). Why not the smoothed level or its forecast: the stabilization window keeps the
+    largest ``keep`` of 300 s, and the largest of 60 noisy levels (and trends) is ~25 % above the
+    load (Poisson at 3.5 req/s), which queueing inside one replica absorbs and the utilization
+    target already allows for."""
     if m <= 0:
         return False
-    demand_fc = max(sz.demand, fc.rps * sz.service_s)
+    spike = head is not None and head.covered and head.ratio > 1
+    demand_fc = max(sz.demand, fc.rps * sz.service_s, head.rps * sz.service_s if spike else 0.0)
     if demand_fc > m * sz.per_replica:
         return False
     work = fc.work / m
-    if st.floor > m and st.fail_work > 0 and work >= st.fail_work * spec.floor_release:
+    survivor = ((max(head.work, head.recent_work) if spike else head.recent_work)
+                if head is not None and head.covered else fc.work_fc) / m
+    if st.floor > m and st.fail_work > 0 and max(work, survivor) >= st.fail_work * spec.floor_release:
         return False
     idle = demand_fc <= spec.idle_utilization * m * sz.per_replica
-    return idle or work <= spec.explore_ratio * proven + 1e-9
+    if idle:
+        return True
+    if cap is not None and cap.ready:     # the estimate replaces rule 7's bounded step past the proof
+        return survivor <= max(cap.usable, proven) + 1e-9
+    return work <= spec.explore_ratio * proven + 1e-9
 
 
 def fewest_carrying(current: int, proven: float, fleet: Fleet, sz: Size, fc: Forecast, spec: PolicySpec,
-                    st: PolicyState) -> int:
+                    st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> int:
     """Rule 7: the fewest replicas (at most ``current``, at least ``max(1, min_replicas)``) that
     :func:`carries` the load now; the stabilization window keeps its maximum, so a lull shorter
     than the window never lets the fleet shrink below what the rest of the window needed."""
     lo = max(1, spec.min_replicas)
     for m in range(lo, max(lo, current)):
-        if carries(m, proven, fleet, sz, fc, spec, st):
+        if carries(m, proven, fleet, sz, fc, spec, st, cap, head):
             return m
     return max(lo, current)
 
@@ -882,7 +1198,7 @@ class Replicas:
 
 def choose_replicas(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast,
                     win: Windows, proven: float, metrics_ok: bool, spec: PolicySpec,
-                    st: PolicyState) -> Replicas:
+                    st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> Replicas:
     """Phase 6: the replicas (rules 7-10, 12), from the targets of the windows."""
     current, n_ready = obs.current_replicas, len(obs.ready)
     held = obs.router.held if obs.router is not None else 0
@@ -918,7 +1234,7 @@ def choose_replicas(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps,
         quiet = all(t is None or now - t >= load_time
                     for t in (st.last_up_time, st.last_down_time, st.last_loading_time))
         if target < current and holds and win.history_s >= spec.stabilization_window_s and quiet \
-                and carries(target, proven, fleet, sz, fc, spec, st):
+                and carries(target, proven, fleet, sz, fc, spec, st, cap, head):
             return Replicas(target, "ScaleDownIdle" if sz.demand == 0 else "ScaleDown")
         return Replicas(current, "HoldStabilizing")
     return Replicas(current, "HoldStarting" if caps.coming > 0 else "Steady")
@@ -987,9 +1303,13 @@ def conditions(obs: Observation, fleet: Fleet, metrics_ok: bool, reason: str, me
 
 def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast,
                win: Windows, proof: Proof, out: Replicas, metrics_ok: bool, spec: PolicySpec,
-               st: PolicyState) -> PolicyState:
+               st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> PolicyState:
     """What the next call remembers: windows, caps, plan (rule 4), Holt (rule 11), the proven and
-    failed work per replica and the floor (rule 7), the last busy time (rule 12)."""
+    failed work per replica and the floor (rule 7), the last busy time (rule 12), the capacity
+    estimate and what an undone scale-down taught it (rule 14), the work history (rule 15).
+    An undone scale-down scales the capacity estimate so that its usable work falls below
+    ``(1 - tolerance)`` times the work per replica that failed; the scale returns to 1 when the
+    floor has decayed away."""
     current, replicas = obs.current_replicas, out.replicas
     n_ready = len(obs.ready)
     plan_cap, plan_tpot, plan_rps = caps.plan_cap, st.plan_tpot_s, st.plan_offered_rps
@@ -1004,16 +1324,19 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
         plan_cap, plan_tpot, plan_rps = 0, 0.0, 0.0
     work_now = fc.work / max(1, n_ready)
     proven, fail, floor, floor_time = proof.proven, st.fail_work, st.floor, st.floor_time
+    scale = cap.scale if cap is not None else st.cap_scale
     undone = replicas > current > 0 and st.last_down_time is not None \
         and now - st.last_down_time <= spec.stabilization_window_s
     if undone:   # a scale-down had to be undone: remember the work per replica that failed
         fail = work_now if fail <= 0 else min(fail, work_now)
         proven = min(proven, fail * (1 - spec.tolerance))
         floor, floor_time = max(floor, replicas), now
+        if cap is not None and cap.usable > 0 and work_now > 0:
+            scale = scale * min(1.0, work_now * (1 - spec.tolerance) / cap.usable)
     elif floor > 0 and floor_time is not None and now - floor_time >= spec.floor_quiet_s:
         floor, floor_time = floor - 1, now    # decays one replica per quiet period
         if floor <= max(1, spec.min_replicas):
-            floor, fail, floor_time = 0, 0.0, None
+            floor, fail, floor_time, scale = 0, 0.0, None, 1.0
     # unreachable pods: cannot tell, so busy; no rates yet (first scrape, a new leader): no evidence
     busy = not _idle(fleet) or (obs.router is not None and obs.router.held > 0) or bool(obs.unreachable)
     return replace(
@@ -1029,7 +1352,11 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
         level_rps=fc.level_rps if (metrics_ok and fleet.rated > 0) or st.level_rps is not None else None,
         trend_rps=fc.trend_rps, prompt_level=fc.prompt_level, output_level=fc.output_level,
         load_s=fc.load_s, proven_work=proven, proof=[[t, w] for t, w in proof.samples], fail_work=fail, floor=floor, floor_time=floor_time,
-        last_busy=now if busy or st.last_busy is None else st.last_busy)
+        last_busy=now if busy or st.last_busy is None else st.last_busy,
+        cap_tokens=cap.tokens if cap is not None else st.cap_tokens,
+        cap_var=cap.var if cap is not None else st.cap_var,
+        cap_seen_s=cap.seen_s if cap is not None else st.cap_seen_s, cap_scale=scale,
+        work_history=[list(e) for e in head.history] if head is not None else st.work_history)
 
 
 # -------------------------------------------------------------------------------------- decide
@@ -1044,31 +1371,42 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     """
     st = PolicyState.from_dict(state.to_dict()) if state is not None else PolicyState()
     caps = tune_batch_caps(obs, spec, st)
-    fleet = aggregate(now, obs, caps, spec, st)
+    rated = [p.interval_s for p in obs.ready if p.interval_s > 0]
+    dt = now - st.last_tick if st.last_tick is not None and now > st.last_tick else _mean(rated, 0.0)
+    cap = capacity(obs, dt, st.load_s if st.load_s > 0 else spec.model_load_s, spec, st)
+    fleet = aggregate(now, obs, caps, spec, st, cap.p_max)
     metrics_ok = not obs.unreachable and fleet.rated > 0
     sz = size(fleet, caps, len(obs.ready), spec, st)
     fc = forecast(now, obs, fleet, caps, sz, metrics_ok, spec, st)
+    head = headroom(now, dt, fleet, fc, metrics_ok, spec, st)
     proof = proven_work(now, fleet, caps, sz, fc, len(obs.ready), metrics_ok, spec, st)
-    keep = fewest_carrying(obs.current_replicas, proof.proven, fleet, sz, fc, spec, st)
+    keep = fewest_carrying(obs.current_replicas, proof.proven, fleet, sz, fc, spec, st, cap, head)
     win = windows(now, obs.current_replicas, sz, fc, keep, metrics_ok, spec, st)
-    out = choose_replicas(now, obs, fleet, caps, sz, fc, win, proof.proven, metrics_ok, spec, st)
+    out = choose_replicas(now, obs, fleet, caps, sz, fc, win, proof.proven, metrics_ok, spec, st, cap, head)
     ql = queue_limits(fleet, len(obs.ready), caps.coming, out.replicas - obs.current_replicas, spec,
                       fleet.service_s if fleet.service_s is not None else st.service_s)
     limits = {p.name: Limits(caps.caps[p.name], ql.max_waiting) for p in obs.ready}
-    message = _message(obs, fleet, caps, sz, fc, out, spec, st)
+    message = _message(obs, fleet, caps, sz, fc, out, spec, st, cap, head)
     return Decision(out.replicas, limits, out.reason, message,
                     conditions(obs, fleet, metrics_ok, out.reason, message, spec),
-                    next_state(now, obs, fleet, caps, sz, fc, win, proof, out, metrics_ok, spec, st),
-                    ql.router_max_queued)
+                    next_state(now, obs, fleet, caps, sz, fc, win, proof, out, metrics_ok, spec, st, cap, head),
+                    ql.router_max_queued, fleet.infeasible, cap.tokens * cap.scale if cap.ready else 0.0)
 
 
 def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Forecast, out: Replicas,
-             spec: PolicySpec, st: PolicyState) -> str:
+             spec: PolicySpec, st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> str:
     """The numbers behind the replica decision, without its reason (``Decision.reason`` says it) and
     without the admission limits (``Decision.limits``; the loop bounds them by the spec and reports
     the ones in force)."""
     att = "n/a" if fleet.attainment is None else f"{fleet.attainment:.3f}"
     floor = f", floor {st.floor}" if st.floor else ""
+    if cap is not None and cap.ready:
+        floor += (f", capacity {cap.tokens * cap.scale:.0f} tokens/s per replica (+-{cap.sd:.0f}), "
+                  f"work {fc.work_fc:.0f} tokens/s")
+    if head is not None and head.ratio > 1:
+        floor += f", spike headroom {head.ratio:.2f}x"
+    if fleet.infeasible > 0:
+        floor += f", infeasible {fleet.infeasible:.0f}"
     return (f"{obs.current_replicas} -> {out.replicas} replicas ({len(obs.ready)} ready, "
             f"{caps.coming} starting); offered {fleet.offered_rps:.2f} req/s (forecast {fc.rps:.2f} in "
             f"{fc.horizon_s:.0f} s), in flight {fleet.in_flight}, demand {sz.demand:.1f} seqs, "
@@ -1079,5 +1417,7 @@ def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Fore
 __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation", "Observation",
            "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
+           "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "peak_to_mean", "headroom",
+           "SPIKE_NOISE_SD",
            "tune_cap", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]

@@ -2,7 +2,10 @@
 
 ``python -m goodput.bench.simulate [--trace bursty|diurnal|long-prompt|two-class|azure-code|all]
 [--hardware h200|cpu] [--policies goodput,static-peak,hpa-queue,kpa,saturation] [--seed 0]
-[--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler]``
+[--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler] [--metric-noise 0.05]``;
+``python -m goodput.bench.simulate --steady-rates 2,3.5,5,8,12 [--metric-noise 0.05]``: our policy
+on steady Poisson loads at each rate against the smallest fixed fleet reaching the target
+(:func:`steady_rates`).
 
 Each replica is the engine's REAL torch-free ``Scheduler`` + ``BlockManager``
 (``goodput.worker.engine``); only the model runner is replaced by a step-time model
@@ -43,7 +46,7 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from goodput.autoscaler import observe
@@ -63,7 +66,7 @@ from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
-from goodput.api.worker_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from goodput.api.worker_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, count_buckets
 
 POLICIES = ("goodput", "static-peak", "hpa-queue", "kpa", "saturation")
 FITS_PATH = os.path.join(os.path.dirname(__file__), "step_time_fits.json")
@@ -283,6 +286,7 @@ class Replica:
         self.ttft = _Hist(TTFT_BUCKETS)
         self.tpot = _Hist(TOKEN_LATENCY_BUCKETS)
         self.queue = _Hist(TTFT_BUCKETS)    # arrival -> first scheduled, as the worker exports it
+        self.prompt_len = _Hist(count_buckets(cfg.max_model_len))   # per finished request, tokens
         self.cls: dict[str, int] = {}
         self.prev: observe.PodSample | None = None     # the sample at the previous policy tick
 
@@ -301,7 +305,8 @@ class Replica:
                       "rejected_400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
                       "generation_tokens": s.generation_tokens_total, "prompt_tokens": s.prompt_tokens_total,
                       "prefix_cache_hits": s.prefix_cache_hits_total},
-            histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot()})
+            histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot(),
+                        "prompt_len": self.prompt_len.snapshot()})
 
     def observe(self, now: float) -> PodObservation:
         """The PodObservation the real loop builds from two scrapes (this tick's and the previous
@@ -383,14 +388,36 @@ def direction_changes(replicas: Iterable[int]) -> int:
     return sum(1 for a, b in zip(signs, signs[1:]) if a != b)
 
 
+def noisy(p: PodObservation, rng: random.Random, sd: float) -> PodObservation:
+    """``p`` with every measured number off by an independent Gaussian relative error of ``sd``
+    (counters, gauges and the histograms' sums: their means move by about ``sd``; bucket counts
+    stay exact): a scrape that misreads by a few percent. Counts stay >= 0, ``slo_met`` <=
+    ``finished``, KV usage in 0..1, request gauges whole."""
+    if sd <= 0:
+        return p
+    f = lambda: max(0.0, 1.0 + rng.gauss(0.0, sd))  # noqa: E731
+
+    def hist(h):
+        return None if h is None else replace(h, sum=h.sum * f())
+
+    finished = p.finished * f()
+    return replace(p, running=max(0, round(p.running * f())), waiting=max(0, round(p.waiting * f())),
+                   kv_usage=min(1.0, p.kv_usage * f()), admitted=p.admitted * f(), finished=finished,
+                   slo_met=min(finished, p.slo_met * f()), rejected_429=p.rejected_429 * f(),
+                   generation_tokens=p.generation_tokens * f(),
+                   prompt_tokens=None if p.prompt_tokens is None else p.prompt_tokens * f(),
+                   ttft=hist(p.ttft), tpot=hist(p.tpot), queue=hist(p.queue))
+
+
 def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: float = 60.0,
              max_num_seqs: int = 64, max_waiting: int = 256, progress: bool = False,
-             routing: str | SimRouter = "round-robin", route_seed: int = 0) -> Result:
+             routing: str | SimRouter = "round-robin", route_seed: int = 0, metric_noise: float = 0.0) -> Result:
     """Run ``trace`` through a fleet scaled by ``policy``; deterministic for a given trace.
 
     ``routing``: how arrivals pick a ready pod (one of ``goodput.bench.routing.ROUTINGS``, or a
     ``SimRouter`` with its own ``PickConfig``; the router's picker for ``affinity`` and
-    ``goodput``), ``route_seed`` seeds ``random``.
+    ``goodput``), ``route_seed`` seeds ``random``. ``metric_noise``: relative sd of the error
+    every policy's observations carry (:func:`noisy`; seeded by ``route_seed``; 0 = exact).
 
     Replicas start with the engine defaults ``max_num_seqs`` / ``max_waiting`` (the worker's);
     ``trace.initial_replicas`` (``policy.initial_replicas`` when it has one) are ready at t = 0.
@@ -400,6 +427,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                        max_num_batched_tokens=hw.max_num_batched_tokens, max_waiting=max_waiting,
                        enable_prefix_caching=trace.prefix_caching)
     router = routing if isinstance(routing, SimRouter) else SimRouter(routing, route_seed)
+    noise_rng = random.Random(route_seed + 7919)
     pods: list[Replica] = []
     serial = itertools.count()
     events: list[tuple[float, int, str, object]] = []   # (time, seq, kind, payload)
@@ -457,6 +485,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                 ttft, tpot = req.ttft, req.tpot
                 if tpot is not None:
                     r.tpot.observe(tpot)
+                r.prompt_len.observe(req.num_prompt_tokens)
                 finished_total += 1
                 slo_ttft, slo_tpot = r.slos[c]
                 if ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot):
@@ -509,7 +538,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
         if now == t_tick:
             obs_ready = []
             for p in ready_pods(now):
-                obs_ready.append(p.observe(now))
+                obs_ready.append(noisy(p.observe(now), noise_rng, metric_noise))
             starting = tuple(StartingPod(p.name, now - p.created) for p in live() if p.ready_at > now)
             obs = Observation(tuple(obs_ready), starting, (), spec_replicas)
             desired, limits = policy.tick(now, obs)
@@ -825,13 +854,87 @@ def plot(trace: Trace, results: list[Result], path: str) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------ steady loads, many rates
+def mean_replicas(timeline: Sequence[tuple[float, int, int]], start: float, end: float) -> float:
+    """Time-average of the replicas set (``spec.replicas``, the timeline's second field) over
+    [start, end] seconds; the timeline is ``(t, replicas, ready)`` ascending, each value holding
+    until the next entry."""
+    area = 0.0
+    for (t0, n0, _), t1 in zip(timeline, [t for t, _, _ in timeline[1:]] + [end]):
+        a, b = max(t0, start), min(t1, end)
+        if b > a:
+            area += n0 * (b - a)
+    return area / (end - start) if end > start else 0.0
+
+
+@dataclass
+class SteadyRow:
+    """One rate of :func:`steady_rates`: the policy's run against the hindsight fixed fleet.
+
+    settle_s: the first seconds left out of ``mean`` (the replicas the policy sets, averaged over
+    the rest); ratio: ``mean / hindsight_n``; changes: direction changes over the whole run;
+    ok: ratio <= 1.05, changes <= 1 per 30 minutes and attainment >= the fleet's - 0.01."""
+
+    rate: float
+    hindsight_n: int | None
+    hindsight_attainment: float
+    attainment: float
+    mean: float
+    ratio: float
+    changes: int
+    replica_hours: float
+    ok: bool
+    noise: float = 0.0
+
+
+def steady_rates(rates: Sequence[float], hw: StepTime, *, seed: int = 0, duration: float = 1800.0,
+                 initial_replicas: int = 2, load_time_s: float = 60.0, settle_s: float = 600.0,
+                 metric_noise: float = 0.0, slo: tuple[float, float] = (1.0, 0.15)) -> list[SteadyRow]:
+    """Our policy on steady Poisson loads at each rate (req/s; the ``steady`` trace's lengths and
+    SLO), against the smallest fixed fleet reaching the spec's attainment target."""
+    rows = []
+    for rate in rates:
+        trace = synthetic_trace("steady", seed, rate=rate, duration=duration, slo=slo, max_replicas=10,
+                                initial_replicas=initial_replicas)
+        ours = simulate(trace, make_policy("goodput", trace), hw, load_time_s=load_time_s,
+                        route_seed=seed, metric_noise=metric_noise)
+        fleets = FixedFleets(trace, hw, load_time_s, route_seed=seed)
+        target = default_goodput_spec(trace).attainment_target
+        n = fleets.hindsight(target)
+        h_att = fleets.get(n).attainment if n else math.nan
+        mean = mean_replicas(ours.timeline, settle_s, duration)
+        ratio = mean / n if n else math.nan
+        ok = (n is not None and ratio <= 1.05 + 1e-9 and ours.attainment >= h_att - 0.01 - 1e-9
+              and ours.direction_changes <= max(1.0, duration / 1800.0))
+        rows.append(SteadyRow(rate, n, h_att, ours.attainment, mean, ratio, ours.direction_changes,
+                              ours.replica_hours, ok, metric_noise))
+    return rows
+
+
+def steady_table(rows: Sequence[SteadyRow], duration: float, settle_s: float) -> str:
+    lines = [f"### steady Poisson loads ({duration:.0f} s each; replicas averaged after the first "
+             f"{settle_s:.0f} s)", "",
+             "| rate (req/s) | metric noise | hindsight static: N, attainment | ours: mean replicas (x N) "
+             "| ours: attainment | direction changes | replica-hours | target |",
+             "|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.rate:g} | {r.noise:.0%} | {r.hindsight_n}, {r.hindsight_attainment:.4f} | "
+                     f"{r.mean:.2f} ({r.ratio:.2f}x) | {r.attainment:.4f} | {r.changes} | {r.replica_hours:.3f} | "
+                     f"{'met' if r.ok else 'NOT met'} |")
+    lines.append("\ntarget: after the first 10 minutes at most 1.05x the replicas of the smallest fixed "
+                 "fleet reaching attainment 0.9, at most 1 direction change per 30 minutes, attainment "
+                 "within 1 point of that fleet's.")
+    return "\n".join(lines) + "\n"
+
+
 def _run_trace(tname: str, args: argparse.Namespace, names: list[str]) -> tuple[str, str, dict]:
     """One trace: its policies, the fixed fleets, the table (and plot); runs in a worker process
     with ``--jobs``."""
     hw = HARDWARE[args.hardware]()
     trace = make_trace(tname, args.seed, args.hardware, args.duration, args.rate)
     results = [simulate(trace, make_policy(p, trace), hw, load_time_s=args.load_time,
-                        progress=not args.no_progress, routing=args.routing, route_seed=args.seed)
+                        progress=not args.no_progress, routing=args.routing, route_seed=args.seed,
+                        metric_noise=args.metric_noise)
                for p in names]
     target = default_goodput_spec(trace).attainment_target
     ev = evaluate(trace, results, hw, args.load_time, target, args.routing, args.seed) \
@@ -840,7 +943,8 @@ def _run_trace(tname: str, args: argparse.Namespace, names: list[str]) -> tuple[
     table = markdown_table(ev, hw, args.load_time) + "\n" + verdict(ev)
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
-        stem = f"{tname}-{args.hardware}" + ("" if args.routing == "round-robin" else f"-{args.routing}")
+        stem = f"{tname}-{args.hardware}" + ("" if args.routing == "round-robin" else f"-{args.routing}") \
+            + (f"-noise{round(args.metric_noise * 100)}" if args.metric_noise else "")
         with open(os.path.join(args.out_dir, f"{stem}.md"), "w") as f:
             f.write(table)
         plot(trace, results, os.path.join(args.out_dir, f"{stem}.png"))
@@ -867,7 +971,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the fixed-fleet search (hindsight static, frontier): quicker")
     ap.add_argument("--jobs", type=int, default=1, help="traces simulated in parallel processes")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--metric-noise", type=float, default=0.0,
+                    help="relative sd of the error on every policy's observations (e.g. 0.05)")
+    ap.add_argument("--steady-rates", metavar="R1,R2,...",
+                    help="instead of --trace: our policy on steady Poisson loads at these rates (req/s) "
+                         "against the hindsight fixed fleet (--duration, default 1800 s)")
     args = ap.parse_args(argv)
+    if args.steady_rates:
+        rates = [float(x) for x in args.steady_rates.split(",") if x.strip()]
+        duration = args.duration or 1800.0
+        hw = HARDWARE[args.hardware]()
+        rows = steady_rates(rates, hw, seed=args.seed, duration=duration, load_time_s=args.load_time,
+                            metric_noise=args.metric_noise)
+        table = steady_table(rows, duration, 600.0)
+        print(table)
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            stem = f"steady-rates-{args.hardware}" + (f"-noise{round(args.metric_noise * 100)}"
+                                                      if args.metric_noise else "")
+            with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:
+                f.write(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([r.__dict__ for r in rows], f, indent=1)
+                f.write("\n")
+        return 0
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in names:
         if p not in POLICIES:
