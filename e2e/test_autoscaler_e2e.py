@@ -52,14 +52,16 @@ SPEC: dict[str, Any] = {
     # for a whole 24-token stream (~6 s), so an overloaded replica misses TTFT, and TPOT misses
     # under contention cut the batch (the path the no-pile-up rule must hold on).
     "slo": {"ttftMs": 2000, "tpotMs": 500, "attainmentTarget": 0.8},
-    # The trickle runs one stream per replica, so 2 -> 1 doubles the work per replica: past the
-    # policy's default exploreRatio (1.75x the proven work per replica), which would hold the
-    # fleet; 2.5 lets this test's one scale-down be the experiment the rule allows.
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 2,
-                    "stabilizationWindowSeconds": STABILIZATION_S, "tuning": {"exploreRatio": 2.5}},
+                    "stabilizationWindowSeconds": STABILIZATION_S},
 }
 HEAVY_CLIENTS = 6   # L = 6 in flight against maxNumSeqs 4 per replica: one replica is not enough
-# then a trickle: one client per replica (one stream at a time each), which one replica carries
+# then a trickle: one client per replica, each pausing TRICKLE_THINK_S after every stream. Without the
+# pause a closed-loop client takes whatever its pod gives: one stream per replica kept each at ~45 % of
+# the capacity estimate it measured under the load step (~100 tokens/s at a full batch of 4), so the
+# survivor of 2 -> 1 would run at ~90 % of it, past the policy's tokenUtilization (0.8): held, rightly.
+# With the pause each replica runs at ~20 % of it and one replica carries both clients' work.
+TRICKLE_THINK_S = 1.0
 
 
 POD_READY_S = 240  # model load on 2 shared CPU cores
@@ -93,7 +95,8 @@ def is_ready(p: dict[str, Any]) -> bool:
 
 
 class Load:
-    """Closed-loop streaming clients against the given pod IPs (client i uses target i mod n).
+    """Closed-loop streaming clients against the given pod IPs (client i uses target i mod n), each
+    pausing ``think_s`` seconds after every stream.
 
     Every request is recorded: a stream that answered 200 must end with a finish_reason and
     [DONE]; one that breaks after its 200 is *cut*. 429/503 and refused connections (a pod that
@@ -101,8 +104,8 @@ class Load:
     would, with the openai client's backoff (0.5 s doubling to 8 s, reset by a success).
     """
 
-    def __init__(self, clients: int, max_tokens: int):
-        self.clients, self.max_tokens = clients, max_tokens
+    def __init__(self, clients: int, max_tokens: int, think_s: float = 0.0):
+        self.clients, self.max_tokens, self.think_s = clients, max_tokens, think_s
         self.targets: list[str] = []
         self.lock = threading.Lock()
         self.streams: list[dict[str, Any]] = []
@@ -165,6 +168,8 @@ class Load:
                     continue
                 with self.lock:
                     self.streams.append(rec)
+                if self.think_s:
+                    self.stop_ev.wait(self.think_s)
 
     def bad_streams(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -311,7 +316,7 @@ def test_limits_it_sets_are_on_the_pods(kubectl: Kubectl, ns: str, diag):
 
 @pytest.mark.timeout(POD_READY_S + 150)
 def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: str, autoscaler, diag):
-    # load drops to a trickle: one stream per replica at a time (client i -> pod i)
+    # load drops to a trickle: one client per replica (client i -> pod i), pausing between streams
     World.load.stop()
     assert not World.load.bad_streams(), World.load.bad_streams()[:5]
     # every pod serves a client of the trickle (the one a scale-down removes must have streams)
@@ -319,7 +324,7 @@ def test_restart_and_unreachable_metrics_never_scale_down(kubectl: Kubectl, ns: 
                      and len(ps) == isvc(kubectl, ns, NAME)["spec"]["replicas"] and ps, POD_READY_S,
                      "every pod ready", interval=1, on_timeout=diag)
     ready = sorted(ready, key=lambda p: p["metadata"]["name"])
-    World.load = load = Load(len(ready), max_tokens=32)
+    World.load = load = Load(len(ready), max_tokens=32, think_s=TRICKLE_THINK_S)
     load.set_targets([pod_ip(p) for p in ready])
     load.start()
     replicas = isvc(kubectl, ns, NAME)["spec"]["replicas"]
