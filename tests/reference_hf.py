@@ -8,6 +8,7 @@ other test modules (e.g. the server's greedy-equality tests) share one copy.
 Public helpers:
 - ``hf_greedy(prompt_ids, max_new_tokens, stop_at_eos=True) -> list[int]``: generated ids only.
 - ``hf_logits(prompt_ids) -> torch.Tensor`` float32 [len(prompt_ids), vocab].
+- ``hf_ids(text)``, ``hf_reference(prompt_ids, n, ignore_eos=False)``: cached, for server tests.
 - ``hf_model()``, ``hf_tokenizer()``, ``gguf_dir_and_name()``.
 """
 from __future__ import annotations
@@ -82,3 +83,21 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = Tr
         out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
         cache = out.cache
     return generated
+
+
+@functools.cache
+def hf_ids(text: str) -> tuple[int, ...]:
+    """``text`` tokenized by transformers' tokenizer (no special tokens), cached."""
+    return tuple(hf_tokenizer().encode(text, add_special_tokens=False))
+
+
+@functools.cache
+def hf_reference(prompt_ids: tuple[int, ...], n: int, ignore_eos: bool = False) -> list[int]:
+    """:func:`hf_greedy`, cached, on one thread: a server subprocess computes at the same time, and
+    one thread each avoids OpenMP thrashing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return hf_greedy(list(prompt_ids), n, stop_at_eos=not ignore_eos)
+    finally:
+        torch.set_num_threads(threads)

@@ -8,7 +8,6 @@ Cases: one request at a time; 8 at once; a token budget smaller than the prompt
 """
 from __future__ import annotations
 
-import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -29,23 +28,14 @@ CHUNKED_PROMPTS = [
 ]
 
 
-@functools.cache
 def ids_of(text: str) -> tuple[int, ...]:
-    from reference_hf import hf_tokenizer
-    return tuple(hf_tokenizer().encode(text, add_special_tokens=False))
+    from reference_hf import hf_ids
+    return hf_ids(text)
 
 
-@functools.cache
 def reference(prompt_ids: tuple[int, ...], n: int, ignore_eos: bool = False) -> list[int]:
-    import torch
-    from reference_hf import hf_greedy
-    # The server subprocess computes at the same time; one thread each avoids OpenMP thrashing.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return hf_greedy(list(prompt_ids), n, stop_at_eos=not ignore_eos)
-    finally:
-        torch.set_num_threads(threads)
+    from reference_hf import hf_reference
+    return hf_reference(prompt_ids, n, ignore_eos)
 
 
 def served(url: str, prompt_ids, n: int, ignore_eos: bool = False) -> list[int]:

@@ -46,7 +46,8 @@ STATS = SchedulerStats(
     rejected_total={"queue_full": 2, "never_fits": 1, "invalid": 0},
     finished_total={"stop": 7, "length": 4, "abort": 1}, preemptions_total=6,
     prompt_tokens_total=900, generation_tokens_total=300, prefix_cache_queries_total=800,
-    prefix_cache_hits_total=320, steps_total=77, batched_tokens_total=1234)
+    prefix_cache_hits_total=320, steps_total=77, batched_tokens_total=1234, spec_decode_drafts_total=10,
+    spec_decode_draft_tokens_total=40, spec_decode_accepted_tokens_total=25)
 
 
 def finished_request(ttft: float | None, tpot: float | None, n_out: int = 3, prompt: int = 4,
@@ -137,6 +138,8 @@ def test_values_come_from_the_stats_snapshot():
     assert value(fams, "goodput_admission_max_waiting") == 16
     assert value(fams, "goodput_engine_steps_total") == 77
     assert value(fams, "goodput_batched_tokens_total") == 1234
+    assert value(fams, "goodput_spec_decode_draft_tokens_total") == 40
+    assert value(fams, "goodput_spec_decode_accepted_tokens_total") == 25
     assert value(fams, "goodput_cache_config_info", block_size="16", num_blocks="120",
                  enable_prefix_caching="true") == 1
 

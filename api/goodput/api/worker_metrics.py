@@ -51,6 +51,9 @@ PREFIX_CACHE_HITS = "goodput_prefix_cache_hits"
 PREEMPTIONS = "goodput_preemptions"
 ENGINE_STEPS = "goodput_engine_steps"
 BATCHED_TOKENS = "goodput_batched_tokens"
+SPEC_DECODE_DRAFTS = "goodput_spec_decode_drafts"
+SPEC_DECODE_DRAFT_TOKENS = "goodput_spec_decode_draft_tokens"
+SPEC_DECODE_ACCEPTED_TOKENS = "goodput_spec_decode_accepted_tokens"
 # Histograms (observed by the engine as steps run and requests finish).
 TIME_TO_FIRST_TOKEN = "goodput_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "goodput_inter_token_latency_seconds"
@@ -84,6 +87,11 @@ SCHEDULER_COUNTERS = {
     "steps_total": (ENGINE_STEPS, None, "Engine steps that ran at least one chunk."),
     "batched_tokens_total": (BATCHED_TOKENS, None,
                              "Tokens computed by the model in those steps (prefill chunks + decodes)."),
+    "spec_decode_drafts_total": (SPEC_DECODE_DRAFTS, None,
+                                 "Speculative steps: decodes that carried n-gram draft tokens."),
+    "spec_decode_draft_tokens_total": (SPEC_DECODE_DRAFT_TOKENS, None, "Draft tokens proposed."),
+    "spec_decode_accepted_tokens_total": (SPEC_DECODE_ACCEPTED_TOKENS, None,
+                                          "Draft tokens accepted (equal to the target's own token)."),
 }
 LABEL_VALUES = {"reason": REJECT_REASONS, "finished_reason": FINISH_REASONS, "state": ENGINE_STATES}
 
@@ -97,6 +105,9 @@ VLLM_ALIASES = {
     PROMPT_TOKENS: "vllm:prompt_tokens",
     GENERATION_TOKENS: "vllm:generation_tokens",
     PREEMPTIONS: "vllm:num_preemptions",
+    SPEC_DECODE_DRAFTS: "vllm:spec_decode_num_drafts",
+    SPEC_DECODE_DRAFT_TOKENS: "vllm:spec_decode_num_draft_tokens",
+    SPEC_DECODE_ACCEPTED_TOKENS: "vllm:spec_decode_num_accepted_tokens",
     PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries",
     PREFIX_CACHE_HITS: "vllm:prefix_cache_hits",
     REQUESTS_FINISHED: "vllm:request_success",

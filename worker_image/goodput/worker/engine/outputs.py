@@ -51,6 +51,9 @@ class ScheduledChunk:
         masks them while ``num_output_tokens < min_tokens``.
     prompt_token_ids, output_token_ids: the request's history, filled only when the sampler or
         the runner needs it (penalties, a grammar, prompt log-probabilities), else empty.
+    draft_token_ids: a speculative decode's n-gram draft (``engine.speculative``): the last
+        ``len(draft_token_ids)`` entries of ``token_ids``, after the last sampled token. The runner
+        verifies them with the logits of every position of the chunk.
     """
 
     request_id: str
@@ -63,6 +66,7 @@ class ScheduledChunk:
     stop_token_ids: frozenset[int] = frozenset()
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -75,8 +79,10 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """One token fed back after it was sampled (the request's last output token)."""
-        return self.sample and self.num_output_tokens > 0 and len(self.token_ids) == 1
+        """One token fed back after it was sampled (the request's last output token), with its
+        draft tokens when the step speculates."""
+        return (self.sample and self.num_output_tokens > 0
+                and len(self.token_ids) == 1 + len(self.draft_token_ids))
 
 
 @dataclass
@@ -114,19 +120,23 @@ class RunnerOutput:
     prompt_logprobs: request_id -> (first prompt position, entries): entry i is the
         log-probability of prompt token ``first + i`` given the tokens before it, only for
         requests with ``sampling_params.prompt_logprobs`` set (one run per prefill chunk).
+    spec_token_ids: request_id -> every token a chunk with draft tokens emits: its accepted drafts
+        then the target's next token (1 to ``len(draft) + 1`` tokens, ``accept_greedy``);
+        ``sampled_token_ids`` holds the first of them.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class RequestOutput:
     """One request's result of a committed step (``Scheduler.update_from_output``).
 
-    new_token_ids: tokens sampled this step (one, or none for a non-final prefill chunk, which
-        produces no RequestOutput at all).
+    new_token_ids: tokens emitted this step: one, or several after a speculative step (a
+        non-final prefill chunk produces no RequestOutput at all).
     finished: the request finished this step (EOS / stop token -> "stop"; max_tokens or
         max_model_len -> "length"); its KV blocks are already freed.
     finish_reason: a ``FinishReason`` (a ``str`` enum: "stop", "length", "abort") or None.

@@ -55,6 +55,7 @@ class Request:
     block_ids: the block table; position p lives in ``block_ids[p // block_size]``.
     block_hashes: prefix-cache hashes of the request's full blocks (a chain, grows lazily).
     num_cached_blocks: how many of the request's full blocks were offered to the prefix cache.
+    spec_skip_steps, spec_misses: speculative decoding's back-off state (``engine.speculative``).
     stop_token_ids: the one resolved set of ids that finish the request with reason "stop"
         (``sampling_params.stop_token_ids`` plus the engine's EOS ids unless ``ignore_eos``), set
         by ``Scheduler.add_request``; the scheduler's stop rule, the engine's text cut and the
@@ -77,6 +78,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_cached_blocks: int = field(default=0, init=False, repr=False)
     stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+    # Speculative decoding's adaptive back-off (``speculative.next_skip``): decode steps left to
+    # run without a draft, and verify steps in a row that accepted nothing.
+    spec_skip_steps: int = field(default=0, init=False, repr=False)
+    spec_misses: int = field(default=0, init=False, repr=False)
 
     # Timestamps (monotonic seconds).
     queued_time: float | None = field(default=None, init=False)

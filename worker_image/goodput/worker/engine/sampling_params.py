@@ -34,6 +34,9 @@ class SamplingParams:
         (completions' ``echo`` with ``logprobs``). Such a request bypasses the prefix cache.
     json_schema: None, or a JSON schema (as JSON text) the output must follow; the sampler masks
         every token the grammar does not allow (``'{"type": "object"}'`` for any JSON object).
+    speculative: None = the engine's ``speculative_mode``; False = never draft; True = draft
+        (with the engine's back-off when its mode is "adaptive"). Only greedy requests without
+        penalties, logit bias, grammar or log-probabilities ever draft (:attr:`can_speculate`).
     """
 
     temperature: float = 1.0
@@ -52,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     json_schema: str | None = None
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -86,6 +90,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Greedy with nothing that needs the token-by-token distribution: verification of a
+        draft is then an equality test (``engine.speculative.accept_greedy``)."""
+        return (self.greedy and not self.has_penalties and not self.logit_bias
+                and self.json_schema is None and self.logprobs is None and self.prompt_logprobs is None)
 
     @property
     def has_penalties(self) -> bool:

@@ -30,6 +30,7 @@ from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput
 from goodput.worker.engine.request import Request, RequestStatus
+from goodput.worker.engine.speculative import draft_budget, next_skip, propose_ngram
 from goodput.api.states import EngineState, FinishReason, RejectReason
 
 
@@ -65,7 +66,9 @@ class SchedulerStats:
     :class:`RejectReason` value (the server's own refusals included), ``finished_total`` by
     :class:`FinishReason` value; tokens in tokens (``prefix_cache_*``: prompt tokens looked up at
     admission / found); ``steps_total``: steps that ran at least one chunk;
-    ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs).
+    ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs, draft
+    tokens included); ``spec_decode_*``: speculative decodes, their draft tokens and the draft
+    tokens accepted (mean accepted length = accepted / drafts; tokens per speculative step = that + 1).
 
     kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
 
@@ -100,6 +103,9 @@ class SchedulerStats:
     prefix_cache_hits_total: int
     steps_total: int
     batched_tokens_total: int
+    spec_decode_drafts_total: int
+    spec_decode_draft_tokens_total: int
+    spec_decode_accepted_tokens_total: int
 
     def counters(self) -> dict[str, Any]:
         """The counters by name without ``_total`` (``{"admitted": 3, "rejected": {...}, ...}``)."""
@@ -113,6 +119,7 @@ _COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name.endswit
 class _StepPlan:
     budget: int
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> new tokens (in order)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> its n-gram draft
     preempted: list[str] = field(default_factory=list)
 
 
@@ -162,6 +169,9 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.steps_total = 0
         self.batched_tokens_total = 0
+        self.spec_decode_drafts_total = 0
+        self.spec_decode_draft_tokens_total = 0
+        self.spec_decode_accepted_tokens_total = 0
 
     # ---- admission -----------------------------------------------------------------------------
     def count_rejection(self, reason: RejectReason | str) -> None:
@@ -305,6 +315,8 @@ class Scheduler:
                 if remaining <= 0 or (remaining == 1) != want_decode:
                     continue
                 n = min(remaining, plan.budget)
+                if want_decode and self._schedule_draft(req, plan):
+                    continue
                 while not self.block_manager.allocate_slots(req, n):
                     kv_blocked = True
                     victim = self._pick_victim()
@@ -341,19 +353,22 @@ class Scheduler:
         for rid, n in plan.scheduled.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
+            draft = tuple(plan.drafts.get(rid, ()))
+            known = n - len(draft)  # tokens the request has; the draft's follow them
             sp = req.sampling_params
             history = sp.has_penalties or sp.json_schema is not None
             out.chunks.append(ScheduledChunk(
                 request_id=rid,
-                token_ids=tuple(req.all_token_ids[start:start + n]),
+                    token_ids=tuple(req.all_token_ids[start:start + known]) + draft,
                 start_pos=start,
                 block_table=tuple(req.block_ids),
-                sample=start + n == req.num_tokens,
+                sample=start + known == req.num_tokens,
                 sampling_params=req.sampling_params,
                 num_output_tokens=req.num_output_tokens,
                 stop_token_ids=req.stop_token_ids,
                 prompt_token_ids=req.prompt_token_ids if history or sp.prompt_logprobs is not None else (),
                 output_token_ids=tuple(req.output_token_ids) if history else (),
+                draft_token_ids=draft,
             ))
             out.num_batched_tokens += n
         out.preempted_ids = plan.preempted
@@ -361,6 +376,34 @@ class Scheduler:
             self.steps_total += 1
             self.batched_tokens_total += out.num_batched_tokens
         return out
+
+    def _schedule_draft(self, req: Request, plan: _StepPlan) -> bool:
+        """Schedule ``req``'s decode with an n-gram draft, if it drafts this step and the budget
+        and the pool have room for ``1 + len(draft)`` tokens (a draft never preempts anyone:
+        without room the decode runs alone). Returns whether it was scheduled."""
+        draft = self._propose(req, plan.budget - 1)
+        if not draft or not self.block_manager.allocate_slots(req, 1 + len(draft)):
+            return False
+        plan.scheduled[req.request_id] = 1 + len(draft)
+        plan.drafts[req.request_id] = draft
+        plan.budget -= 1 + len(draft)
+        return True
+
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """The n-gram draft of a decoding request (``engine.speculative``), or [] when it does not
+        speculate this step: mode off (engine or request), a request that cannot
+        (:attr:`SamplingParams.can_speculate`), an adaptive back-off, or no room."""
+        cfg, sp = self.config, req.sampling_params
+        mode = cfg.speculative_mode if sp.speculative is None else (
+            "off" if not sp.speculative else "adaptive" if cfg.speculative_mode == "adaptive" else "on")
+        if mode == "off" or not sp.can_speculate or req.num_output_tokens < sp.min_tokens:
+            return []
+        if req.spec_skip_steps > 0:
+            req.spec_skip_steps -= 1
+            return []
+        k = min(room, draft_budget(cfg.num_speculative_tokens, req.num_output_tokens, sp.max_tokens,
+                                   req.num_tokens, cfg.max_model_len))
+        return propose_ngram(req.all_token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
     def _pick_victim(self) -> Request:
         seq = self._admit_seq
@@ -374,6 +417,7 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
         n = plan.scheduled.pop(req.request_id, 0)
+        plan.drafts.pop(req.request_id, None)
         plan.budget += n
         plan.preempted.append(req.request_id)
         self.preemptions_total += 1
@@ -402,11 +446,16 @@ class Scheduler:
                 continue  # aborted, finished or preempted since it was scheduled
             if chunk.sample and chunk.request_id not in runner_out.sampled_token_ids:
                 raise RuntimeError(f"runner returned no sampled token for request {chunk.request_id!r}")
+            if chunk.draft_token_ids:
+                self._check_verified(chunk, runner_out)
             live.append((chunk, req))
         now = self.clock()
         outputs: list[RequestOutput] = []
         bm = self.block_manager
         for chunk, req in live:
+            if chunk.draft_token_ids:
+                outputs.append(self._commit_speculative(chunk, req, runner_out, now))
+                continue
             req.num_computed_tokens += chunk.num_tokens
             bm.cache_full_blocks(req)
             if not chunk.sample:
@@ -423,6 +472,45 @@ class Scheduler:
             outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, req,
                                          None if lp is None else [lp]))
         return outputs
+
+    @staticmethod
+    def _check_verified(chunk: ScheduledChunk, runner_out: RunnerOutput) -> None:
+        """Raise RuntimeError unless the runner's tokens for a drafted chunk are a verification of
+        its draft: 1 to len(draft) + 1 tokens, all but the last equal to the draft's."""
+        rid, draft = chunk.request_id, list(chunk.draft_token_ids)
+        toks = runner_out.spec_token_ids.get(rid)
+        if (not toks or len(toks) > len(draft) + 1 or toks[:-1] != draft[:len(toks) - 1]
+                or toks[0] != runner_out.sampled_token_ids[rid]):
+            raise RuntimeError(f"runner returned {toks!r} for request {rid!r}, not a verification of "
+                               f"its draft {draft}")
+
+    def _commit_speculative(self, chunk: ScheduledChunk, req: Request, runner_out: RunnerOutput,
+                            now: float) -> RequestOutput:
+        """Commit a speculative decode: the accepted drafts and the bonus token, cut at the first
+        token that finishes the request. KV stays valid for the fed-back token and the accepted
+        drafts only; the rejected positions' slots are rewritten by later steps."""
+        toks = runner_out.spec_token_ids[req.request_id]
+        accepted = len(toks) - 1
+        self.spec_decode_drafts_total += 1
+        self.spec_decode_draft_tokens_total += len(chunk.draft_token_ids)
+        self.spec_decode_accepted_tokens_total += accepted
+        if self.config.speculative_mode == "adaptive":
+            req.spec_skip_steps, req.spec_misses = next_skip(accepted, len(chunk.draft_token_ids),
+                                                             req.spec_misses)
+        emitted: list[int] = []
+        reason = None
+        for tok in toks:
+            req.append_output_token(tok, now)
+            emitted.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                break
+        self.generation_tokens_total += len(emitted)
+        req.num_computed_tokens = chunk.start_pos + len(emitted)  # the fed-back token + accepted drafts
+        self.block_manager.cache_full_blocks(req)
+        if reason is not None:
+            self._finish(req, reason, now)
+        return RequestOutput(req.request_id, emitted, reason is not None, reason, req)
 
     def _fork(self, parent: Request, now: float) -> None:
         """Children share the parent's computed prompt blocks and start running."""
@@ -502,6 +590,19 @@ class Scheduler:
             self.finished_total[req.finish_reason.value] -= 1
             self.finished_total[reason.value] += 1
             req.finish_reason = reason
+
+    def drop_output_tokens(self, req: Request, n: int) -> None:
+        """Take back the last ``n`` output tokens of a request that finished this step (a stop
+        string ended its text before the last token a speculative step emitted), so its output
+        and ``generation_tokens_total`` hold only the tokens the client gets. Raises ValueError
+        for a request that has not finished or an ``n`` outside [0, num_output_tokens)."""
+        if req.status is not RequestStatus.FINISHED:
+            raise ValueError(f"request {req.request_id!r} has not finished")
+        if not 0 <= n < req.num_output_tokens:
+            raise ValueError(f"cannot drop {n} of {req.num_output_tokens} output tokens")
+        if n:
+            del req.output_token_ids[-n:], req.all_token_ids[-n:], req.token_times[-n:]
+            self.generation_tokens_total -= n
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort (client disconnect): finish with reason "abort" and free its blocks at once."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from goodput.worker.engine.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprobs
+from goodput.worker.engine.speculative import accept_greedy
 from goodput.worker.model import block_linear
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
 from goodput.worker.model.gguf_loader import load_blocks, load_gguf, load_q4_blocks, parse_dtype
@@ -151,6 +152,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_idx: list[int] = []
         plp: list[tuple[int, int, int]] = []  # (chunk index, first logits row, rows)
+        spec: list[tuple[int, int]] = []  # (chunk index, first input row of its draft's targets)
+        chunk_rows: list[int] = []  # each chunk's first input row
         seen: set[str] = set()
         for ci, ch in enumerate(sched_out.chunks):
             if ch.request_id in seen:
@@ -174,19 +177,28 @@ class ModelRunner:
             input_ids.extend(ch.token_ids)
             positions.extend(range(start, end))
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            ctx_lens.append(start)
-            tables.append(bt)
+            first_row = qsl[-1]
+            chunk_rows.append(first_row)
+            # A drafted decode is one decode row per position (context start + i + 1 each): the
+            # decode kernel then computes every position as a plain decode step would.
+            for s0, s1 in ([(p, p + 1) for p in range(start, end)] if ch.draft_token_ids else [(start, end)]):
+                qsl.append(qsl[-1] + s1 - s0)
+                seq_lens.append(s1)
+                ctx_lens.append(s0)
+                tables.append(bt)
             if ch.sample:
                 logits_rows.append(qsl[-1] - 1)
                 sample_idx.append(ci)
+                if ch.draft_token_ids:  # rows predicting each draft token: the chunk's first ones
+                    spec.append((ci, first_row))
             if ch.sampling_params.prompt_logprobs is not None:
                 # row p predicts prompt token p + 1: rows up to the prompt's second-last position
                 m = min(end, len(ch.prompt_token_ids) - 1) - start
                 if m > 0:
-                    plp.append((ci, qsl[-2], m))
+                    plp.append((ci, first_row, m))
         plp_rows = [r for _, first, m in plp for r in range(first, first + m)]
+        spec_rows = [r for ci, first in spec
+                     for r in range(first, first + len(sched_out.chunks[ci].draft_token_ids))]
         nb = max(len(t) for t in tables)
         dev = self.device
         i32, i64 = torch.int32, torch.int64
@@ -200,10 +212,12 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_list=qsl,
+            draft_rows=sum(len(sched_out.chunks[ci].draft_token_ids) for ci, _ in spec),
             seq_lens_list=seq_lens,
         )
         return (torch.tensor(input_ids, dtype=i64, device=dev), torch.tensor(positions, dtype=i64, device=dev),
-                meta, torch.tensor(logits_rows + plp_rows, dtype=i64, device=dev), sample_idx, plp)
+                meta, torch.tensor(logits_rows + plp_rows + spec_rows, dtype=i64, device=dev), sample_idx, plp,
+                spec, chunk_rows + [qsl[-1]])
 
     def forward_logits(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step (KV written as by :meth:`execute`) and return float32 logits
@@ -211,10 +225,9 @@ class ModelRunner:
         For tests and prompt log-probabilities."""
         if sched_out.is_empty:
             return {}
-        input_ids, positions, meta, _, _, _ = self._build_inputs(sched_out)
+        input_ids, positions, meta, *_, rows = self._build_inputs(sched_out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend)
-        qsl = meta.query_start_loc_list
-        return {c.request_id: logits[qsl[i]:qsl[i + 1]] for i, c in enumerate(sched_out.chunks)}
+        return {c.request_id: logits[rows[i]:rows[i + 1]] for i, c in enumerate(sched_out.chunks)}
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run one step: write every chunk's KV, sample one token per ``sample=True`` chunk.
@@ -226,7 +239,7 @@ class ModelRunner:
         self.structured.drop(sched_out.finished_ids)
         if sched_out.is_empty:
             return RunnerOutput()
-        input_ids, positions, meta, logits_rows, sample_idx, plp = self._build_inputs(sched_out)
+        input_ids, positions, meta, logits_rows, sample_idx, plp, spec, _ = self._build_inputs(sched_out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, self.attention_backend,
                                     logits_rows, float_logits=False)
         out = RunnerOutput()
@@ -241,7 +254,24 @@ class ModelRunner:
             return out
         chunks = [sched_out.chunks[i] for i in sample_idx]
         out.sampled_token_ids, out.logprobs = self._sample(logits[:n_sampled], chunks)
+        if spec:
+            self._verify_drafts(logits[n_sampled + sum(m for _, _, m in plp):], sched_out, spec, out)
         return out
+
+    def _verify_drafts(self, draft_logits: torch.Tensor, sched_out: SchedulerOutput,
+                       spec: list[tuple[int, int]], out: RunnerOutput) -> None:
+        """Greedy verification of each drafted chunk (``speculative.accept_greedy``): the target's
+        token at every draft position (``draft_logits``: one row per draft token, chunk after
+        chunk) followed by the one just sampled at the chunk's last position."""
+        targets = self._greedy(draft_logits)
+        i = 0
+        for ci, _ in spec:
+            ch = sched_out.chunks[ci]
+            k = len(ch.draft_token_ids)
+            toks = accept_greedy(ch.draft_token_ids, targets[i:i + k] + [out.sampled_token_ids[ch.request_id]])
+            i += k
+            out.spec_token_ids[ch.request_id] = toks
+            out.sampled_token_ids[ch.request_id] = toks[0]
 
     def _greedy(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax (logits in the model's dtype): the C++ kernel straight over them where

@@ -16,7 +16,9 @@ a number is. OpenAI parameters that do not change generation (``user``, ``store`
 ``stream_options.include_obfuscation``) are type-checked and ignored,
 as OpenAI-compatible servers do. Extra (non-OpenAI) sampling parameters accepted as vLLM
 does: ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``cache_salt``,
-``priority``, ``return_token_ids``, ``stream_options.continuous_usage_stats``. Field semantics follow the OpenAI API reference for ``/v1/completions`` and
+``priority``, ``return_token_ids``, ``stream_options.continuous_usage_stats``; and goodput's
+``speculative`` (true/false: n-gram speculative decoding for this greedy request, overriding
+``--speculative-mode``). Field semantics follow the OpenAI API reference for ``/v1/completions`` and
 ``/v1/chat/completions``.
 """
 from __future__ import annotations
@@ -156,6 +158,8 @@ class _SamplingRequest(_NullMeansDefault):
     stop_token_ids: list[Int] | None = None
     cache_salt: Str | None = Field(default=None, min_length=1)  # "" would silently share the cache
     priority: Int = 0
+    # goodput's: n-gram speculative decoding for this request (null = the worker's --speculative-mode)
+    speculative: Bool | None = None
     # vLLM's extension: choices[].token_ids (generated ids) and the prompt's ids (prompt_token_ids).
     return_token_ids: Bool = False
 
@@ -231,7 +235,7 @@ class _SamplingRequest(_NullMeansDefault):
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
-            **engine_fields)
+            speculative=self.speculative, **engine_fields)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -38,6 +38,10 @@ class AttentionMetadata:
     # CPU copies as Python lists, so the torch reference avoids device syncs.
     query_start_loc_list: list[int] | None = None
     seq_lens_list: list[int] | None = None
+    # Decode rows that are a drafted decode's extra positions (speculative decoding: one decode
+    # row per position of one request); split-KV kernels size their splits by the requests, so a
+    # draft never changes the arithmetic of its request's positions.
+    draft_rows: int = 0
 
 
 class AttentionBackend(Protocol):

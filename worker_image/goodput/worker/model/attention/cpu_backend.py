@@ -52,7 +52,7 @@ class CpuPagedBackend(TorchReferenceBackend):
             raise ValueError(f"block id outside the pool [0, {num_blocks})")
         plan.dec_tables = tables
         plan.dec_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        plan.dec_splits = cpu_kernels.num_splits(len(dec), kv_heads, max(lens))
+        plan.dec_splits = cpu_kernels.num_splits(len(dec) - meta.draft_rows, kv_heads, max(lens))
 
     def _decode(self, plan: _Plan, qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 scale: float) -> torch.Tensor:
