@@ -8,6 +8,7 @@
   goodput-bench experiments [--only 1,2,...] [--quick]    (see bench/README.md)
   goodput-bench perf [--scale 0.5]          (vs llama-server; bench/run_perf.sh)
   goodput-bench decode-steps --batches 1,16 --contexts 512,2048,8192
+  goodput-bench speculative [--out x.json]  (n-gram speculative decoding: off / on / adaptive)
 """
 from __future__ import annotations
 
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     dp = sub.add_parser("decode-steps", help="time our decode steps in-process at given batch x context")
     from .decode_steps import add_args as add_ds_args
     add_ds_args(dp)
+    sp = sub.add_parser("speculative", help="n-gram speculative decoding off/on/adaptive, in-process")
+    from .speculative import add_args as add_sp_args
+    add_sp_args(sp)
     pp = sub.add_parser("perf", help="side by side vs llama-server and HF, roofline, context growth")
     from .perf import add_args as add_perf_args
     add_perf_args(pp)
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "decode-steps":
         from .decode_steps import main as ds_main
         ds_main(a)
+    elif a.cmd == "speculative":
+        from .speculative import main as sp_main
+        sp_main(a)
     elif a.cmd == "perf":
         from .perf import main as perf_main
         return perf_main(a)

@@ -90,10 +90,11 @@ class SchedulerSettings:
     speculative_mode: str = setting(
         "off", "n-gram (prompt-lookup) speculative decoding of greedy requests: on drafts at every "
                "decode step, adaptive backs off a request whose drafts keep failing (a request's "
-               "'speculative' field overrides it); greedy output is unchanged",
+               "'speculative' field overrides it); greedy output is unchanged in float32, in bfloat16 equal "
+               "up to the rounding of a multi-row step (as batching)",
         choices=SPECULATIVE_MODES, crd="engine")
     num_speculative_tokens: int = setting(
-        4, "most draft tokens one speculative step verifies (Leviathan et al., ICML 2023)",
+        8, "most draft tokens one speculative step verifies (Leviathan et al., ICML 2023)",
         ge=1, le=16, crd="engine")
     prompt_lookup_max: int = setting(
         4, "longest n-gram matched against the request's own text to find a draft", ge=1, le=16,

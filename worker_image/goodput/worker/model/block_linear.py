@@ -133,13 +133,48 @@ def unpack_codes(codes: torch.Tensor, nb: int) -> torch.Tensor:
 
 
 # Calls with at most this many rows use the block kernel, larger ones the bf16 oneDNN matmul.
-# Measured on whole decode steps (2 threads, SmolLM2, context 128, medians of 20 steps; the 4-bit
+# First measured on whole decode steps (2 threads, SmolLM2, context 128, medians of 20 steps; the 4-bit
 # layers on the block kernel vs on oneDNN, LM head as chosen): B = 1 7.3 vs 31 ms (a disturbed
 # float run; 15.9 in another), 2: 9.5 vs 16.1, 4: 14.4 vs 17.3, 5: 15.7 vs 17.4, 6: 18.4 vs 17.8,
 # 8: 23.1 vs 19.0 — the kernel's cost grows with every row (one BF16 dot product per row per 32
 # weights), oneDNN's (AMX) stays flat. The 8-bit LM head (49152 x 576) gains 0.2 ms at B = 1 and
 # nothing measurable at 2.
+# Upper bounds: LlamaModel.calibrate_small_rows measures the crossover on the machine at load.
 MAX_ROWS = {0: 5, 1: 5}
+
+
+def calibrate_max_rows(kinds: dict[int, list], dtype: torch.dtype, repeats: int = 3) -> dict[int, int]:
+    """Per block kind, the most rows (0..``MAX_ROWS[kind]``) for which the linears' block kernels
+    (``lin.small``) are no slower than their float matmuls (``lin.dense``) at every row count up to
+    it. kinds: {kind: every linear of that kind} — all of them, so that the weights stream from
+    memory as in a real step (one layer's weights stay in cache and flatter the float path ~3x).
+    Timing: for each row count and path, the least disturbed (minimum) of ``repeats`` passes, the
+    kinds one after the other in each pass (each evicts the other). Stops a kind at the first row
+    count where the matmul wins."""
+    import time
+    best = dict.fromkeys(kinds, 0)
+    live = set(kinds)
+    with torch.inference_mode():
+        for rows in range(1, max(MAX_ROWS[k] for k in kinds) + 1 if kinds else 1):
+            live = {k for k in live if rows <= MAX_ROWS[k]}
+            if not live:
+                break
+            xs = {k: {lin.in_features: torch.randn(rows, lin.in_features, dtype=dtype) for lin in kinds[k]}
+                  for k in live}
+            cost = {(k, path): float("inf") for k in live for path in ("small", "dense")}
+            for _ in range(repeats + 1):  # the first pass warms up
+                for path in ("small", "dense"):
+                    for k in live:
+                        t0 = time.perf_counter()
+                        for lin in kinds[k]:
+                            getattr(lin, path)(xs[k][lin.in_features])
+                        cost[k, path] = min(cost[k, path], time.perf_counter() - t0)
+            for k in list(live):
+                if cost[k, "small"] > cost[k, "dense"]:
+                    live.discard(k)
+                else:
+                    best[k] = rows
+    return best
 
 
 def from_parts(parts: list, mod) -> BlockLinear | None:

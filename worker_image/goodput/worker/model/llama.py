@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from goodput.worker.model.attention.base import AttentionBackend, AttentionMetadata
-from goodput.worker.model.block_linear import MAX_ROWS, BlockLinear, from_parts
+from goodput.worker.model.block_linear import MAX_ROWS, BlockLinear, calibrate_max_rows, from_parts
 from goodput.worker.model.config import ModelConfig
 from goodput.worker.model.quant import Int4Linear, Int8Linear, Q4Blocks, check_supported, make_linear
 
@@ -63,11 +63,17 @@ class _Linear:
             self.weight = None  # the packed copy replaces it
         # the same weights as the file's blocks, for calls of few rows (block_linear.py)
         self.small = small
-        self.small_rows = MAX_ROWS[small.kind] if small is not None else -1  # -1: never (not even 0 rows)
+        # calls of at most this many rows run the block kernel (-1: never, not even 0 rows);
+        # LlamaModel.calibrate_small_rows measures it on this machine
+        self.small_rows = MAX_ROWS[small.kind] if small is not None else -1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows:
             return self.small(x)
+        return self.dense(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The float weights' matmul (oneDNN's packed bf16 path where packed)."""
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -107,7 +113,8 @@ class LlamaModel:
     blocks: the file's own blocks of 32 by GGUF name (``gguf_loader.load_blocks``) and
         ``block_kernels`` (``block_linear.choose``'s module): with quantization "none", each linear
         whose parts all have blocks keeps them beside its float weights for calls of few rows
-        (``block_linear.MAX_ROWS``); ``small_batch_bytes`` is what they add to resident memory.
+        (at most ``block_linear.MAX_ROWS``, as measured here by :meth:`calibrate_small_rows`);
+        ``small_batch_bytes`` is what they add to resident memory.
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
@@ -159,6 +166,7 @@ class LlamaModel:
         self.norm = w("output_norm.weight")
         self.lm_head = lin("token_embd.weight" if c.tie_word_embeddings else "output.weight",
                            quantization=head_q)
+        self.small_rows = self.calibrate_small_rows()
 
         # RoPE tables [max_pos, d/2] in float32 (cast per step, as HF casts cos/sin to x's dtype)
         d = c.head_dim
@@ -182,6 +190,28 @@ class LlamaModel:
         if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from goodput.worker.model import cpu_kernels
             self.fused_ops = cpu_kernels.loaded()
+
+    def calibrate_small_rows(self) -> dict[int, int]:
+        """Measure, per block kind (0: 4-bit layers, 1: the 8-bit LM head), up to how many rows the
+        block kernel beats the float weights' matmul on this machine (``block_linear.calibrate_max_rows``),
+        and set every linear's ``small_rows`` to it. Returns {kind: rows} (empty when no linear
+        has blocks). ~0.5 s at load.
+
+        Why measured: the crossover depends on the CPU and its memory. In bf16 the float path
+        reads 3.2x the bytes of 4-bit blocks but costs about the same for 1 to 9 rows (oneDNN,
+        AMX); the block kernel's cost grows with every row. Whole decode steps on one AVX-512 + AMX
+        machine: 9.0 ms at 1 row and 22.3 ms at 5 on the kernel, 16.6 and 17.6 on oneDNN; on the
+        machine ``block_linear.MAX_ROWS`` was first set on, the kernel won up to 5 rows.
+        """
+        kinds: dict[int, list[_Linear]] = {}
+        for lin in [x for ly in self.layers for x in (ly.qkv, ly.o, ly.gate_up, ly.down)] + [self.lm_head]:
+            if isinstance(lin, _Linear) and lin.small is not None:
+                kinds.setdefault(lin.small.kind, []).append(lin)
+        rows = calibrate_max_rows(kinds, self.dtype)
+        for kind, lins in kinds.items():
+            for lin in lins:
+                lin.small_rows = rows[kind]
+        return rows
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -101,10 +101,11 @@ class ModelRunner:
                                 quantization=quantization, q4_blocks=blocks, blocks=all_blocks,
                                 block_kernels=block_kernels)
         if self.model.small_batch_bytes:
-            log.info("linears: calls of <= %d rows (4-bit) / %d (8-bit LM head) read the file's own blocks "
+            log.info("linears: calls of <= %d rows (4-bit) / %d (8-bit LM head; both measured here at load) read "
+                     "the file's own blocks "
                      "(C++ block kernel; %s: fewer bytes per decode step of few sequences), larger "
                      "batches the %s weights (oneDNN, faster there); the blocks add %.1f MB resident",
-                     block_linear.MAX_ROWS[0], block_linear.MAX_ROWS[1], why,
+                     self.model.small_rows.get(0, 0), self.model.small_rows.get(1, 0), why,
                      str(self.dtype).removeprefix("torch."), self.model.small_batch_bytes / 1e6)
         else:
             log.info("linears: %s weights at every batch size (block kernel off: %s)",
