@@ -1,7 +1,8 @@
 """n-gram speculative decoding through the live server: greedy output token for token equal to
 Hugging Face transformers (the independent reference, fp32), alone and four at once, with drafts
 accepted on text that copies its prompt; a stop string inside a speculative step ends the text and
-the usage exactly where plain decoding does. ``server_main`` runs with speculation off; each
+the usage exactly where plain decoding does; seeded sampling with speculation draws the tokens plain
+decoding draws. ``server_main`` runs with speculation off; each
 request turns it on with goodput's ``speculative`` field (the per-request override)."""
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ N = 40
 
 
 def spec_served(url: str, prompt_ids, n: int = N, speculative: bool = True, **kw) -> dict:
-    return completion(url, prompt=list(prompt_ids), max_tokens=n, temperature=0, return_token_ids=True,
+    kw.setdefault("temperature", 0)
+    return completion(url, prompt=list(prompt_ids), max_tokens=n, return_token_ids=True,
                       speculative=speculative, **kw)
 
 
@@ -61,3 +63,18 @@ def test_stop_string_inside_a_speculative_step_cuts_text_and_usage_like_plain_de
     assert b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"] == "stop"
     assert b["usage"] == a["usage"]
     assert b["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
+
+
+def test_seeded_sampling_with_speculation_draws_the_same_tokens(server_main):
+    # Each drafted position is sampled with the request's own noise for that output index, so a
+    # seeded request gets what plain decoding draws from the same logits (fp32: equal up to ulps).
+    before = metrics(server_main.url)
+    for i, text in enumerate(COPYING_PROMPTS[:2] + FIXED_PROMPTS[:1]):
+        p = ids_of(text)
+        kw = dict(temperature=0.7, seed=100 + i)
+        plain = spec_served(server_main.url, p, speculative=False, **kw)["choices"][0]["token_ids"]
+        spec = spec_served(server_main.url, p, speculative=True, **kw)["choices"][0]["token_ids"]
+        assert spec == plain, text
+    after = metrics(server_main.url)
+    assert metric(after, "goodput_spec_decode_accepted_tokens_total") > \
+        metric(before, "goodput_spec_decode_accepted_tokens_total")

@@ -153,14 +153,16 @@ def test_draft_never_overruns_max_tokens_and_a_stop_token_cuts_the_emitted_token
     assert s.stats().generation_tokens_total == 3 + 3
 
 
-def test_sampled_or_opted_out_requests_never_draft_and_off_mode_never_drafts():
+def test_who_drafts_sampled_yes_penalties_grammar_logprobs_or_opted_out_no():
     s = Scheduler(cfg())
-    s.add_request(Request("T", [1, 2, 1], SamplingParams(temperature=0.8, max_tokens=8)))
+    s.add_request(Request("T", [1, 2, 1], SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True)))
     s.add_request(greedy_req("O", [1, 2, 1], speculative=False))
     s.add_request(greedy_req("P", [1, 2, 1], presence_penalty=0.5))
-    for _ in range(4):
-        out, _ = step(s, token=2)
-        assert all(not c.draft_token_ids for c in out.chunks)
+    s.add_request(greedy_req("J", [1, 2, 1], json_schema='{"type": "object"}'))
+    s.add_request(greedy_req("L", [1, 2, 1], logprobs=1))
+    step(s, token=2)
+    out, _ = step(s, {"T": [7]}, token=2)
+    assert {c.request_id for c in out.chunks if c.draft_token_ids} == {"T"}
     off = Scheduler(cfg(speculative_mode="off"))
     off.add_request(greedy_req("A", [1, 2, 1]))
     on = Scheduler(cfg(speculative_mode="off"))

@@ -88,10 +88,11 @@ class SchedulerSettings:
                       "cohort only when the whole batch finished (a baseline)",
         choices=SCHEDULING_POLICIES, crd="engine")
     speculative_mode: str = setting(
-        "off", "n-gram (prompt-lookup) speculative decoding of greedy requests: on drafts at every "
-               "decode step, adaptive backs off a request whose drafts keep failing (a request's "
-               "'speculative' field overrides it); greedy output is unchanged in float32, in bfloat16 equal "
-               "up to the rounding of a multi-row step (as batching)",
+        "off", "n-gram (prompt-lookup) speculative decoding: on drafts at every decode step, adaptive "
+               "backs off a request whose drafts keep failing (a request's 'speculative' field overrides "
+               "it; requests with penalties, a grammar or logprobs never draft); output is unchanged in "
+               "float32 (sampled: the same distribution), in bfloat16 equal up to the rounding of a "
+               "multi-row step (as batching)",
         choices=SPECULATIVE_MODES, crd="engine")
     num_speculative_tokens: int = setting(
         8, "most draft tokens one speculative step verifies (Leviathan et al., ICML 2023)",

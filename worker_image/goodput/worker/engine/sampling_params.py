@@ -35,8 +35,8 @@ class SamplingParams:
     json_schema: None, or a JSON schema (as JSON text) the output must follow; the sampler masks
         every token the grammar does not allow (``'{"type": "object"}'`` for any JSON object).
     speculative: None = the engine's ``speculative_mode``; False = never draft; True = draft
-        (with the engine's back-off when its mode is "adaptive"). Only greedy requests without
-        penalties, logit bias, grammar or log-probabilities ever draft (:attr:`can_speculate`).
+        (with the engine's back-off when its mode is "adaptive"). Requests with penalties, a
+        grammar or log-probabilities never draft (:attr:`can_speculate`).
     """
 
     temperature: float = 1.0
@@ -93,10 +93,11 @@ class SamplingParams:
 
     @property
     def can_speculate(self) -> bool:
-        """Greedy with nothing that needs the token-by-token distribution: verification of a
-        draft is then an equality test (``engine.speculative.accept_greedy``)."""
-        return (self.greedy and not self.has_penalties and not self.logit_bias
-                and self.json_schema is None and self.logprobs is None and self.prompt_logprobs is None)
+        """Nothing that depends on the tokens before a position inside the step (penalties count
+        the output, a grammar follows it) and no log-probabilities: each drafted position is then
+        sampled as plain decoding would sample it (``model.runner.ModelRunner._verify_drafts``)."""
+        return (not self.has_penalties and self.json_schema is None and self.logprobs is None
+                and self.prompt_logprobs is None)
 
     @property
     def has_penalties(self) -> bool:

@@ -396,7 +396,7 @@ class Scheduler:
         cfg, sp = self.config, req.sampling_params
         mode = cfg.speculative_mode if sp.speculative is None else (
             "off" if not sp.speculative else "adaptive" if cfg.speculative_mode == "adaptive" else "on")
-        if mode == "off" or not sp.can_speculate or req.num_output_tokens < sp.min_tokens:
+        if mode == "off" or not sp.can_speculate:
             return []
         if req.spec_skip_steps > 0:
             req.spec_skip_steps -= 1

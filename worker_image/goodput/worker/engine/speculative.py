@@ -10,12 +10,16 @@ proposals are often right, and one step emits several tokens.
 One speculative step of a decoding request feeds ``[last sampled token] + draft`` (``1 + k``
 positions) through the model; the logits at position ``i`` give the target's token ``t_i``. The
 first ``a`` draft tokens with ``draft[i] == t_i`` are accepted and ``t_a`` follows them (the
-"bonus" token), so a step emits ``a + 1`` tokens, exactly the tokens greedy decoding would have
-produced one step at a time. The KV written for rejected positions is simply overwritten later
+"bonus" token), so a step emits ``a + 1`` tokens, exactly the tokens decoding one step at a time
+would have produced from the same logits. The KV written for rejected positions is simply overwritten later
 (the request's ``num_computed_tokens`` stops before them).
 
-Only greedy requests speculate (temperature 0, no penalties, logit bias, grammar or log-probs):
-for them verification is an equality test. Sampled requests decode one token per step as before.
+Requests with penalties, a grammar or log-probabilities do not speculate. For the others the
+runner samples every position as plain decoding samples that output index (greedy: the argmax;
+random: the request's own noise for that index) and ``accept_greedy`` compares: with a one-token
+(deterministic) draft that is Leviathan et al.'s rule — a draft token is kept with probability
+p(token), a rejected one replaced by a draw from p without it — so sampled output has the same
+distribution, and a seeded request gets the tokens plain decoding draws from the same logits.
 
 Adaptive mode (:func:`next_skip`): after a step whose draft was rejected at its first token a
 request skips proposing for ``2**misses - 1`` steps (capped), so a request whose text does not
@@ -63,10 +67,10 @@ def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list
 
 
 def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
-    """The tokens one greedy speculative step emits.
+    """The tokens one speculative step emits.
 
-    draft: the ``k`` proposed tokens. target: the target model's argmax at each of the ``k + 1``
-    positions (position i predicts the token after ``draft[:i]``). Returns ``draft[:a] +
+    draft: the ``k`` proposed tokens. target: the target model's token at each of the ``k + 1``
+    positions (position i predicts the token after ``draft[:i]``), its argmax or its sample. Returns ``draft[:a] +
     [target[a]]`` where ``a`` is the length of the longest prefix with ``draft[i] == target[i]``:
     1 to k + 1 tokens. Raises ValueError when ``len(target) != len(draft) + 1``.
     """

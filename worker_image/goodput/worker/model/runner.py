@@ -24,7 +24,7 @@ from goodput.worker.model.gguf_loader import load_blocks, load_gguf, load_q4_blo
 from goodput.worker.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from goodput.worker.model.llama import LlamaModel
 from goodput.worker.model.quant import check_supported
-from goodput.worker.model.sampler import Sampler, greedy_tokens, prompt_logprobs
+from goodput.worker.model.sampler import Row, Sampler, greedy_tokens, prompt_logprobs
 from goodput.worker.model.structured import StructuredOutputs
 from goodput.worker.model.tokenizer import GGUFTokenizer
 
@@ -256,21 +256,39 @@ class ModelRunner:
         chunks = [sched_out.chunks[i] for i in sample_idx]
         out.sampled_token_ids, out.logprobs = self._sample(logits[:n_sampled], chunks)
         if spec:
-            self._verify_drafts(logits[n_sampled + sum(m for _, _, m in plp):], sched_out, spec, out)
+            self._verify_drafts(logits[n_sampled + sum(m for _, _, m in plp):], logits[:n_sampled], sample_idx,
+                                sched_out, spec, out)
         return out
 
-    def _verify_drafts(self, draft_logits: torch.Tensor, sched_out: SchedulerOutput,
-                       spec: list[tuple[int, int]], out: RunnerOutput) -> None:
-        """Greedy verification of each drafted chunk (``speculative.accept_greedy``): the target's
-        token at every draft position (``draft_logits``: one row per draft token, chunk after
-        chunk) followed by the one just sampled at the chunk's last position."""
-        targets = self._greedy(draft_logits)
+    def _verify_drafts(self, draft_logits: torch.Tensor, sample_logits: torch.Tensor, sample_idx: list[int],
+                       sched_out: SchedulerOutput, spec: list[tuple[int, int]], out: RunnerOutput) -> None:
+        """Verify each drafted chunk: the target's token at every position — ``draft_logits``
+        holds one row per draft token, chunk after chunk; each chunk's last position is its row of
+        ``sample_logits`` — then ``speculative.accept_greedy``. Each position is sampled as plain
+        decoding would sample that output index (greedy: the argmax; random: the request's own
+        noise for that index), so a draft token is accepted with probability p(token) and a
+        rejected one is replaced by a draw from p without it: Leviathan et al.'s rule for a
+        one-token (deterministic) draft, and for a seeded request the very tokens plain decoding
+        draws from the same logits."""
+        pos_logits, rows = [], []
         i = 0
         for ci, _ in spec:
             ch = sched_out.chunks[ci]
             k = len(ch.draft_token_ids)
-            toks = accept_greedy(ch.draft_token_ids, targets[i:i + k] + [out.sampled_token_ids[ch.request_id]])
+            pos_logits += [draft_logits[i:i + k], sample_logits[sample_idx.index(ci)][None]]
+            rows += [Row(ch.sampling_params, ch.num_output_tokens + j, ch.stop_token_ids) for j in range(k + 1)]
             i += k
+        logits = torch.cat(pos_logits)
+        if self.sampler.all_plain_greedy(rows, logits.shape[-1]):
+            targets = self._greedy(logits)
+        else:
+            targets = self.sampler.sample(logits.float(), self.sampler.prepare(rows, logits.shape[-1])).token_ids
+        i = 0
+        for ci, _ in spec:
+            ch = sched_out.chunks[ci]
+            k = len(ch.draft_token_ids)
+            toks = accept_greedy(ch.draft_token_ids, targets[i:i + k + 1])
+            i += k + 1
             out.spec_token_ids[ch.request_id] = toks
             out.sampled_token_ids[ch.request_id] = toks[0]
 
