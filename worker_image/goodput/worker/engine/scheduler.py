@@ -359,7 +359,7 @@ class Scheduler:
             history = sp.has_penalties or sp.json_schema is not None
             out.chunks.append(ScheduledChunk(
                 request_id=rid,
-                    token_ids=tuple(req.all_token_ids[start:start + known]) + draft,
+                token_ids=tuple(req.all_token_ids[start:start + known]) + draft,
                 start_pos=start,
                 block_table=tuple(req.block_ids),
                 sample=start + known == req.num_tokens,

@@ -51,8 +51,9 @@ def _onednn_packs_bf16() -> bool:
 class _Linear:
     """``y = x @ W.T``; on CPU in bf16 the weight is pre-packed once into oneDNN's blocked
     layout (AMX/AVX-512 VNNI), instead of being re-laid-out by every matmul call. With ``small``
-    (the same weights in the file's own blocks), calls of at most ``block_linear.MAX_ROWS`` rows
-    run the block kernel instead (fewer bytes per decode step of few sequences)."""
+    (the same weights in the file's own blocks), calls of at most ``small_rows`` rows run the
+    block kernel instead (fewer bytes per decode step of few sequences; the limit is measured at
+    load by ``LlamaModel.calibrate_small_rows``, at most ``block_linear.MAX_ROWS``)."""
 
     def __init__(self, weight: torch.Tensor, prepack: bool, small: BlockLinear | None = None):
         self.out_features, self.in_features = weight.shape
