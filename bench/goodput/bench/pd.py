@@ -52,10 +52,11 @@ import json
 import math
 import os
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from goodput.bench.simulate import HARDWARE, Replica, StepTime, Trace, make_trace, static_result
+from goodput.bench.simulate import HARDWARE, Replica, StepTime, Trace, make_trace
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
@@ -166,6 +167,7 @@ class PDResult:
     transfer_s: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)   # requests with output > 1
+    finished_ids: list[str] = field(default_factory=list)   # in finishing order
 
     @property
     def goodput_rps(self) -> float:
@@ -253,8 +255,9 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         r.stepping = True
         heapq.heappush(events, (now + hw(out.num_batched_tokens, attended), next(seq), "step", (r, out)))
 
-    def record(ttft: float, tpot: float | None, cls: int) -> None:
+    def record(rid: str, ttft: float, tpot: float | None, cls: int) -> None:
         res.finished += 1
+        res.finished_ids.append(rid)
         res.ttft.append(ttft)
         if tpot is not None:
             res.tpot.append(tpot)
@@ -293,9 +296,9 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
             if rid in remote:                  # the decode half of a remote request
                 _, arrival, _, first = remote.pop(rid)
                 n_out = trace.output[k]
-                record(first - arrival, (req.finished_time - first) / (n_out - 1), trace.cls[k])
+                record(rid, first - arrival, (req.finished_time - first) / (n_out - 1), trace.cls[k])
             else:
-                record(req.ttft, req.tpot, trace.cls[k])
+                record(rid, req.ttft, req.tpot, trace.cls[k])
         start_step(r, now)
 
     def kv_arrived(rid: str, now: float) -> None:
@@ -305,7 +308,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         n_out = trace.output[k]
         if n_out <= 1:
             remote.pop(rid)
-            record(now - arrival, None, trace.cls[k])
+            record(rid, now - arrival, None, trace.cls[k])
             return
         prompt = tuple(_prompt_ids(trace, k)) + (1,)
         req = Request(rid, prompt, SamplingParams(max_tokens=n_out - 1, ignore_eos=True), arrival_time=now)
@@ -364,3 +367,151 @@ def _cached_tokens(bm: BlockManager, ids: Sequence[int]) -> int:
     probe = Request("probe", ids, SamplingParams(max_tokens=1))
     return BlockManager.get_computed_blocks(bm, probe)[1]
 
+
+
+# ------------------------------------------------------------------------------------ report
+PD_TRACES = ("long-context", "chat")
+# total replicas compared per trace at its default rate: from overloaded to comfortable (colocated,
+# least-loaded: long-context 3 req/s needs ~6 replicas, chat 1 session/s ~3)
+PD_SIZES = {"long-context": "4,6,8", "chat": "2,3,4"}
+
+
+@dataclass
+class Comparison:
+    """One trace: for each total N, colocated serving on N replicas and every split P:D (P + D
+    = N, P >= 1) per link and threshold."""
+
+    trace: Trace
+    hw: StepTime
+    colocated: dict[int, PDResult]
+    splits: dict[int, list[PDResult]]
+
+    def best(self, n: int, link: str, threshold: float) -> PDResult | None:
+        """The split of ``n`` replicas with the highest goodput on ``link`` at ``threshold``
+        (ties: fewer prefill replicas)."""
+        rows = [r for r in self.splits[n] if r.link == link and r.threshold == threshold]
+        return max(rows, key=lambda r: (r.goodput_rps, -r.prefill), default=None)
+
+
+def compare(trace: Trace, hw: StepTime, sizes: Sequence[int], links: Sequence[Link] = (RDMA, TCP),
+            thresholds: Sequence[float] = (0.0,), progress: bool = False, **kw) -> Comparison:
+    """Colocated serving on N replicas (``simulate_pd`` with no prefill replica: each replica
+    serves whole requests with chunked prefill, arrivals least-loaded; the same numbers as
+    ``simulate.static_result(trace, N, hw, 0, routing="least-loaded")``) against every split
+    P:D of N, for each N in ``sizes``, link and threshold (tokens)."""
+    colo, splits = {}, {}
+    for n in sizes:
+        colo[n] = simulate_pd(trace, hw, 0, n, threshold=math.inf, **kw)
+        splits[n] = []
+        for p in range(1, n):
+            for link in links:
+                for th in thresholds:
+                    r = simulate_pd(trace, hw, p, n - p, link, threshold=th, **kw)
+                    splits[n].append(r)
+                    if progress:
+                        print(f"  {trace.name} N={n} {p}:{n - p} {link.name} threshold {th:g}: "
+                              f"goodput {r.goodput_rps:.2f}", file=sys.stderr)
+    return Comparison(trace, hw, colo, splits)
+
+
+def _fmt_th(th: float) -> str:
+    return "-" if math.isinf(th) else f"{th:g}"
+
+
+def comparison_table(c: Comparison) -> str:
+    """Markdown: every run, then the best split per N, link and threshold against colocated."""
+    tr = c.trace
+    lines = [f"### {tr.name} ({len(tr)} requests over {tr.duration:.0f} s; {tr.note}; {c.hw.name})", "",
+             "| N | serving | P:D | link | threshold (tokens) | goodput (req/s) | attainment | TTFT p90 (s) "
+             "| TPOT p90 (ms) | remote prefill | mean transfer (ms) |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def row(n: int, r: PDResult) -> str:
+        s = r.summary()
+        kind = "P/D" if r.prefill else "colocated"
+        split = f"{r.prefill}:{r.decode}" if r.prefill else "-"
+        return (f"| {n} | {kind} | {split} | {r.link or '-'} | {_fmt_th(r.threshold) if r.prefill else '-'} "
+                f"| {s['goodput_rps']:.3f} | {s['attainment']:.3f} | {s['ttft_p90_s']:.2f} "
+                f"| {s['tpot_p90_s'] * 1000:.1f} | {s['remote_fraction']:.0%} | {s['transfer_mean_s'] * 1000:.0f} |")
+
+    for n in sorted(c.colocated):
+        lines.append(row(n, c.colocated[n]))
+        lines.extend(row(n, r) for r in c.splits[n])
+    lines += ["", "Best split per N (highest goodput) against colocated serving on the same N replicas:", "",
+              "| N | link | threshold | best P:D | goodput (req/s) | colocated goodput | ratio | attainment "
+              "| colocated attainment | TPOT p90 (ms) | colocated TPOT p90 (ms) |",
+              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in sorted(c.colocated):
+        co = c.colocated[n]
+        keys = sorted({(r.link, r.threshold) for r in c.splits[n]})
+        for link, th in keys:
+            b = c.best(n, link, th)
+            ratio = b.goodput_rps / co.goodput_rps if co.goodput_rps else math.inf
+            lines.append(f"| {n} | {link} | {_fmt_th(th)} | {b.prefill}:{b.decode} | {b.goodput_rps:.3f} "
+                         f"| {co.goodput_rps:.3f} | {ratio:.2f}x | {b.attainment:.3f} | {co.attainment:.3f} "
+                         f"| {pct(b.tpot, 0.9) * 1000:.1f} | {pct(co.tpot, 0.9) * 1000:.1f} |")
+    lines.append("\ngoodput: requests meeting both the TTFT and the TPOT SLO per second of trace; "
+                 "attainment: those / offered. TTFT of a P/D request includes the KV transfer (the "
+                 "first token is counted when it reaches the decode replica that streams the answer). "
+                 "Colocated: N replicas each serving whole requests (chunked prefill, 512-token budget), "
+                 "arrivals to the least-loaded replica; P/D: P prefill + D decode replicas, "
+                 "least-loaded each (goodput.bench.pd).")
+    return "\n".join(lines) + "\n"
+
+
+def comparison_json(c: Comparison) -> dict:
+    return {"trace": c.trace.name, "note": c.trace.note, "requests": len(c.trace),
+            "duration_s": c.trace.duration, "hardware": c.hw.name,
+            "kv_bytes_per_token": c.hw.kv_bytes_per_token,
+            "links": {k: {"bandwidth_bytes_s": v.bandwidth_bytes_s, "latency_s": v.latency_s}
+                      for k, v in LINKS.items()},
+            "sizes": {str(n): {"colocated": c.colocated[n].summary(),
+                               "splits": [r.summary() for r in c.splits[n]],
+                               "best": {f"{link}/{_fmt_th(th)}": c.best(n, link, th).summary()
+                                        for link, th in sorted({(r.link, r.threshold) for r in c.splits[n]})}}
+                      for n in sorted(c.colocated)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m goodput.bench.simulate --pd ...``: see the module doc."""
+    ap = argparse.ArgumentParser(prog="python -m goodput.bench.simulate --pd",
+                                 description="P/D disaggregation vs colocated serving (goodput.bench.pd).")
+    ap.add_argument("--pd", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", default="all", choices=PD_TRACES + ("all",))
+    ap.add_argument("--hardware", default="h200", choices=("h200",))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, help="trace length in seconds (quick runs)")
+    ap.add_argument("--rate", type=float, help="req/s (long-context) or sessions/s (chat)")
+    ap.add_argument("--pd-sizes", default=None,
+                    help="total replica counts N (comma-separated; default per trace: "
+                         + ", ".join(f"{k} {v}" for k, v in PD_SIZES.items()) + ")")
+    ap.add_argument("--pd-thresholds", default="0,512",
+                    help="remote prefill only when the uncached prompt is longer (tokens; comma-separated)")
+    ap.add_argument("--pd-links", default="rdma,tcp", help="comma-separated subset of " + ",".join(LINKS))
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="the prefill replicas' step token budget (default the hardware's, 512)")
+    ap.add_argument("--out-dir", default=None, help="write pd-<trace>-<hardware>.md and .json here")
+    ap.add_argument("--progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.pd_sizes and any(int(x) < 2 for x in args.pd_sizes.split(",") if x.strip()):
+        ap.error("--pd-sizes: every N must be >= 2 (one prefill and one decode replica)")
+    ths = [float(x) for x in args.pd_thresholds.split(",") if x.strip()]
+    links = [LINKS[x.strip()] for x in args.pd_links.split(",") if x.strip()]
+    hw = HARDWARE[args.hardware]()
+    for tname in PD_TRACES if args.trace == "all" else (args.trace,):
+        trace = make_trace(tname, args.seed, args.hardware, args.duration, args.rate)
+        sizes = [int(x) for x in (args.pd_sizes or PD_SIZES[tname]).split(",") if x.strip()]
+        c = compare(trace, hw, sizes, links, ths, progress=args.progress,
+                    prefill_max_batched_tokens=args.prefill_budget)
+        table = comparison_table(c)
+        print(table)
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            stem = os.path.join(args.out_dir, f"pd-{tname}-{args.hardware}")
+            with open(stem + ".md", "w") as f:
+                cmd = " ".join(sys.argv[1:] if argv is None else ["--pd", *argv] if "--pd" not in argv else argv)
+                f.write(f"`python -m goodput.bench.simulate {cmd}`\n\n" + table)
+            with open(stem + ".json", "w") as f:
+                json.dump(comparison_json(c), f, indent=1)
+                f.write("\n")
+    return 0

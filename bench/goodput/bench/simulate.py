@@ -5,7 +5,9 @@
 [--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler] [--metric-noise 0.05]``;
 ``python -m goodput.bench.simulate --steady-rates 2,3.5,5,8,12 [--metric-noise 0.05]``: our policy
 on steady Poisson loads at each rate against the smallest fixed fleet reaching the target
-(:func:`steady_rates`).
+(:func:`steady_rates`); ``python -m goodput.bench.simulate --pd [--trace long-context|chat|all]
+[--pd-sizes 4,6,8] [--pd-thresholds 0,512]``: prefill/decode disaggregation against colocated
+serving (``goodput.bench.pd``).
 
 Each replica is the engine's REAL torch-free ``Scheduler`` + ``BlockManager``
 (``goodput.worker.engine``); only the model runner is replaced by a step-time model
@@ -990,6 +992,9 @@ def _run_trace(tname: str, args: argparse.Namespace, names: list[str]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--pd" in (sys.argv[1:] if argv is None else argv):   # P/D disaggregation: goodput.bench.pd
+        from goodput.bench import pd
+        return pd.main(argv)
     ap = argparse.ArgumentParser(prog="python -m goodput.bench.simulate",
                                  description="Simulate autoscaling policies on a trace (see the module doc).")
     ap.add_argument("--trace", default="bursty", choices=TRACES + ("long-context", "all"))
