@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-
 from goodput.bench import pd
 from goodput.bench import simulate as sim
 

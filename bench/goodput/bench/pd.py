@@ -53,8 +53,8 @@ import math
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from goodput.bench.simulate import HARDWARE, Replica, StepTime, Trace, make_trace
 from goodput.worker.engine.block_manager import BlockManager
@@ -283,7 +283,6 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
             req = o.request
             rid = req.request_id
             if is_prefill.get(id(r)):          # a remote prefill got its first token: ship the KV
-                k, _, dst, _ = remote[rid]
                 t0 = max(now, link_free[id(r)])
                 dt = transfer_seconds(hw, link, req.num_prompt_tokens)
                 link_free[id(r)] = t0 + dt
