@@ -5,7 +5,9 @@
 [--load-time 60] [--json OUT] [--out-dir bench/results/autoscaler] [--metric-noise 0.05]``;
 ``python -m goodput.bench.simulate --steady-rates 2,3.5,5,8,12 [--metric-noise 0.05]``: our policy
 on steady Poisson loads at each rate against the smallest fixed fleet reaching the target
-(:func:`steady_rates`).
+(:func:`steady_rates`); ``python -m goodput.bench.simulate --pd [--trace long-context|chat|all]
+[--pd-sizes 4,6,8] [--pd-thresholds 0,512]``: prefill/decode disaggregation against colocated
+serving (``goodput.bench.pd``).
 
 Each replica is the engine's REAL torch-free ``Scheduler`` + ``BlockManager``
 (``goodput.worker.engine``); only the model runner is replaced by a step-time model
@@ -61,6 +63,7 @@ from goodput.autoscaler.policy import (
 from goodput.bench.baselines import HpaQueue, Kpa, Saturation, SimPolicy, StaticPeak
 from goodput.bench.routing import ROUTINGS, SimRouter, chat_trace
 from goodput.bench.workloads import read_azure_trace
+from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.request import Request
@@ -86,6 +89,7 @@ class StepTime:
     max_model_len: int = 8192
     max_num_batched_tokens: int = 512
     note: str = ""
+    kv_bytes_per_token: int = 0     # K and V of one token over all layers, bytes (0: unknown)
 
     def __call__(self, tokens: int, attended: int) -> float:
         return self.a + self.b * tokens + self.c * attended
@@ -119,7 +123,8 @@ def h200_step_time(params: float = 70.6e9, weight_bytes_per_param: float = 1.0, 
     num_blocks = int(pool // (kv_bytes_per_token * 16))
     return StepTime("h200-llama3-70b-fp8", a, b, c, num_blocks, 16, 8192, max_num_batched_tokens,
                     note=f"roofline: HBM {hbm_bytes_s / 1e12:.1f} TB/s x {mem_eff}, "
-                         f"{dense_flops / 1e12:.0f} TFLOP/s x {flop_eff}, {params / 1e9:.1f}B params")
+                         f"{dense_flops / 1e12:.0f} TFLOP/s x {flop_eff}, {params / 1e9:.1f}B params",
+                    kv_bytes_per_token=kv_bytes_per_token)
 
 
 def cpu_step_time(path: str = FITS_PATH, key: str = "cpu-smollm2") -> StepTime:
@@ -130,7 +135,7 @@ def cpu_step_time(path: str = FITS_PATH, key: str = "cpu-smollm2") -> StepTime:
         fit = json.load(f)[key]
     num_blocks = (1 << 30) // (23040 * 16)
     return StepTime(key, fit["a_s"], fit["b_s_per_token"], fit["c_s_per_context_token"], num_blocks,
-                    16, 8192, 512, note=f"fitted: {fit['machine']}")
+                    16, 8192, 512, note=f"fitted: {fit['machine']}", kv_bytes_per_token=23040)
 
 
 HARDWARE: dict[str, Callable[[], StepTime]] = {"h200": h200_step_time, "cpu": cpu_step_time}
@@ -245,6 +250,36 @@ def azure_trace(path: str | None = None, rate_scale: float = 4.0, slo: tuple[flo
                  initial_replicas, note=f"{speed}, SLO TTFT {slo[0]} s / TPOT {slo[1] * 1000:.0f} ms")
 
 
+def long_context_trace(seed: int = 0, rate: float = 3.0, duration: float = 600.0,
+                       prompt_median: int = 4000, prompt_sigma: float = 0.4,
+                       prompt_range: tuple[int, int] = (2000, 8000), output_median: int = 128,
+                       output_sigma: float = 0.6, output_range: tuple[int, int] = (16, 512),
+                       slo: tuple[float, float] = (3.0, 0.05), max_model_len: int = 8192,
+                       max_replicas: int = 10, initial_replicas: int = 2) -> Trace:
+    """A prefill-heavy trace (long documents or code context, short answers): Poisson arrivals
+    at ``rate`` req/s over ``duration`` s; prompts lognormal (median ``prompt_median`` tokens,
+    sigma ``prompt_sigma``) clipped to ``prompt_range``; outputs lognormal (median
+    ``output_median``, sigma ``output_sigma``) clipped to ``output_range``; prompt + output
+    cut to fit ``max_model_len`` (the prompt gives way). No shared prefixes. SLO: TTFT
+    ``slo[0]`` s (a few seconds: an 8k prompt alone takes ~1.5 s to prefill on the h200
+    model), TPOT ``slo[1]`` s (50 ms: interactive streaming, tighter than a step carrying one
+    512-token prefill chunk, ~96 ms, so colocated serving misses it whenever a prompt is in
+    flight). Used by the prefill/decode disaggregation comparison (``goodput.bench.pd``)."""
+    rng = random.Random(seed)
+    ts = _poisson(rng, lambda t: rate, rate, duration)
+    prompt, output = [], []
+    for _ in ts:
+        p = _lognormal_int(rng, prompt_median, prompt_sigma, *prompt_range)
+        o = _lognormal_int(rng, output_median, output_sigma, *output_range)
+        prompt.append(min(p, max_model_len - o - 1))
+        output.append(o)
+    return Trace("long-context", ts, prompt, output, [0] * len(ts), [slo], duration, max_replicas,
+                 initial_replicas,
+                 note=f"seed {seed}, {rate} req/s, prompts median {prompt_median} "
+                      f"({prompt_range[0]}-{prompt_range[1]}), outputs median {output_median}, "
+                      f"SLO TTFT {slo[0]} s / TPOT {slo[1] * 1000:.0f} ms")
+
+
 # -------------------------------------------------------------------------------------- replicas
 class _Hist:
     """Cumulative histogram in the worker's buckets (+Inf last)."""
@@ -272,12 +307,12 @@ class Replica:
     """One simulated worker: the real Scheduler with a simulated clock and step time."""
 
     def __init__(self, name: str, created: float, ready_at: float, cfg: EngineConfig,
-                 slos: list[tuple[float, float]]) -> None:
+                 slos: list[tuple[float, float]], block_manager: BlockManager | None = None) -> None:
         self.name = name
         self.created = created
         self.ready_at = ready_at
         self.now = created
-        self.sched = Scheduler(cfg, clock=lambda: self.now)
+        self.sched = Scheduler(cfg, block_manager, clock=lambda: self.now)
         self.slos = slos
         self.stepping = False
         self.draining = False
@@ -623,6 +658,11 @@ def make_trace(name: str, seed: int = 0, hardware: str = "h200", duration: float
     """The traces of the committed results, sized so the fleet spans a few to ~10 replicas.
     ``duration`` (s) and ``rate`` (req/s) override the synthetic traces' defaults (quick runs;
     for ``chat``, ``rate`` is sessions per second)."""
+    if name == "long-context":   # prefill-heavy (the P/D comparison); h200 only
+        if hardware == "cpu":
+            raise ValueError("long-context is sized for the h200 model")
+        kw = {k: v for k, v in (("duration", duration), ("rate", rate)) if v is not None}
+        return long_context_trace(seed, **kw)
     if name == "chat":   # goodput.bench.routing.chat_trace (h200: 1.0 sessions/s over 600 s)
         kw = {k: v for k, v in (("duration", duration), ("session_rate", rate)) if v is not None}
         if hardware == "cpu":   # ~100x slower engine: shorter texts, fewer sessions, looser SLO
@@ -952,9 +992,12 @@ def _run_trace(tname: str, args: argparse.Namespace, names: list[str]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--pd" in (sys.argv[1:] if argv is None else argv):   # P/D disaggregation: goodput.bench.pd
+        from goodput.bench import pd
+        return pd.main(argv)
     ap = argparse.ArgumentParser(prog="python -m goodput.bench.simulate",
                                  description="Simulate autoscaling policies on a trace (see the module doc).")
-    ap.add_argument("--trace", default="bursty", choices=TRACES + ("all",))
+    ap.add_argument("--trace", default="bursty", choices=TRACES + ("long-context", "all"))
     ap.add_argument("--hardware", default="h200", choices=tuple(HARDWARE))
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated subset of " + ", ".join(POLICIES))
