@@ -224,6 +224,13 @@ def serving() -> dashboard.Dashboard:
                          "rejecting, blocked).", "short",
                          [(f"{W.ENGINE_STATE}{{{POD}}} == 1", "{{pod}} {{state}}")], 16, y, w=8, max_val=1)))
     y += 8
+    d = d.with_panel(_ts("Speculative decoding", "n-gram draft tokens proposed and accepted per second "
+                         "(--speculative-mode; zero while off). Acceptance rate = accepted / proposed.", "short",
+                         [(f"sum by (pod) (rate({W.SPEC_DECODE_DRAFT_TOKENS}_total{{{POD}}}[{RATE}]))",
+                           "proposed {{pod}}"),
+                          (f"sum by (pod) (rate({W.SPEC_DECODE_ACCEPTED_TOKENS}_total{{{POD}}}[{RATE}]))",
+                           "accepted {{pod}}")], 0, y, w=8))
+    y += 8
     return _router_row(d, y, by)
 
 
