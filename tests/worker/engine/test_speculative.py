@@ -175,16 +175,32 @@ def test_who_drafts_sampled_yes_penalties_grammar_logprobs_or_opted_out_no():
 
 def test_adaptive_mode_skips_steps_after_misses():
     s = Scheduler(cfg(speculative_mode="adaptive", max_model_len=200, num_blocks=64))
-    s.add_request(greedy_req("A", [1, 1], max_tokens=100))
-    step(s, token=1)                          # text 1 1 1: every step can draft 1 1 1
+    s.add_request(greedy_req("A", [1, 5, 2], max_tokens=100))
+    step(s, token=1)
     drafted = []
     for _ in range(12):
-        out, _ = step(s, {"A": [5]}, token=1)  # every draft rejected at its first token
-        drafted.append(bool(out.chunks[0].draft_token_ids))
-        s.requests["A"].all_token_ids[-1] = 1  # keep the text repetitive: the verdict, not the text, decides
-        s.requests["A"].output_token_ids[-1] = 1
+        # every token of {1, 2, 5} occurs earlier, so a draft can always be proposed; the runner
+        # rejects each draft at its first token (it emits another of them): only the verdict
+        # decides when the request drafts
+        out = s.schedule()
+        (c,) = out.chunks
+        tok = next(t for t in (1, 2, 5) if t != (c.draft_token_ids[:1] or (0,))[0] and t != c.token_ids[0])
+        ro = RunnerOutput({"A": tok}, spec_token_ids={"A": [tok]} if c.draft_token_ids else {})
+        s.update_from_output(out, ro)
+        drafted.append(bool(c.draft_token_ids))
     # miss -> skip 1, miss -> skip 3, miss -> skip 7
     assert drafted == [True, False, True, False, False, False, True, False, False, False, False, False]
+
+
+def test_token_array_follows_appends_and_drops():
+    r = greedy_req("A", [3, 4])
+    assert list(r.token_array()) == [3, 4]
+    r.append_output_token(5, 0.0)
+    r.append_output_token(6, 0.0)
+    assert list(r.token_array()) == [3, 4, 5, 6]
+    del r.all_token_ids[-1]
+    assert list(r.token_array()) == [3, 4, 5]
+    assert propose_ngram(r.token_array(), 2, 2, 1) == []
 
 
 def test_a_draft_never_preempts_another_request():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,6 +83,7 @@ class Request:
     # run without a draft, and verify steps in a row that accepted nothing.
     spec_skip_steps: int = field(default=0, init=False, repr=False)
     spec_misses: int = field(default=0, init=False, repr=False)
+    _token_array: array = field(default_factory=lambda: array("i"), init=False, repr=False)
 
     # Timestamps (monotonic seconds).
     queued_time: float | None = field(default=None, init=False)
@@ -105,6 +107,17 @@ class Request:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
         self.priority = operator.index(self.priority)
+
+    def token_array(self) -> array:
+        """``all_token_ids`` as a packed int32 array for prompt lookup, brought up to date here:
+        the list only grows at its end or is cut back at it (``Scheduler.drop_output_tokens``),
+        so this appends or truncates the difference instead of packing the whole text."""
+        arr, n = self._token_array, len(self.all_token_ids)
+        if len(arr) > n:
+            del arr[n:]
+        elif len(arr) < n:
+            arr.extend(self.all_token_ids[len(arr):])
+        return arr
 
     # ---- sizes ---------------------------------------------------------------------------
     @property

@@ -403,7 +403,7 @@ class Scheduler:
             return []
         k = min(room, draft_budget(cfg.num_speculative_tokens, req.num_output_tokens, sp.max_tokens,
                                    req.num_tokens, cfg.max_model_len))
-        return propose_ngram(req.all_token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        return propose_ngram(req.token_array(), k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
     def _pick_victim(self) -> Request:
         seq = self._admit_seq

@@ -37,20 +37,22 @@ MAX_SKIP_STEPS = 32
 def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Draft up to ``k`` tokens by prompt lookup.
 
-    tokens: the request's text so far (prompt + output token ids), last token included.
+    tokens: the request's text so far (prompt + output token ids), last token included; an
+        ``array("i")`` (``Request.token_array``) saves packing it again at every step.
     k: most tokens to propose (>= 0). n_max >= n_min >= 1: n-gram sizes tried, longest first.
 
     For n from ``n_max`` down to ``n_min``: find the most recent earlier occurrence of the last
     ``n`` tokens (an occurrence ending before the last token) and return the up to ``k`` tokens
     that followed it. Returns [] when no n-gram recurs. Cost: one C-level search per n over the
-    packed text (``bytes.rfind``), O(len(tokens)).
+    packed text (``bytes.rfind``), O(len(tokens)) (8k tokens: ~150 us packing a list, ~3 us from
+    an array).
     """
     if k <= 0 or n_min < 1 or n_max < n_min:
         return []
     L = len(tokens)
     if L < n_min + 1:
         return []
-    packed = array("i", tokens).tobytes()
+    packed = (tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)).tobytes()
     w = array("i").itemsize
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         pattern = packed[(L - n) * w:]
@@ -61,7 +63,7 @@ def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list
                 break
             if pos % w == 0:
                 start = pos // w + n
-                return list(tokens[start:start + k])
+                return [int(t) for t in tokens[start:start + k]]
             end = pos + len(pattern) - 1  # misaligned match: look further left
     return []
 
