@@ -51,7 +51,7 @@ EVERY_FIELD = {
                "attentionBackend": "torch", "numThreads": 3, "logLevel": "debug", "maxStopStrings": 4,
                "maxStopStringChars": 50, "maxStopTokenIds": 6, "maxRequestBodyBytes": "1Mi",
                "speculativeMode": "adaptive", "numSpeculativeTokens": 3, "promptLookupMax": 5,
-               "promptLookupMin": 3},
+               "promptLookupMin": 3, "speculativeMaxRunning": 6},
     "slo": {"ttftMs": 123.25, "tpotMs": 7},
 }
 
@@ -75,7 +75,7 @@ def test_worker_args_parse_back_to_what_the_spec_asked_for():
             "log_level": "debug", "slo_ttft_ms": 123.25, "slo_tpot_ms": 7.0, "max_stop_strings": 4,
             "max_stop_string_chars": 50, "max_stop_token_ids": 6, "max_request_body_bytes": 2**20,
             "speculative_mode": "adaptive", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
-            "prompt_lookup_min": 3}
+            "prompt_lookup_min": 3, "speculative_max_running": 6}
     carried = {s.name for s in settings(EngineArgs) if s.meta.crd is not None} | {"host", "port"}
     assert carried == set(want), "a setting the CRD carries is missing from this test"
     assert {name: getattr(a, name) for name in want} == want

@@ -203,6 +203,18 @@ def test_token_array_follows_appends_and_drops():
     assert propose_ngram(r.token_array(), 2, 2, 1) == []
 
 
+def test_no_draft_while_more_requests_run_than_speculative_max_running():
+    s = Scheduler(cfg(speculative_max_running=1))
+    s.add_request(greedy_req("A", [1, 2, 1]))
+    step(s, token=2)
+    out, _ = step(s, {"A": [1, 2]})
+    assert out.chunks[0].draft_token_ids                  # alone: drafts
+    s.add_request(greedy_req("B", [7, 8, 9]))
+    step(s, token=2)                                      # B's prefill joins: 2 running
+    out, _ = step(s, {"A": [1, 2]}, token=2)
+    assert all(not c.draft_token_ids for c in out.chunks)
+
+
 def test_a_draft_never_preempts_another_request():
     # 4 blocks of 2 tokens: A holds 2 (3 tokens + output), B 2; A's draft would need a third block
     s = Scheduler(cfg(num_blocks=4, block_size=2, max_model_len=16))

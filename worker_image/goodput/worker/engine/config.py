@@ -102,6 +102,10 @@ class SchedulerSettings:
         crd="engine")
     prompt_lookup_min: int = setting(
         2, "shortest n-gram matched (at most prompt_lookup_max)", ge=1, le=16, crd="engine")
+    speculative_max_running: int = setting(
+        0, "draft only while at most this many requests run (0: at any batch size); a drafted step "
+           "lengthens the step of every request in the batch (vLLM's disable_by_batch_size)",
+        ge=0, le=4096, crd="engine")
 
     def check_prompt_lookup(self) -> None:
         """Raise ValueError unless ``prompt_lookup_min <= prompt_lookup_max``."""

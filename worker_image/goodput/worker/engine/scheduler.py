@@ -392,11 +392,12 @@ class Scheduler:
     def _propose(self, req: Request, room: int) -> list[int]:
         """The n-gram draft of a decoding request (``engine.speculative``), or [] when it does not
         speculate this step: mode off (engine or request), a request that cannot
-        (:attr:`SamplingParams.can_speculate`), an adaptive back-off, or no room."""
+        (:attr:`SamplingParams.can_speculate`), more running requests than
+        ``speculative_max_running``, an adaptive back-off, or no room."""
         cfg, sp = self.config, req.sampling_params
         mode = cfg.speculative_mode if sp.speculative is None else (
             "off" if not sp.speculative else "adaptive" if cfg.speculative_mode == "adaptive" else "on")
-        if mode == "off" or not sp.can_speculate:
+        if mode == "off" or not sp.can_speculate or 0 < cfg.speculative_max_running < len(self.running):
             return []
         if req.spec_skip_steps > 0:
             req.spec_skip_steps -= 1
