@@ -271,11 +271,12 @@ class ModelRunner:
         one-token (deterministic) draft, and for a seeded request the very tokens plain decoding
         draws from the same logits."""
         pos_logits, rows = [], []
+        sample_row = {ci: j for j, ci in enumerate(sample_idx)}
         i = 0
         for ci, _ in spec:
             ch = sched_out.chunks[ci]
             k = len(ch.draft_token_ids)
-            pos_logits += [draft_logits[i:i + k], sample_logits[sample_idx.index(ci)][None]]
+            pos_logits += [draft_logits[i:i + k], sample_logits[sample_row[ci]][None]]
             rows += [Row(ch.sampling_params, ch.num_output_tokens + j, ch.stop_token_ids) for j in range(k + 1)]
             i += k
         logits = torch.cat(pos_logits)

@@ -17,7 +17,7 @@ a number is. OpenAI parameters that do not change generation (``user``, ``store`
 as OpenAI-compatible servers do. Extra (non-OpenAI) sampling parameters accepted as vLLM
 does: ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``cache_salt``,
 ``priority``, ``return_token_ids``, ``stream_options.continuous_usage_stats``; and goodput's
-``speculative`` (true/false: n-gram speculative decoding for this greedy request, overriding
+``speculative`` (true/false: n-gram speculative decoding for this request, overriding
 ``--speculative-mode``). Field semantics follow the OpenAI API reference for ``/v1/completions`` and
 ``/v1/chat/completions``.
 """
