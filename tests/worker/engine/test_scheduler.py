@@ -13,6 +13,7 @@ from goodput.worker.engine.request import FinishReason, Request, RequestStatus
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError, Scheduler
 from goodput.api.states import RejectReason
+from slot_model import SlotRunner, reference_output
 
 
 class FakeClock:
@@ -422,44 +423,6 @@ def next_token(tokens: list[int]) -> int:
     return h % 7  # 0..6; 0 is EOS
 
 
-def reference_output(prompt, sp: SamplingParams, max_model_len) -> tuple[list[int], str]:
-    tokens, out = list(prompt), []
-    while True:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if len(out) > sp.min_tokens and ((t == EOS and not sp.ignore_eos) or t in sp.stop_token_ids):
-            return out, "stop"
-        if len(out) >= sp.max_tokens or len(tokens) >= max_model_len:
-            return out, "length"
-
-
-class FakeRunner:
-    """Writes each chunk's tokens into a slot store through the block table and samples
-    ``next_token`` of the sequence READ BACK from the store, so a wrong block table, a block
-    reused while referenced, or a wrong prefix hit changes the output."""
-
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.bs = cfg.block_size
-        self.num_slots = cfg.num_blocks * cfg.block_size
-        self.kv: list[int | None] = [None] * self.num_slots
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        bs = self.bs
-        for c in out.chunks:  # write all KV first (as every attention layer does)
-            assert len(c.block_table) * bs >= c.seq_len
-            for i, t in enumerate(c.token_ids):
-                p = c.start_pos + i
-                self.kv[c.block_table[p // bs] * bs + p % bs] = t
-        sampled = {}
-        for c in out.chunks:
-            if c.sample:
-                seq = [self.kv[c.block_table[p // bs] * bs + p % bs] for p in range(c.seq_len)]
-                assert None not in seq
-                sampled[c.request_id] = next_token(seq)
-        return RunnerOutput(sampled)
-
-
 BASE = [5, 1, 4, 1, 5, 2, 6, 5, 3, 5, 8, 9, 7, 9]  # a shared "system prompt"
 request_spec = st.tuples(
     st.builds(lambda k, tail: BASE[:k] + tail,                # prompt: shared prefix + own tail
@@ -491,7 +454,7 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
                        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_waiting=8,
                        scheduling_policy=policy, enable_prefix_caching=caching, eos_token_ids=(EOS,))
     s = Scheduler(cfg, clock=FakeClock())
-    runner = FakeRunner(cfg)
+    runner = SlotRunner(cfg, next_token)
     admitted: dict[str, Request] = {}
     aborted: set[str] = set()
     step = 0
@@ -542,7 +505,7 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
         assert r.status is RequestStatus.FINISHED
         if rid in aborted:
             continue
-        want, reason = reference_output(r.prompt_token_ids, r.sampling_params, 40)
+        want, reason = reference_output(r.prompt_token_ids, r.sampling_params, 40, next_token, EOS)
         assert r.output_token_ids == want, rid
         assert r.finish_reason == reason
         assert len(r.token_times) == r.num_output_tokens

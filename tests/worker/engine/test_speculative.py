@@ -9,12 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from goodput.worker.engine.config import EngineConfig
-from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
+from goodput.worker.engine.outputs import RunnerOutput
 from goodput.worker.engine.request import Request, RequestStatus
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import Scheduler
 from goodput.worker.engine.speculative import (MAX_SKIP_STEPS, accept_greedy, draft_budget, next_skip,
                                                propose_ngram)
+from slot_model import SlotRunner, reference_output
 
 
 # ---- proposer -------------------------------------------------------------------------------
@@ -273,53 +274,6 @@ def next_token(tokens: list[int]) -> int:
     return (a * 2 + b * 3 + c + 1) % 5
 
 
-def reference_output(prompt, sp: SamplingParams, max_model_len) -> tuple[list[int], str]:
-    tokens, out = list(prompt), []
-    while True:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if len(out) > sp.min_tokens and t == EOS and not sp.ignore_eos:
-            return out, "stop"
-        if len(out) >= sp.max_tokens or len(tokens) >= max_model_len:
-            return out, "length"
-
-
-class FakeSpecRunner:
-    """Writes every chunk's tokens through its block table, then predicts each needed position
-    from the tokens READ BACK (all KV is written before any is read, as in every layer), and
-    verifies drafts with ``accept_greedy``: a wrong table, a block freed under a request, or a
-    wrong rewind after a rejected draft changes the output."""
-
-    def __init__(self, c: EngineConfig) -> None:
-        self.bs = c.block_size
-        self.kv: list[int | None] = [None] * (c.num_blocks * c.block_size)
-
-    def _seq(self, c, n):
-        bs = self.bs
-        seq = [self.kv[c.block_table[p // bs] * bs + p % bs] for p in range(n)]
-        assert None not in seq
-        return seq
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        bs = self.bs
-        for c in out.chunks:
-            for i, t in enumerate(c.token_ids):
-                p = c.start_pos + i
-                self.kv[c.block_table[p // bs] * bs + p % bs] = t
-        ro = RunnerOutput()
-        for c in out.chunks:
-            if not c.sample:
-                continue
-            k = len(c.draft_token_ids)
-            targets = [next_token(self._seq(c, c.seq_len - k + i)) for i in range(k + 1)]
-            toks = accept_greedy(c.draft_token_ids, targets)
-            ro.sampled_token_ids[c.request_id] = toks[0]
-            if k:
-                ro.spec_token_ids[c.request_id] = toks
-        return ro
-
-
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mode=st.sampled_from(["on", "adaptive"]),
@@ -339,7 +293,7 @@ def test_speculating_changes_no_output_and_keeps_the_invariants(mode, k, pool_to
                      speculative_mode=mode, num_speculative_tokens=k, prompt_lookup_max=3,
                      prompt_lookup_min=1)
     s = Scheduler(c)
-    runner = FakeSpecRunner(c)
+    runner = SlotRunner(c, next_token)
     admitted = {}
     pending = sorted(enumerate(specs), key=lambda x: x[1][3])
     steps = 0
@@ -368,5 +322,5 @@ def test_speculating_changes_no_output_and_keeps_the_invariants(mode, k, pool_to
     assert stats.spec_decode_accepted_tokens_total <= stats.spec_decode_draft_tokens_total
     for rid, r in admitted.items():
         assert r.status is RequestStatus.FINISHED
-        want, reason = reference_output(r.prompt_token_ids, r.sampling_params, 30)
+        want, reason = reference_output(r.prompt_token_ids, r.sampling_params, 30, next_token, EOS)
         assert (r.output_token_ids, r.finish_reason) == (want, reason), rid
