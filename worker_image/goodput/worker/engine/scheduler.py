@@ -454,23 +454,27 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         bm = self.block_manager
         for chunk, req in live:
-            if chunk.draft_token_ids:
-                outputs.append(self._commit_speculative(chunk, req, runner_out, now))
-                continue
-            req.num_computed_tokens += chunk.num_tokens
-            bm.cache_full_blocks(req)
+            draft = chunk.draft_token_ids
+            if not draft:
+                req.num_computed_tokens += chunk.num_tokens
+                bm.cache_full_blocks(req)
             if not chunk.sample:
                 continue
             if req.request_id in self._pending_forks:
                 self._fork(req, now)
-            tok = runner_out.sampled_token_ids[req.request_id]
-            req.append_output_token(tok, now)
-            self.generation_tokens_total += 1
-            reason = self._stop_reason(req, tok)
+            toks = runner_out.spec_token_ids[req.request_id] if draft \
+                else [runner_out.sampled_token_ids[req.request_id]]
+            emitted, reason = self._emit(req, toks, now)
+            if draft:
+                self._count_draft(req, len(draft), len(toks) - 1)
+                # KV is valid for the fed-back token and the accepted drafts kept; the rejected
+                # positions' slots are rewritten by later steps
+                req.num_computed_tokens = chunk.start_pos + len(emitted)
+                bm.cache_full_blocks(req)
             if reason is not None:
                 self._finish(req, reason, now)
             lp = runner_out.logprobs.get(req.request_id)
-            outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, req,
+            outputs.append(RequestOutput(req.request_id, emitted, reason is not None, reason, req,
                                          None if lp is None else [lp]))
         return outputs
 
@@ -485,19 +489,9 @@ class Scheduler:
             raise RuntimeError(f"runner returned {toks!r} for request {rid!r}, not a verification of "
                                f"its draft {draft}")
 
-    def _commit_speculative(self, chunk: ScheduledChunk, req: Request, runner_out: RunnerOutput,
-                            now: float) -> RequestOutput:
-        """Commit a speculative decode: the accepted drafts and the bonus token, cut at the first
-        token that finishes the request. KV stays valid for the fed-back token and the accepted
-        drafts only; the rejected positions' slots are rewritten by later steps."""
-        toks = runner_out.spec_token_ids[req.request_id]
-        accepted = len(toks) - 1
-        self.spec_decode_drafts_total += 1
-        self.spec_decode_draft_tokens_total += len(chunk.draft_token_ids)
-        self.spec_decode_accepted_tokens_total += accepted
-        if self.config.speculative_mode == "adaptive":
-            req.spec_skip_steps, req.spec_misses = next_skip(accepted, len(chunk.draft_token_ids),
-                                                             req.spec_misses)
+    def _emit(self, req: Request, toks: list[int], now: float) -> tuple[list[int], FinishReason | None]:
+        """Append a step's tokens (one, or a speculative step's accepted drafts and bonus token)
+        up to the first that finishes the request; returns (tokens appended, finish reason)."""
         emitted: list[int] = []
         reason = None
         for tok in toks:
@@ -507,11 +501,15 @@ class Scheduler:
             if reason is not None:
                 break
         self.generation_tokens_total += len(emitted)
-        req.num_computed_tokens = chunk.start_pos + len(emitted)  # the fed-back token + accepted drafts
-        self.block_manager.cache_full_blocks(req)
-        if reason is not None:
-            self._finish(req, reason, now)
-        return RequestOutput(req.request_id, emitted, reason is not None, reason, req)
+        return emitted, reason
+
+    def _count_draft(self, req: Request, proposed: int, accepted: int) -> None:
+        """Count a verified draft, and move the request's adaptive back-off."""
+        self.spec_decode_drafts_total += 1
+        self.spec_decode_draft_tokens_total += proposed
+        self.spec_decode_accepted_tokens_total += accepted
+        if self.config.speculative_mode == "adaptive":
+            req.spec_skip_steps, req.spec_misses = next_skip(accepted, proposed, req.spec_misses)
 
     def _fork(self, parent: Request, now: float) -> None:
         """Children share the parent's computed prompt blocks and start running."""
