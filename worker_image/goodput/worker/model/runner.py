@@ -253,8 +253,12 @@ class ModelRunner:
                 logits[row0:row0 + m].float(), targets, ch.sampling_params.prompt_logprobs or 0))
         if not sample_idx:
             return out
-        chunks = [sched_out.chunks[i] for i in sample_idx]
-        out.sampled_token_ids, out.logprobs = self._sample(logits[:n_sampled], chunks)
+        # drafted chunks' last rows are sampled with their drafts (_verify_drafts), not here
+        plain = [j for j, ci in enumerate(sample_idx) if not sched_out.chunks[ci].draft_token_ids]
+        if plain:
+            chunks = [sched_out.chunks[sample_idx[j]] for j in plain]
+            rows = logits[:n_sampled] if len(plain) == n_sampled else logits[plain]
+            out.sampled_token_ids, out.logprobs = self._sample(rows, chunks)
         if spec:
             self._verify_drafts(logits[n_sampled + sum(m for _, _, m in plp):], logits[:n_sampled], sample_idx,
                                 sched_out, spec, out)
