@@ -56,7 +56,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from goodput.bench.simulate import HARDWARE, Replica, StepTime, Trace, make_trace
+from goodput.bench.simulate import HARDWARE, Replica, SloRates, StepTime, Trace, make_trace
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
@@ -147,7 +147,7 @@ class KVImportBlockManager(BlockManager):
 
 # ------------------------------------------------------------------------------- simulation
 @dataclass
-class PDResult:
+class PDResult(SloRates):
     """One fixed fleet on one trace. ``prefill``/``decode``: replica counts (``prefill == 0``:
     colocated). Latencies per finished request in seconds; goodput = SLO-meeting requests per
     second of trace; attainment = SLO-meeting / offered."""
@@ -168,14 +168,6 @@ class PDResult:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)   # requests with output > 1
     finished_ids: list[str] = field(default_factory=list)   # in finishing order
-
-    @property
-    def goodput_rps(self) -> float:
-        return self.slo_met / self.duration
-
-    @property
-    def attainment(self) -> float:
-        return self.slo_met / self.offered if self.offered else 1.0
 
     def summary(self) -> dict:
         return {"prefill": self.prefill, "decode": self.decode, "link": self.link,

@@ -373,8 +373,20 @@ class GoodputPolicy(SimPolicy):
 
 
 # -------------------------------------------------------------------------------------- the fleet
+class SloRates:
+    """Goodput and attainment of a run with ``slo_met``, ``offered`` (requests) and ``duration`` (s)."""
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.slo_met / self.duration
+
+    @property
+    def attainment(self) -> float:
+        return self.slo_met / self.offered if self.offered else 1.0
+
+
 @dataclass
-class Result:
+class Result(SloRates):
     """Outcome of one policy on one trace (see the module doc for each metric)."""
 
     policy: str
@@ -390,14 +402,6 @@ class Result:
     routing: str = "round-robin"
     decisions: dict[str, int] = field(default_factory=dict)   # the router picker's reasons
     prefix_hit_rate: float | None = None    # engine prefix-cache hits / queries (tokens), all pods
-
-    @property
-    def goodput_rps(self) -> float:
-        return self.slo_met / self.duration
-
-    @property
-    def attainment(self) -> float:
-        return self.slo_met / self.offered if self.offered else 1.0
 
     @property
     def rejection_rate(self) -> float:
