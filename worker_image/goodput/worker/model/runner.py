@@ -141,6 +141,40 @@ class ModelRunner:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    # -- disaggregated prefill: a block's K/V as raw bytes (goodput.api.disagg.KV_LAYOUT) ------
+    def export_kv_block(self, block_id: int, num_tokens: int) -> bytes:
+        """The first ``num_tokens`` slots of physical block ``block_id``: bytes of a
+        ``[L, 2 (k, v), num_tokens, n_kv, d_head]`` tensor in the cache's dtype (native
+        little-endian), ``2·L·n_kv·d_head·b·num_tokens`` bytes. ValueError for a bad id or count."""
+        if not 0 <= block_id < self.num_blocks or not 0 < num_tokens <= self.block_size:
+            raise ValueError(f"block {block_id} / {num_tokens} tokens outside the pool "
+                             f"({self.num_blocks} blocks of {self.block_size})")
+        t = torch.stack([torch.stack((k[block_id, :num_tokens], v[block_id, :num_tokens]))
+                         for k, v in self.kv_caches])
+        return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def import_kv(self, imports) -> None:
+        """Write imported prompts' blocks (``engine.outputs.KvImportChunk``: payloads of
+        :meth:`export_kv_block`'s format) into the paged cache. ValueError, before anything is
+        written, for a payload whose size is not ``2·L·n_kv·d_head·b·tokens``."""
+        c = self.model_config
+        L, H, D, bs = c.num_layers, c.num_kv_heads, c.head_dim, self.block_size
+        per_token = self.kv_bytes_per_token
+        plan = []
+        for imp in imports:
+            for i, (bid, payload) in enumerate(zip(imp.block_ids, imp.payloads)):
+                ntok = min(bs, imp.num_tokens - (imp.first_block + i) * bs)
+                if len(payload) != ntok * per_token or not 0 <= bid < self.num_blocks:
+                    raise ValueError(f"request {imp.request_id!r}: block {imp.first_block + i} payload of "
+                                     f"{len(payload)} bytes, expected {ntok * per_token} ({ntok} tokens)")
+                plan.append((bid, ntok, payload))
+        for bid, ntok, payload in plan:
+            t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(L, 2, ntok, H, D)
+            t = t.to(self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[bid, :ntok].copy_(t[layer, 0])
+                v[bid, :ntok].copy_(t[layer, 1])
+
     def _build_inputs(self, sched_out: SchedulerOutput):
         bs, V, max_len = self.block_size, self.model_config.vocab_size, self.max_model_len
         input_ids: list[int] = []
