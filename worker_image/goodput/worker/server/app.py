@@ -305,9 +305,11 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
     app.add_middleware(_InstanceHeader, state=state)
 
     from goodput.worker.server.admin import router as admin_router
+    from goodput.worker.server.disagg import router as kv_router
     from goodput.worker.server.openai_routes import router as openai_router
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(kv_router)
 
     @app.get("/health", response_model=HealthStatus, responses=_PROBE_503)
     async def health() -> JSONResponse:
