@@ -61,6 +61,9 @@ class AdmissionError(Exception):
         self.param = param
 
 
+PREFILL_WHERE = tuple(w.value for w in PrefillWhere)
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A consistent snapshot of the engine core: what ``/metrics`` and ``/admin/state`` export.
@@ -103,8 +106,6 @@ class SchedulerStats:
     enable_prefix_caching: bool
     max_num_seqs: int
     max_waiting: int
-    num_leases: int
-    num_leased_blocks: int
     admitted_total: int
     rejected_total: dict[str, int]
     finished_total: dict[str, int]
@@ -118,8 +119,10 @@ class SchedulerStats:
     spec_decode_drafts_total: int
     spec_decode_draft_tokens_total: int
     spec_decode_accepted_tokens_total: int
-    prefills_total: dict[str, int]
-    kv_lease_expiries_total: int
+    prefills_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFILL_WHERE, 0))
+    kv_lease_expiries_total: int = 0
+    num_leases: int = 0
+    num_leased_blocks: int = 0
 
     def counters(self) -> dict[str, Any]:
         """The counters by name without ``_total`` (``{"admitted": 3, "rejected": {...}, ...}``)."""
@@ -127,9 +130,6 @@ class SchedulerStats:
 
 
 _COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name.endswith("_total"))
-
-
-PREFILL_WHERE = tuple(w.value for w in PrefillWhere)
 
 
 @dataclass
