@@ -250,7 +250,8 @@ class KvStreamDecoder:
         _, size = self._frame
         if len(buf) < size:
             return False
-        self.blocks.append(bytes(buf[:size]))
+        with memoryview(buf) as mv:  # one copy out of the buffer
+            self.blocks.append(bytes(mv[:size]))
         self.payload_bytes += size
         del buf[:size]
         self._frame = None

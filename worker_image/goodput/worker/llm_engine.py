@@ -360,19 +360,22 @@ class LLMEngine:
                 return None
             return lease.num_tokens, lease.first_token_id, tuple(lease.request.prompt_token_ids)
 
-    def read_lease_block(self, handle: str, block: int) -> bytes | None:
-        """The raw K/V bytes of prompt block ``block`` of lease ``handle`` (``KV_LAYOUT``), or None
-        when the lease is no longer open. Copied under the engine lock: a lease's blocks are
-        freed (and may be reused) only under it, and nobody writes a leased block."""
+    def read_lease_blocks(self, handle: str, first: int, count: int) -> list[bytes] | None:
+        """The raw K/V bytes of prompt blocks ``first .. first + count - 1`` of lease ``handle``
+        (``KV_LAYOUT``; fewer at the prompt's end), or None when the lease is no longer open.
+        Copied under the engine lock: a lease's blocks are freed (and may be reused) only under
+        it, and nobody writes a leased block. ValueError for a block outside the lease."""
         with self._lock:
             lease = self.scheduler.lease(handle)
             if lease is None:
                 return None
-            bs = self.config.block_size
-            ntok = min(bs, lease.num_tokens - block * bs)
-            if not 0 <= block < len(lease.request.block_ids) or ntok <= 0:
-                raise ValueError(f"block {block} outside lease {handle!r}")
-            return self.runner.export_kv_block(lease.request.block_ids[block], ntok)
+            bs, n = self.config.block_size, lease.num_tokens
+            nblocks = -(-n // bs)
+            if not 0 <= first < nblocks or count < 1:
+                raise ValueError(f"blocks {first}+{count} outside lease {handle!r} ({nblocks} blocks)")
+            blocks = range(first, min(first + count, nblocks))
+            return self.runner.export_kv_blocks([lease.request.block_ids[b] for b in blocks],
+                                                [min(bs, n - b * bs) for b in blocks])
 
     def release_lease(self, handle: str) -> bool:
         """Free a lease's blocks now (pulled or cancelled); whether it was open."""
