@@ -34,7 +34,7 @@ def test_router_metrics_match_the_contract_table():
     table = doc_table()
     names = {mn.HELD_REQUESTS, mn.QUEUED_REQUESTS, mn.REQUESTS, mn.DECISIONS, mn.QUEUE_WAIT, mn.OVERHEAD,
              mn.UPSTREAM_TTFT, mn.POD_IN_FLIGHT, mn.EJECTED_PODS, mn.EJECTIONS, mn.POD_RESTARTS,
-             mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT}
+             mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT, mn.PD_DECISIONS}
     assert set(table) == names
     st, bad = StubState("m1", "A", instance="a-1"), StubState("m1", "B", fail_status=500)
     with ServerThread(make_stub(st)) as stub, ServerThread(make_stub(bad)) as bad_stub:

@@ -52,6 +52,9 @@ DEFAULT_IMAGE = "goodput/worker:0.1.0"
 # Worker pods carry both; the operator's Deployment, Service and PDB select them by these labels.
 LABEL_ISVC = f"{GROUP}/inferenceservice"
 LABEL_COMPONENT = "app.kubernetes.io/component"
+# A worker pod's role in disaggregated serving (both, prefill, decode; goodput.api.states.WorkerRole),
+# read by the router; absent: both.
+LABEL_ROLE = f"{GROUP}/role"
 DNS_LABEL_MAX = 63  # RFC 1123 label; also the limit of a label value
 
 

@@ -20,6 +20,7 @@ DECISIONS = "goodput_router_decisions"
 EJECTIONS = "goodput_router_ejections"
 POD_RESTARTS = "goodput_router_pod_restarts"
 CLASS_REQUESTS = "goodput_router_class_requests"   # by SLO class (the request's x-goodput-slo-class)
+PD_DECISIONS = "goodput_router_pd_decisions"       # disaggregated prefill: remote or local, and why
 # Histograms (seconds).
 QUEUE_WAIT = "goodput_router_queue_wait_seconds"
 OVERHEAD = "goodput_router_overhead_seconds"
@@ -34,10 +35,12 @@ POD_LABELS = ("namespace", "inferenceservice", "pod")
 EJECTION_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 CLASS_LABELS = ("namespace", "inferenceservice", "slo_class")
 CLASS_REQUEST_LABELS = ("namespace", "inferenceservice", "slo_class", "outcome")
+PD_DECISION_LABELS = ("namespace", "inferenceservice", "decision")
 
 # Label values.
 OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
 DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
+PD_DECISIONS_VALUES = ("remote", "off", "short", "decode_pod_is_prefill", "no_prefill_pod", "prefill_failed")
 EJECTION_REASONS = ("consecutive_failures", "success_rate", "failure_percentage", "probe_failed")
 # slo_class: the request's class name; "" when it names none, OTHER_CLASS beyond the router's
 # --max-slo-classes distinct names (the label's cardinality stays bounded).

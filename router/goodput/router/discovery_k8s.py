@@ -48,6 +48,7 @@ from goodput.api import crd
 from goodput.api.pods import pod_state
 from goodput.api.settings import setting
 
+from goodput.api.states import WorkerRole
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo, ServiceKey
 
 log = logging.getLogger("goodput.router.discovery")
@@ -82,6 +83,9 @@ def _http_port(spec: Mapping[str, Any]) -> int:
     return crd.WORKER_PORT
 
 
+ROLES = tuple(r.value for r in WorkerRole)
+
+
 def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] | None:
     """A pod (camelCase dict) → ``(namespace, InferenceService name, pod name, PodInfo | None)``;
     None when it is not a worker pod of an InferenceService. The PodInfo is None for a pod that
@@ -95,8 +99,10 @@ def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] |
     if not s.ip or s.finished:
         return ns, isvc, name, None
     host = f"[{s.ip}]" if ":" in s.ip else s.ip
+    role = labels.get(crd.LABEL_ROLE, "both")
     return ns, isvc, name, PodInfo(name=name, url=f"http://{host}:{_http_port(spec)}", ready=s.ready,
-                                   terminating=s.terminating, draining=s.draining)
+                                   terminating=s.terminating, draining=s.draining,
+                                   role=role if role in ROLES else "both")
 
 
 class FleetMirror:

@@ -63,13 +63,16 @@ class ServiceInfo:
 
 @dataclass(frozen=True)
 class PodInfo:
-    """One worker pod as discovery sees it. ``url``: ``http://<podIP>:<port>``, no trailing slash."""
+    """One worker pod as discovery sees it. ``url``: ``http://<podIP>:<port>``, no trailing slash.
+    ``role``: its part in disaggregated serving (``both``, ``prefill``, ``decode``; label
+    ``serving.goodput.dev/role``, static mode's ``URL#role``)."""
 
     name: str
     url: str
     ready: bool = True
     terminating: bool = False  # metadata.deletionTimestamp is set
     draining: bool = False     # annotation serving.goodput.dev/draining == "true"
+    role: str = "both"
 
 
 @dataclass
