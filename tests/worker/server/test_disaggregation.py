@@ -257,3 +257,47 @@ def test_no_lease_or_block_outlives_the_requests(pd):
         assert gauge(url, "goodput_kv_leases") == 0
         assert gauge(url, "goodput_requests_running") == 0
         assert gauge(url, "goodput_kv_cache_usage_ratio") == 0
+
+
+def test_through_the_router_long_prompts_go_remote_and_short_ones_stay_local(pd):
+    from goodput.router.app import RouterSettings, create_app
+    from goodput.router.discovery_static import StaticDiscovery
+    from server_utils import ServerThread
+
+    p, d = pd
+    disc = StaticDiscovery([f"smollm2={p}#prefill,{d}#decode"], period_s=0.2)
+    # a chunk is 256 characters (~64 tokens): more than 2 uncached chunks go to the prefill worker
+    with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.2, pd_min_uncached_chunks=2))) as r:
+        deadline = time.monotonic() + 60
+        while httpx.get(r.url + "/ready", timeout=TIMEOUT).status_code != 200:
+            assert time.monotonic() < deadline, "router not ready"
+            time.sleep(0.05)
+        remote0 = gauge(d, "goodput_prefills_total", where="remote")
+        text = "Routers and tides. " + "The harbour master logged each ship that came in with the tide. " * 20
+        body = {"model": "smollm2", "prompt": text, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+        via = httpx.post(r.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert via.status_code == 200, via.text
+        assert via.json()["choices"][0]["token_ids"] == colocated(p, body, salt="reference-router")
+        assert gauge(d, "goodput_prefills_total", where="remote") == remote0 + 1
+        # streamed chat, long: remote too, the same text as colocated
+        msgs = [{"role": "user", "content": "Summarise: " + text}]
+        chat = {"model": "smollm2", "messages": msgs, "max_tokens": 8, "temperature": 0}
+        with httpx.stream("POST", r.url + "/v1/chat/completions", json={**chat, "stream": True},
+                          timeout=TIMEOUT) as s:
+            events, done = parse_sse(s.iter_lines())
+        assert done
+        streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        ref = httpx.post(p + "/v1/chat/completions", json={**chat, "cache_salt": "reference-chat"}, timeout=TIMEOUT)
+        assert streamed == ref.json()["choices"][0]["message"]["content"]
+        assert gauge(d, "goodput_prefills_total", where="remote") == remote0 + 2
+        # a short prompt is prefilled by the decode worker itself
+        short = httpx.post(r.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+                           timeout=TIMEOUT)
+        assert short.status_code == 200
+        assert gauge(d, "goodput_prefills_total", where="remote") == remote0 + 2
+        m = metrics(r.url)
+        assert m[("goodput_router_pd_decisions_total",
+                  (("decision", "remote"), ("inferenceservice", "smollm2"), ("namespace", "")))] == 2
+        assert m[("goodput_router_pd_decisions_total",
+                  (("decision", "short"), ("inferenceservice", "smollm2"), ("namespace", "")))] == 1
+    assert gauge(p, "goodput_kv_leases") == 0
