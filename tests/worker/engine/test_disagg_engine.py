@@ -13,7 +13,7 @@ from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import KvImport, RunnerOutput
 from goodput.worker.engine.request import Request, RequestStatus
 from goodput.worker.engine.sampling_params import SamplingParams
-from goodput.worker.engine.scheduler import Scheduler
+from goodput.worker.engine.scheduler import AdmissionError, Scheduler
 from slot_model import SlotRunner, reference_output
 
 BS = 4
@@ -215,3 +215,15 @@ def test_abort_between_schedule_and_commit_frees_the_import():
     assert dec.update_from_output(out, RunnerOutput()) == []
     assert dec.stats().num_used_blocks == 0
     dec.check_invariants()
+
+
+@pytest.mark.parametrize("imp", [
+    KvImport(10, 0, (b"",) * 3, 1),      # 10 tokens for an 11-token prompt
+    KvImport(11, 0, (b"",) * 2, 1),      # 2 payloads for blocks 0..2
+    KvImport(11, 1, (b"",) * 3, 1),      # blocks 1..3 of a 3-block prompt
+])
+def test_an_import_that_does_not_cover_the_prompt_is_refused(imp):
+    s, _, _ = engine()
+    with pytest.raises(AdmissionError, match="imported KV covers"):
+        s.add_request(Request("d", PROMPT, sp(3), kv_import=imp))
+    assert s.rejected_total["invalid"] == 1 and s.stats().num_used_blocks == 0

@@ -239,7 +239,8 @@ class Scheduler:
         (``BlockManager.fork``) and join the running set directly (beyond ``max_num_seqs``:
         they are part of an admitted request); each then samples on its own.
 
-        invalid: empty prompt, token id out of range, duplicate id, a request already used.
+        invalid: empty prompt, token id out of range, duplicate id, a request already used, a
+            ``kv_import`` that does not cover the prompt's blocks.
         never_fits: prompt + max_tokens > max_model_len, or its KV (prompt + max_tokens - 1
             tokens) needs more blocks than the whole pool (it could never run even alone).
         queue_full: the waiting queue holds ``max_waiting`` requests (retry_after is set).
@@ -268,6 +269,13 @@ class Scheduler:
             bad = lo if lo < 0 else hi
             raise self._reject(RejectReason.INVALID, f"prompt token id {bad} is outside the vocabulary "
                                f"[0, {cfg.vocab_size if cfg.vocab_size else 'inf'})", param="prompt")
+        imp = req.kv_import
+        if imp is not None and (imp.num_tokens != n or imp.first_block < 0
+                                or imp.first_block + len(imp.blocks) != cfg.blocks_for_tokens(n)
+                                or (forks or req.sampling_params.prompt_logprobs is not None)):
+            raise self._reject(RejectReason.INVALID, f"request {rid!r}: its imported KV covers {imp.num_tokens} "
+                               f"tokens from block {imp.first_block} in {len(imp.blocks)} blocks, not the prompt's "
+                               f"{n} tokens (or it has forks or prompt log-probabilities)")
         max_tokens = req.sampling_params.max_tokens
         # The field at fault: the prompt when it cannot fit even alone, else max_tokens.
         culprit = ("prompt" if n >= cfg.max_model_len or cfg.blocks_for_tokens(n) > cfg.num_blocks

@@ -176,7 +176,7 @@ async def pull_kv(st, source: str, handle: str, prompt_ids: list[int], cache_sal
                 except KvStreamError as e:
                     raise _Refused("error", str(e)) from None
                 if not had_header and dec.header is not None:
-                    _check_header(dec.header, local, prompt_ids, first_block)
+                    _check_header(dec.header, local, prompt_ids, first_block, llm.config.vocab_size)
         if not dec.done:
             got = len(dec.blocks) if dec.header else 0
             raise _Refused("error", f"the KV stream ended after {got} of "
@@ -202,8 +202,11 @@ async def pull_kv(st, source: str, handle: str, prompt_ids: list[int], cache_sal
     return res
 
 
-def _check_header(h: KvStreamHeader, local, prompt_ids: list[int], first_block: int) -> None:
+def _check_header(h: KvStreamHeader, local, prompt_ids: list[int], first_block: int,
+                  vocab_size: int | None) -> None:
     why = incompatibility(local, h.kv)
+    if why is None and vocab_size is not None and h.first_token_id >= vocab_size:
+        why = f"first token id {h.first_token_id} is outside this model's vocabulary ({vocab_size})"
     if why is None and h.num_tokens != len(prompt_ids):
         why = f"the leased prompt has {h.num_tokens} tokens, this request {len(prompt_ids)}"
     if why is None and h.tokens_digest != tokens_digest(prompt_ids):
