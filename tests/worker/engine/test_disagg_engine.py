@@ -227,3 +227,20 @@ def test_an_import_that_does_not_cover_the_prompt_is_refused(imp):
     with pytest.raises(AdmissionError, match="imported KV covers"):
         s.add_request(Request("d", PROMPT, sp(3), kv_import=imp))
     assert s.rejected_total["invalid"] == 1 and s.stats().num_used_blocks == 0
+
+
+def test_kv_pressure_reclaims_the_oldest_lease_before_anyone_waits_or_is_preempted():
+    # 7 blocks: two leases of 3 blocks each leave 1; a 12-token request with 4 output tokens needs 4
+    s, runner, clock = engine(num_blocks=7)
+    remote_prefill(s, runner, "old", PROMPT)
+    clock.t += 1.0
+    remote_prefill(s, runner, "new", [4] + PROMPT[1:])
+    other = [1] * 12
+    r = Request("o", other, sp(4))
+    s.add_request(r)
+    while not r.is_finished:
+        step(s, runner)
+    assert r.output_token_ids == reference_output(other, sp(4), 256, next_token)[0]
+    assert s.preemptions_total == 0
+    assert s.lease("old") is None and s.lease("new") is not None  # the one expiring first went
+    assert s.stats().kv_lease_expiries_total == 1

@@ -80,7 +80,8 @@ class SchedulerStats:
     tokens accepted (mean accepted length = accepted / drafts; tokens per speculative step = that + 1).
     Disaggregated prefill: ``prefills_total`` by where the prompt's KV was computed (``local``:
     by this engine, ``remote``: imported from a prefill worker), counted once per request when it
-    first runs; ``kv_lease_expiries_total``: leases freed because nobody pulled them in time;
+    first runs; ``kv_lease_expiries_total``: leases freed because nobody pulled them in time, or
+    reclaimed early because KV blocks ran out (before any running request is preempted);
     gauges ``num_leases`` / ``num_leased_blocks``: leases open now and the blocks they hold.
 
     kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
@@ -371,6 +372,8 @@ class Scheduler:
                 if want_decode and self._schedule_draft(req, plan):
                     continue
                 while not self.block_manager.allocate_slots(req, n):
+                    if self._reclaim_lease():
+                        continue
                     kv_blocked = True
                     victim = self._pick_victim()
                     self._preempt(victim, now, plan)
@@ -395,6 +398,8 @@ class Scheduler:
                 req.kv_import = imp = None
             n = req.num_tokens - num_hit if imp is not None else min(req.num_tokens - num_hit, plan.budget)
             if not self.block_manager.allocate_slots(req, n, hit_blocks):
+                if self._reclaim_lease():
+                    continue  # look the head up again: its hits may be fewer now
                 kv_blocked = True
                 break
             self.waiting.popleft()
@@ -594,6 +599,17 @@ class Scheduler:
             self.block_manager.free(self.leases.pop(h).request)
         self.kv_lease_expiries_total += len(gone)
         return len(gone)
+
+    def _reclaim_lease(self) -> bool:
+        """KV pressure: free the lease that would expire first (counted as an expiry) rather
+        than preempt a running request or keep a waiting one out; whether there was one. Its
+        decode worker, if it still pulls, gets a 404 and prefills locally."""
+        if not self.leases:
+            return False
+        h = min(self.leases, key=lambda k: self.leases[k].expires_at)
+        self.block_manager.free(self.leases.pop(h).request)
+        self.kv_lease_expiries_total += 1
+        return True
 
     @staticmethod
     def _check_verified(chunk: ScheduledChunk, runner_out: RunnerOutput) -> None:
