@@ -9,7 +9,7 @@ The flow (DistServe, Zhong et al., OSDI 2024; the llm-d / Dynamo split):
    :class:`PrefillResult` (JSON) carrying the transfer handle;
 2. the router sends the same request to a decode worker with :data:`KV_HANDLE_HEADER` (the handle)
    and :data:`KV_SOURCE_HEADER` (the prefill worker's base URL, ``http://10.0.0.5:8000``); the
-   decode worker pulls ``GET {source}/kv/{handle}?from_block=k`` (``k``: the prompt's blocks it
+   decode worker pulls ``GET {source}/kv/leases/{handle}?from_block=k`` (``k``: the prompt's blocks it
    already holds in its own prefix cache), writes the KV into its paged cache and decodes;
 3. the stream (:func:`encode_stream_header`, :func:`encode_frame`, :class:`KvStreamDecoder`) is
    binary and block-granular: ``MAGIC``, a 4-byte little-endian length, the :class:`KvStreamHeader`
@@ -20,7 +20,7 @@ The flow (DistServe, Zhong et al., OSDI 2024; the llm-d / Dynamo split):
    the payload of ``T`` tokens is ``2·L·n_kv·d_head·b·T`` bytes (:func:`kv_payload_bytes`). No
    pickling, no JSON of tensors.
 
-A sent stream frees the lease; ``DELETE /kv/{handle}`` frees it at once (client cancel); a lease
+A sent stream frees the lease; ``DELETE /kv/leases/{handle}`` frees it at once (client cancel); a lease
 nobody pulls expires. A decode worker that cannot use the stream (another model revision, dtype,
 block size or layout; a dead or stalled prefill worker; a short stream) prefills locally.
 """
@@ -50,7 +50,7 @@ REMOTE_PREFILL_HEADER = "x-goodput-remote-prefill"
 KV_HANDLE_HEADER = "x-goodput-kv-handle"
 KV_SOURCE_HEADER = "x-goodput-kv-source"
 # The worker's KV endpoint: GET streams a leased prompt's KV (``?from_block=k``), DELETE frees it.
-KV_PATH = "/kv/{handle}"
+KV_PATH = "/kv/leases/{handle}"
 KV_MEDIA_TYPE = "application/x-goodput-kv"
 
 MAGIC = b"GPKV"

@@ -118,7 +118,7 @@ def run(tokens: list[int], dtype: str, repeats: int) -> list[dict]:
                 h = httpx.post(p + "/v1/completions", json=body2, headers={REMOTE_PREFILL_HEADER: "1"},
                                timeout=600).json()["handle"]
                 t0 = time.perf_counter()
-                with httpx.stream("GET", f"{p}/kv/{h}", timeout=600) as r:
+                with httpx.stream("GET", f"{p}/kv/leases/{h}", timeout=600) as r:
                     got = sum(len(c) for c in r.iter_raw())
                 raws.append((time.perf_counter() - t0, got))
                 local.append(first_token_s(d, {**body, "prompt": prompt(n, salt)}))

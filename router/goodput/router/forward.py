@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from goodput.api.disagg import KV_HANDLE_HEADER, KV_SOURCE_HEADER, REMOTE_PREFILL_HEADER
+from goodput.api.disagg import KV_HANDLE_HEADER, KV_PATH, KV_SOURCE_HEADER, REMOTE_PREFILL_HEADER
 from goodput.router.disagg import decide
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
@@ -294,10 +294,10 @@ _background: set[asyncio.Task] = set()
 
 
 def _delete_lease(rt: Any, url: str, handle: str) -> None:
-    """``DELETE {url}/kv/{handle}`` in the background (404 when the decode pod pulled it already)."""
+    """``DELETE {url}/kv/leases/{handle}`` in the background (404 when the decode pod pulled it already)."""
     async def delete() -> None:
         with suppress(*RETRYABLE, asyncio.TimeoutError):
-            async with rt.upstream.session.delete(f"{url}/kv/{handle}",
+            async with rt.upstream.session.delete(url + KV_PATH.format(handle=handle),
                                                   timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
 

@@ -111,7 +111,7 @@ def test_remote_prefill_greedy_output_equals_colocated(pd):
         assert got[0] == res["first_token_id"]
         moved += n
         # the pulled lease is freed at once
-        r = httpx.delete(p + f"/kv/{res['handle']}", timeout=TIMEOUT)
+        r = httpx.delete(p + f"/kv/leases/{res['handle']}", timeout=TIMEOUT)
         assert r.status_code == 404
     assert gauge(p, "goodput_kv_transfer_bytes_total", direction="sent") - sent0 == BPT * moved
     assert gauge(d, "goodput_kv_transfer_bytes_total", direction="received") - recv0 == BPT * moved
@@ -139,9 +139,9 @@ def test_cancel_between_the_phases_frees_the_lease(pd):
     res = prefill(p, {"prompt": "Cancel me, please, after the prefill", "max_tokens": 5})
     assert gauge(p, "goodput_kv_leases") == 1
     assert gauge(p, "goodput_kv_leased_blocks") == 1
-    assert httpx.delete(p + f"/kv/{res['handle']}", timeout=TIMEOUT).status_code == 204
-    assert httpx.delete(p + f"/kv/{res['handle']}", timeout=TIMEOUT).status_code == 404
-    assert httpx.get(p + f"/kv/{res['handle']}", timeout=TIMEOUT).status_code == 404
+    assert httpx.delete(p + f"/kv/leases/{res['handle']}", timeout=TIMEOUT).status_code == 204
+    assert httpx.delete(p + f"/kv/leases/{res['handle']}", timeout=TIMEOUT).status_code == 404
+    assert httpx.get(p + f"/kv/leases/{res['handle']}", timeout=TIMEOUT).status_code == 404
     assert gauge(p, "goodput_kv_leases") == 0 and gauge(p, "goodput_kv_leased_blocks") == 0
 
 
@@ -161,7 +161,7 @@ def test_roles_and_bad_headers_are_refused_clearly(pd):
     r = httpx.post(d + "/v1/completions", json=body, headers={KV_HANDLE_HEADER: "abc",
                                                                KV_SOURCE_HEADER: "file:///etc"}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == KV_SOURCE_HEADER
-    assert httpx.get(p + "/kv/nope", timeout=TIMEOUT).status_code == 404
+    assert httpx.get(p + "/kv/leases/nope", timeout=TIMEOUT).status_code == 404
 
 
 class RawServer:

@@ -1,10 +1,10 @@
 """Disaggregated prefill and decode on the worker's HTTP side (docs/disaggregation.md).
 
-- ``GET /kv/{handle}?from_block=k``: streams a leased prompt's KV (prefill side), blocks ``k`` on,
+- ``GET /kv/leases/{handle}?from_block=k``: streams a leased prompt's KV (prefill side), blocks ``k`` on,
   in the binary format of :mod:`goodput.api.disagg`; the lease is freed once the last block is
   sent. 404 when the lease is unknown, pulled, deleted or expired; 400 for ``from_block`` past the
   prompt.
-- ``DELETE /kv/{handle}``: frees a lease now (a cancelled request); 204, or 404 when not open.
+- ``DELETE /kv/leases/{handle}``: frees a lease now (a cancelled request); 204, or 404 when not open.
 - :func:`pull_kv` (decode side): pulls a lease's KV into host memory off the engine loop, with one
   deadline for connect + stream (``--kv-transfer-timeout-seconds``), and returns the
   :class:`~goodput.worker.engine.outputs.KvImport` the engine writes into its paged cache, or the
@@ -165,7 +165,7 @@ async def pull_kv(st, source: str, handle: str, prompt_ids: list[int], cache_sal
     t0 = time.monotonic()
 
     async def transfer() -> None:
-        async with _client(st).stream("GET", f"{source}/kv/{handle}", params={"from_block": first_block}) as r:
+        async with _client(st).stream("GET", source + KV_PATH.format(handle=handle), params={"from_block": first_block}) as r:
             if r.status_code != 200:
                 body = (await r.aread())[:300].decode(errors="replace")
                 raise _Refused("error", f"the prefill worker answered {r.status_code}: {body}")
@@ -231,7 +231,7 @@ def fallback(st, source: str | None, handle: str | None, reason: str, detail: st
 
     async def delete() -> None:
         try:
-            await _client(st).delete(f"{source}/kv/{handle}", timeout=2.0)
+            await _client(st).delete(source + KV_PATH.format(handle=handle), timeout=2.0)
         except httpx.HTTPError:
             pass  # the lease expires on its own
 
