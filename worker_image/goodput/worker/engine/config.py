@@ -127,6 +127,11 @@ class EngineArgs(SchedulerSettings):
     revision: str | None = setting(
         None, "model revision for the prefix-cache identity (default: a hash of the GGUF)",
         crd="model.revision")
+    role: str = setting(
+        "both", "disaggregated serving: both (prefill and decode here, the default), prefill (computes "
+                "prompts' KV for decode pods to pull) or decode (pulls a prompt's KV from a prefill pod when "
+                "the request names one, else prefills locally); the operator sets it per pool",
+        choices=("both", "prefill", "decode"), crd=None)
     host: str = setting("127.0.0.1", "address to listen on", crd=None)
     port: int = setting(8000, "TCP port to listen on", ge=1, le=65535, crd=None)
     dtype: str = setting("bfloat16", "weights and KV cache dtype", choices=("float32", "bfloat16"),
