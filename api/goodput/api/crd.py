@@ -416,9 +416,9 @@ class AutoscalerCondition(_StatusModel):
     last_transition_time: str = Field(description="RFC 3339, when status last changed")
 
 
-class AutoscalerStatus(_StatusModel):
-    """Written only by the autoscaler (the operator never writes it): its recent decisions
-    (newest last, at most MAX_DECISIONS), conditions, and the policy state it resumes from."""
+class PoolAutoscalerStatus(_StatusModel):
+    """The autoscaler's record of one pool: its recent decisions (newest last, at most
+    MAX_DECISIONS), conditions, and the policy state it resumes from."""
 
     last_scale_time: str | None = None
     last_decision_time: str | None = None
@@ -430,6 +430,14 @@ class AutoscalerStatus(_StatusModel):
     )
     policy_state: dict[str, Any] | None = Field(
         None, description="the policy's state (windows, last changes): a restarted autoscaler resumes it")
+
+
+class AutoscalerStatus(PoolAutoscalerStatus):
+    """Written only by the autoscaler (the operator never writes it): the record of the workers (the
+    decode pool of a disaggregated service) and, under ``prefill``, of the prefill pool."""
+
+    prefill: PoolAutoscalerStatus | None = Field(
+        None, description="the prefill pool's record (spec.disaggregation), sized on its own")
 
 
 class PoolStatus(_StatusModel):
