@@ -56,7 +56,12 @@ instead of summed with weights):
    this one does not hear from; and ``eps_no_affinity`` (default 0: at most the mean, rounded
    up) otherwise (a new conversation, or a prefix every pod has, like a shared system prompt):
    such a request loses nothing by moving, so it balances the load, and a new pod fills with
-   new conversations first. The bound always
+   new conversations first. **A pending prefill counts as held**: when no pod within the
+   bound holds as much of the prompt as some pod whose extra is held only for requests still
+   open there (a new prefix being prefilled now; ``PrefixIndex.match(key, pending=False)`` does
+   not count it), that pod keeps the request up to the wider bound of ``eps_pending`` (1: twice
+   the mean), so a burst sharing a new prefix fills its rendezvous pod, then a second one, not
+   every pod (all 16 of a burst on 3 pods: 8/8/0 instead of 6/5/5). The bound always
    leaves one pod below it, so a fallback exists unless every pod is at its limits (then the
    least-loaded pod that is not). ``eps = None`` disables the bound (and ``respect_limits =
    False`` the filter: the simulator's ``affinity`` routing).
@@ -178,6 +183,11 @@ class PickConfig:
         conversations on their pod. None: no bound at all (``affinity`` routing in the simulator).
     eps_no_affinity: the slack for any other request (no prefix advantage, not a continuation;
         ignored when ``eps`` is None).
+    eps_pending: count picking: the slack for a pod whose advantage over every pod within the
+        bound is a prefill still pending there (chunks it holds only for open requests: a cold
+        prefix on its way into that pod's cache). Moving such a request prefills the prefix once
+        more on another pod, so it stays with a pending holder up to ``(1 + eps_pending)`` x the
+        mean. None: the plain bound (a burst sharing a new prefix then spreads over every pod).
     rendezvous_chunks: how many leading chunks the rendezvous hash keys on.
     index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
     respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
@@ -194,6 +204,8 @@ class PickConfig:
     eps: float | None = setting(0.25, "load-bound slack for a request with a prefix advantage (none: no bound)",
                                 ge=0)
     eps_no_affinity: float = setting(0.0, "load-bound slack for any other request", ge=0)
+    eps_pending: float | None = setting(1.0, "count picking: load-bound slack for a pod whose prefix advantage is "
+                                        "a prefill still pending there (none: the plain bound)", ge=0)
     rendezvous_chunks: int = setting(8, "leading chunks the rendezvous hash keys on", ge=1)
     index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
     respect_limits: bool = setting(True, "skip pods at their admission limits")
@@ -393,15 +405,15 @@ class PrefixIndex:
         while len(m) > self.capacity:
             m.popitem(last=False)
 
-    def match(self, key: RouteKey) -> dict[str, int]:
+    def match(self, key: RouteKey, pending: bool = True) -> dict[str, int]:
         """Prefix score per pod: the number of leading chunks of ``key`` the pod was sent or
-        holds for an open request (:meth:`hold`; pods with none are absent). Walks the chain
-        until no pod is left; O(longest match)."""
+        holds for an open request (:meth:`hold`; only when ``pending``; pods with none are
+        absent). Walks the chain until no pod is left; O(longest match)."""
         out: dict[str, int] = {}
         alive: set[str] | None = None
-        pend = self._pending
+        pend = self._pending if pending else {}
         for i, h in enumerate(key.chunks):
-            pods = self._map.get(h, ())
+            pods = self._cached_pods(h)
             held = pend.get(h)
             if held:
                 pods = (*pods, *held)
@@ -413,6 +425,10 @@ class PrefixIndex:
             for p in alive:
                 out[p] = i + 1
         return out
+
+    def _cached_pods(self, chunk: int) -> tuple[str, ...]:
+        """Pods taken to hold ``chunk`` in their cache (here: the pods it was sent to)."""
+        return self._map.get(chunk, ())
 
     def forget(self, pod: str) -> None:
         """Drop ``pod`` from every entry, pending holds included (it left the fleet, or its
@@ -570,6 +586,18 @@ def pick_by_count(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixInd
     ok = [e for e in fits if e.in_flight + 1 <= bound]
     if any(e is preferred for e in ok):
         return Pick(preferred.name, REASON_AFFINITY if m_pref > 0 else REASON_RENDEZVOUS, m_pref)
+    if cfg.eps is not None and cfg.eps_pending is not None and m_pref > 0:
+        # A pending prefill counts as held: a pod holding more than any pod within the bound,
+        # that extra only for open requests (a cold prefix being prefilled there), keeps the
+        # request up to the wider bound; else another pod would prefill the prefix again.
+        top_ok = max((scores.get(e.name, 0) for e in ok), default=0)
+        sent = index.match(key, pending=False)
+        wide = load_bound(endpoints, cfg.eps_pending)
+        holders = [e for e in fits if scores.get(e.name, 0) > top_ok and sent.get(e.name, 0) <= top_ok
+                   and e.in_flight + 1 <= wide]
+        if holders:
+            best = max(holders, key=lambda e: (scores.get(e.name, 0), -e.in_flight, weight[e.name]))
+            return Pick(best.name, REASON_AFFINITY, scores.get(best.name, 0))
     if ok:
         best = max(ok, key=lambda e: (scores.get(e.name, 0), -(e.waiting or 0), -(e.kv_usage or 0.0),
                                       weight[e.name]))
