@@ -79,14 +79,12 @@ next turn extends, so a short first turn may be placed elsewhere once by another
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
+from goodput.api.prefix import _h64, _seed, chunk_hashes, render_messages
 from goodput.api.settings import setting, validate
 
 __all__ = [
@@ -219,85 +217,8 @@ class PickConfig:
 
 
 # ------------------------------------------------------------------------------------ hashing
-def _h64(data: bytes) -> int:
-    """64-bit BLAKE2b of ``data`` as an unsigned int (big-endian digest)."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
-
-def _field(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack(">I", len(b)) + b
-
-
-def _seed(model: str, revision: str, cache_salt: str | None, kind: str) -> int:
-    """The chain's seed: length-prefixed model, revision, salt (a flag byte tells None from "")
-    and the kind of content ("chat", "text", "ids"), so none of them can spell another."""
-    salt = b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt)
-    return _h64(b"goodput-route-v1" + _field(model) + _field(revision) + salt + _field(kind))
-
-
-def _content_text(content: Any) -> Any:
-    """Message content as the chat template sees it: a list made only of text parts is the
-    concatenation of their text (OpenAI allows both spellings); anything else unchanged."""
-    if isinstance(content, list) and content and all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    return content
-
-
-def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
-    """Canonical text of a chat request: ``tools`` (when given; templates render them before the
-    conversation) then one line per message, each the message as JSON with sorted keys and no
-    spaces (content of only text parts joined into one string). The rendering of a conversation is
-    a prefix of the rendering of its continuation (messages appended), which is what makes the
-    next turn's chunk chain extend this one's."""
-    out = []
-    if tools:
-        out.append(json.dumps({"tools": list(tools)}, sort_keys=True, separators=(",", ":"),
-                              ensure_ascii=False))
-    for m in messages:
-        msg = dict(m)
-        if "content" in msg:
-            msg["content"] = _content_text(msg["content"])
-        out.append(json.dumps(msg, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
-    return "".join(line + "\n" for line in out)
-
-
-def chunk_hashes(model: str, revision: str, cache_salt: str | None, *,
-                 messages: Sequence[Mapping[str, Any]] | None = None, tools: Sequence[Any] | None = None,
-                 prompt: str | None = None, token_ids: Sequence[int] | None = None,
-                 chunk_size: int = PickConfig.chunk_size) -> tuple[int, ...]:
-    """Chained 64-bit hashes of the request's content in chunks of ``chunk_size``.
-
-    Exactly one of ``messages`` (chat; rendered by :func:`render_messages`, with ``tools``),
-    ``prompt`` (completions text) or ``token_ids`` (completions token ids, each 0 <= id < 2**32)
-    is given. The content is cut into chunks of ``chunk_size`` characters (text) or ids; the last
-    chunk may be shorter (an empty content has no chunk). With ``h_0`` the seed of (model,
-    revision, cache_salt, kind) and ``c_i`` the i-th chunk's bytes (UTF-8 text, or each id as 4
-    big-endian bytes): ``h_i = blake2b64(h_{i-1} as 8 big-endian bytes + c_i)``. Returns
-    ``(h_1, ..., h_k)``. Raises ValueError when not exactly one content is given, or for a bad
-    ``chunk_size``.
-    """
-    if sum(x is not None for x in (messages, prompt, token_ids)) != 1:
-        raise ValueError("give exactly one of messages, prompt or token_ids")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    if token_ids is not None:
-        kind = "ids"
-        ids = list(token_ids)
-        pieces: Iterable[bytes] = (struct.pack(f">{len(ids[i:i + chunk_size])}I", *ids[i:i + chunk_size])
-                                   for i in range(0, len(ids), chunk_size))
-    else:
-        kind = "chat" if messages is not None else "text"
-        text = render_messages(messages, tools) if messages is not None else prompt
-        pieces = (text[i:i + chunk_size].encode("utf-8") for i in range(0, len(text), chunk_size))
-    h = _seed(model, revision, cache_salt, kind)
-    out = []
-    for piece in pieces:
-        h = _h64(h.to_bytes(8, "big") + piece)
-        out.append(h)
-    return tuple(out)
+# The chunk chain (chunk_hashes, render_messages) lives in the contract package goodput.api.prefix:
+# the worker computes the same keys for its KV events.
 
 
 def route_key(model: str, revision: str, cache_salt: str | None, cfg: PickConfig | None = None,
