@@ -11,8 +11,9 @@ ends are ours: the keys are already the router's.
 
 Wire format, one engine (one instance id) at a time:
 
-- ``GET /kv/snapshot`` -> 200 JSON ``{"instance": ID, "seq": N, "keys": [KEY, ...]}``: every key
-  held after event ``N`` (0: no event yet). 503 while the model loads.
+- ``GET /kv/snapshot`` -> 200 JSON ``{"instance": ID, "seq": N, "chunk_size": C, "keys": [KEY, ...]}``:
+  every key held after event ``N`` (0: no event yet); ``C``: the chunk size the keys were cut
+  with (a router cutting other chunks cannot use them). 503 while the model loads.
 - ``GET /kv/events?since=N[&instance=ID]`` -> 200 NDJSON (``application/x-ndjson``), one JSON
   object a line, as they happen: ``{"instance": ID, "seq": S, "kind": "stored"|"evicted"|"cleared",
   "keys": [KEY, ...]}`` for ``S = N + 1, N + 2, ...`` (``cleared`` has no keys), and every
@@ -60,11 +61,12 @@ class KvEvent:
 
 @dataclass(frozen=True)
 class KvSnapshot:
-    """Every chunk key an engine holds after its event ``seq``."""
+    """Every chunk key an engine holds after its event ``seq``, cut in chunks of ``chunk_size``."""
 
     instance: str
     seq: int
     keys: frozenset[int]
+    chunk_size: int
 
 
 def key_hex(key: int) -> str:
@@ -133,13 +135,16 @@ def parse_event(line: bytes | str) -> KvEvent:
     return KvEvent(check_instance(obj.get("instance")), _seq(obj), kind, _keys(obj))
 
 
-def encode_snapshot(instance: str, seq: int, keys: Iterable[int]) -> bytes:
+def encode_snapshot(instance: str, seq: int, keys: Iterable[int], chunk_size: int) -> bytes:
     """The snapshot body (keys sorted, so equal states give equal bodies)."""
-    return json.dumps({"instance": instance, "seq": seq, "keys": [key_hex(k) for k in sorted(keys)]},
-                      separators=(",", ":")).encode()
+    return json.dumps({"instance": instance, "seq": seq, "chunk_size": chunk_size,
+                       "keys": [key_hex(k) for k in sorted(keys)]}, separators=(",", ":")).encode()
 
 
 def parse_snapshot(body: bytes | str) -> KvSnapshot:
     """The snapshot of a ``/kv/snapshot`` body; ValueError naming what is wrong."""
     obj = _obj(body)
-    return KvSnapshot(check_instance(obj.get("instance")), _seq(obj), frozenset(_keys(obj)))
+    size = obj.get("chunk_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {size!r}")
+    return KvSnapshot(check_instance(obj.get("instance")), _seq(obj), frozenset(_keys(obj)), size)

@@ -259,6 +259,12 @@ class PrefixIndex:
 
     ``record`` touches a request's chunks last to first, so a prefix is more recently used than
     its suffix and outlives it (the engine's prefix cache evicts in the same order).
+
+    ``exact``: the router's exact index of what each pod's prefix cache holds, from the pods' KV
+    events (``goodput.router.kv_index.ExactIndex``; None: events off). For a pod in sync there
+    (``exact.synced(pod)``) a chunk is held when the pod's cache holds its key
+    (``exact.pods(chunk)``), whatever it was sent; for any other pod, when it was sent the chunk
+    (this index's history). Pending holds count either way.
     """
 
     def __init__(self, capacity: int = PickConfig.index_capacity) -> None:
@@ -267,6 +273,7 @@ class PrefixIndex:
         self.capacity = capacity
         self._map: OrderedDict[int, tuple[str, ...]] = OrderedDict()
         self._pending: dict[int, dict[str, int]] = {}  # chunk -> {pod: requests open with it}
+        self.exact = None  # an ExactIndex (kv_index.py) when the router follows the pods' KV events
 
     def __len__(self) -> int:
         return len(self._map)
@@ -348,12 +355,22 @@ class PrefixIndex:
         return out
 
     def _cached_pods(self, chunk: int) -> tuple[str, ...]:
-        """Pods taken to hold ``chunk`` in their cache (here: the pods it was sent to)."""
-        return self._map.get(chunk, ())
+        """Pods taken to hold ``chunk`` in their cache: those in sync with their KV events that
+        hold it, and those not in sync it was sent to."""
+        sent = self._map.get(chunk, ())
+        ex = self.exact
+        if ex is None:
+            return sent
+        held = ex.pods(chunk)
+        if sent:
+            sent = tuple(p for p in sent if not ex.synced(p))
+        return (*sent, *held) if held else sent
 
     def forget(self, pod: str) -> None:
-        """Drop ``pod`` from every entry, pending holds included (it left the fleet, or its
-        engine restarted); O(entries)."""
+        """Drop ``pod`` from every entry, pending holds and the exact index included (it left
+        the fleet, or its engine restarted); O(entries)."""
+        if self.exact is not None:
+            self.exact.drop(pod)
         for h in list(self._pending):
             d = self._pending[h]
             if d.pop(pod, None) is not None and not d:

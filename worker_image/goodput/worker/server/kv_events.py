@@ -199,11 +199,11 @@ def _log(request: Request) -> tuple[Any, KvEventLog, str]:
 @router.get(SNAPSHOT_PATH, include_in_schema=False)  # router-facing, like /metrics
 async def kv_snapshot(request: Request) -> Response:
     """Every router chunk key the prefix cache holds and the event sequence it is valid at:
-    ``{"instance", "seq", "keys": [16 hex digits, ...]}`` (``goodput.api.kv_events``); 503 while
+    ``{"instance", "seq", "chunk_size", "keys": [16 hex digits, ...]}`` (``goodput.api.kv_events``); 503 while
     the model loads."""
     _, kv, instance = _log(request)
     seq, keys = kv.snapshot()
-    return Response(encode_snapshot(instance, seq, keys), media_type="application/json")
+    return Response(encode_snapshot(instance, seq, keys, CHUNK_SIZE), media_type="application/json")
 
 
 @router.get(EVENTS_PATH, include_in_schema=False)  # an endless stream: not for fuzzers
