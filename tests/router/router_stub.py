@@ -14,6 +14,8 @@ limits, 503 ``draining``) and records what reached it. Its generate routes strea
 - ``fail_status``: generate answers that status at once (e.g. 500), OpenAI error body;
 - ``metrics_when_ready``: /metrics 503 while ``draining`` (limits unknown until Ready);
 - ``max_num_seqs`` / ``max_waiting``: exported on /metrics when set.
+
+``/kv/snapshot`` and ``/kv/events`` answer as a worker whose prefix cache stays empty.
 """
 from __future__ import annotations
 
@@ -99,6 +101,19 @@ def make_stub(st: StubState) -> FastAPI:
         if st.max_waiting is not None:
             lines.append(f'goodput_admission_max_waiting{{model_name="{st.model}"}} {st.max_waiting}')
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.get("/kv/snapshot")  # goodput.api.kv_events: an empty cache
+    async def kv_snapshot():
+        return {"instance": st.instance or "stub0", "seq": 0, "chunk_size": 256, "keys": []}
+
+    @app.get("/kv/events")
+    async def kv_events(since: int = 0):
+        async def beats():
+            for _ in range(100):  # heartbeats for 5 s, then the stream ends (the router resumes it)
+                yield json.dumps({"instance": st.instance or "stub0", "seq": since, "kind": "heartbeat",
+                                  "keys": []}) + "\n"
+                await asyncio.sleep(0.05)
+        return StreamingResponse(beats(), media_type="application/x-ndjson")
 
     @app.get("/v1/models")
     async def models():
