@@ -12,6 +12,7 @@ import pytest
 from goodput.api.kv_events import parse_event, parse_snapshot
 from goodput.api.prefix import chunk_hashes
 from goodput.worker.engine.config import EngineConfig
+from goodput.worker.engine.kv_events import block_ties, token_ends_from_offsets
 from goodput.worker.engine.scheduler import Scheduler
 from goodput.worker.engine_args import EngineArgs
 from goodput.worker.llm_engine import LLMEngine
@@ -148,6 +149,57 @@ def test_bad_queries_get_a_clear_4xx(worker, query, status, param):
 def test_token_ends_and_block_ties_by_hand():
     # tokens end at characters 3, 5, 9, 12 (4 tokens), one BOS before: a chunk ending at
     # character 4 needs token 1 (ends at 5) -> 1 + 2 = 3; at 9 -> token 2 -> 4; at 20 -> all: 5
-    assert worker_kv.token_ends_from_offsets([4, 9, 20], [3, 5, 9, 12], 1) == [3, 4, 5]
+    assert token_ends_from_offsets([4, 9, 20], [3, 5, 9, 12], 1) == [3, 4, 5]
     # block_size 4, 3 full blocks: token ends 3 (no full block), 8 (block 1), 30 (capped: block 2)
-    assert worker_kv.block_ties([7, 8, 9], [3, 8, 30], [b"a", b"b", b"c"], 4) == [(b"b", 8), (b"c", 9)]
+    assert block_ties([7, 8, 9], [3, 8, 30], [b"a", b"b", b"c"], 4) == [(b"b", 8), (b"c", 9)]
+
+
+def test_message_content_ends_in_the_rendered_template():
+    # "<s>sys: Be brief.</s><s>user: Hi</s><s>assistant: " ; contents end at 17 and 32
+    text = "<s>sys: Be brief.</s><s>user: Hi</s><s>assistant: "
+    assert worker_kv.message_char_ends(text, ["Be brief.", "Hi"]) == [17, 32]
+    # a content found only before the previous end, an empty one, a list: unknown (None)
+    assert worker_kv.message_char_ends(text, ["Hi", "Be brief.", "", [1]]) == [32, None, None, None]
+
+
+def test_the_real_tokenizer_places_text_and_chat_chunks():
+    """SmolLM2's GGUF tokenizer: a text prompt's chunk ends (256, 512, 768, 900 characters) map to
+    the first token whose prefix decodes to the chunk's whole text; a chat prompt rendered as text
+    and encoded with offsets gives the ids the chat template gives (what the chat mapping relies on)."""
+    from goodput.api.prefix import chunk_ends
+    from goodput.worker.model.tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer.from_model("smollm2")
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    ids = tok.encode(text)
+    ends = chunk_ends(prompt=text, chunk_size=256)
+    assert ends == (256, 512, 768, 900)
+    got = worker_kv._text_ends(tok, text, ids, ends)
+    for c, t in zip(ends, got):
+        assert tok.decode(ids[:t]).startswith(text[:c])
+        assert not tok.decode(ids[:t - 1]).startswith(text[:c])
+    msgs = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of France?"}]
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert list(tok.backend.encode(rendered, add_special_tokens=False).ids) == \
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    assert all(e is not None for e in worker_kv.message_char_ends(rendered, [m["content"] for m in msgs]))
+
+
+def test_a_real_worker_publishes_the_routers_keys_of_a_chat(server_main):
+    """The real model server: a chat of 442 canonical characters (2 chunks of 256, the first ending
+    in the system message); once answered, /kv/snapshot holds exactly the keys the router computes for the same
+    body (served model name, revision "", no salt)."""
+    system = "You are a careful assistant for the billing team. Answer from the policy. " * 5  # 380 chars
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is due?"}]
+    model = httpx.get(server_main.url + "/v1/models").json()["data"][0]["id"]
+    want = set(chunk_hashes(model, "", None, messages=msgs, chunk_size=256))
+    assert len(want) == 2
+    r = httpx.post(server_main.url + "/v1/chat/completions", timeout=GUARD_S,
+                   json={"model": model, "messages": msgs, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    with httpx.Client(base_url=server_main.url, timeout=GUARD_S) as c:
+        for _ in range(1200):
+            keys = set(parse_snapshot(c.get("/kv/snapshot").content).keys)
+            if want <= keys:
+                break
+            threading.Event().wait(0.05)
+    assert want <= keys

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from goodput.api.kv_events import CLEARED, EVICTED, STORED
 
-__all__ = ["KvEventLog"]
+__all__ = ["KvEventLog", "block_ties", "token_ends_from_offsets"]
 
 
 class _Ann:
@@ -174,3 +174,29 @@ class KvEventLog:
                 a.live = False
             self._held.clear()
             self._emit(CLEARED, ())
+
+
+# ------------------------------------------------------------------------------ ties
+def token_ends_from_offsets(char_ends: Sequence[int], token_char_ends: Sequence[int], shift: int) -> list[int]:
+    """Token ends (exclusive, in the prompt) of chunks ending at ``char_ends``: the token whose
+    character span reaches the chunk's last character, plus one; ``token_char_ends[t]`` is where
+    token ``t`` of the text ends, ``shift`` the tokens before the text (a BOS). A chunk past the
+    last token ends with the last token."""
+    out, t, n = [], 0, len(token_char_ends)
+    for c in char_ends:
+        while t < n and token_char_ends[t] < c:
+            t += 1
+        out.append(shift + min(t + 1, n))
+    return out
+
+
+def block_ties(keys: Sequence[int], token_ends: Sequence[int], hashes: Sequence[bytes],
+               block_size: int) -> list[tuple[bytes, int]]:
+    """(block hash, key) for each chunk: the last full block inside ``[0, token_end)``; chunks
+    shorter than one block are not tied."""
+    out = []
+    for key, end in zip(keys, token_ends):
+        b = min(end // block_size, len(hashes)) - 1
+        if b >= 0:
+            out.append((hashes[b], key))
+    return out

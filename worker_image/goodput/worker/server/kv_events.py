@@ -15,9 +15,10 @@ that block leaves the cache. Where a chunk ends in tokens:
   character), when its ids are the prompt's; else every chunk is tied to the prompt's last
   full block (conservative: stored only with the whole prompt);
 - chat: the canonical text is JSON lines, not the chat template, so a chunk ending inside
-  message ``m`` is tied to the end of the template of messages ``0..m`` (rendered once per
-  message, at most :data:`MAX_MESSAGES`, and only when it is a prefix of the prompt's tokens);
-  with tools, or otherwise, the prompt's last full block (conservative).
+  message ``m`` is tied to the token holding the end of ``m``'s content in the template's text
+  (rendered once and tokenized once with offsets, used only when those ids are the prompt's);
+  with tools, a message without text content, or otherwise, the prompt's last full block
+  (conservative).
 
 A tie computed after its block was cached counts at once; one whose block was evicted before is
 simply lost (the router then learns less, never more, than the cache holds).
@@ -44,14 +45,13 @@ from goodput.api.kv_events import (
     encode_snapshot,
 )
 from goodput.api.prefix import chunk_ends, chunk_hashes, content_of, render_messages
-from goodput.worker.engine.kv_events import KvEventLog
+from goodput.worker.engine.kv_events import KvEventLog, block_ties, token_ends_from_offsets
 from goodput.worker.server.errors import APIError
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 CHUNK_SIZE = 256  # the router's --picker-chunk-size default; the worker keys with it
-MAX_MESSAGES = 64  # chat messages whose template end is rendered to place chunks
 STREAM_MAX_S = 300.0  # one /kv/events response lasts at most this long; the reader resumes
 POLL_S = 0.05
 _tasks: set[asyncio.Task] = set()
@@ -66,38 +66,20 @@ def attach(llm) -> KvEventLog:
     return kv
 
 
-# ------------------------------------------------------------------------------ ties (pure)
-def token_ends_from_offsets(char_ends: Sequence[int], token_char_ends: Sequence[int], shift: int) -> list[int]:
-    """Token ends (exclusive, in the prompt) of chunks ending at ``char_ends``: the token whose
-    character span reaches the chunk's last character, plus one; ``token_char_ends[t]`` is where
-    token ``t`` of the text ends, ``shift`` the tokens before the text (a BOS). A chunk past the
-    last token ends with the last token."""
-    out, t, n = [], 0, len(token_char_ends)
-    for c in char_ends:
-        while t < n and token_char_ends[t] < c:
-            t += 1
-        out.append(shift + min(t + 1, n))
-    return out
-
-
-def block_ties(keys: Sequence[int], token_ends: Sequence[int], hashes: Sequence[bytes],
-               block_size: int) -> list[tuple[bytes, int]]:
-    """(block hash, key) for each chunk: the last full block inside ``[0, token_end)``; chunks
-    shorter than one block are not tied."""
-    out = []
-    for key, end in zip(keys, token_ends):
-        b = min(end // block_size, len(hashes)) - 1
-        if b >= 0:
-            out.append((hashes[b], key))
-    return out
-
-
 # ---------------------------------------------------------------------------- ties (tokenizer)
+def _encode_offsets(backend, text: str):
+    """The backend's encoding of ``text`` (ids and character offsets, no special tokens added),
+    the GIL released for long texts as the tokenizer itself does (``encode_batch``)."""
+    if len(text) > 4096:
+        return backend.encode_batch([text], add_special_tokens=False)[0]
+    return backend.encode(text, add_special_tokens=False)
+
+
 def _text_ends(tok, text: str, prompt_ids: Sequence[int], char_ends: Sequence[int]) -> list[int] | None:
     backend = getattr(tok, "backend", None)
     if backend is None or not text:
         return None
-    enc = backend.encode(text, add_special_tokens=False)
+    enc = _encode_offsets(backend, text)
     ids = list(enc.ids)
     shift = len(prompt_ids) - len(ids)
     if shift not in (0, 1) or list(prompt_ids[shift:]) != ids:
@@ -105,33 +87,54 @@ def _text_ends(tok, text: str, prompt_ids: Sequence[int], char_ends: Sequence[in
     return token_ends_from_offsets(char_ends, [e for _, e in enc.offsets], shift)
 
 
+def message_char_ends(text: str, contents: Sequence[Any]) -> list[int | None]:
+    """Where each message's content ends in the rendered template ``text``: found in order, each
+    after the previous one's end; None for a message whose content is not a non-empty string or
+    is not found there (its end is unknown)."""
+    out: list[int | None] = []
+    pos = 0
+    for c in contents:
+        if not isinstance(c, str) or not c:
+            out.append(None)
+            continue
+        i = text.find(c, pos)
+        if i < 0:
+            out.append(None)
+            continue
+        pos = i + len(c)
+        out.append(pos)
+    return out
+
+
 def _chat_ends(st, body, raw: dict[str, Any], prompt_ids: Sequence[int], char_ends: Sequence[int]) -> list[int] | None:
+    """Token ends of a chat request's chunks: a chunk ending in message m (its JSON line) ends
+    where m's content ends in the template's text (one render, one tokenization with offsets,
+    checked against the prompt's ids); unknown ends: the whole prompt."""
     from goodput.worker.server.openai_routes import _chat_input
-    if raw.get("tools") or body.functions_for_prompt():
+    tok = st.llm.tokenizer
+    backend = getattr(tok, "backend", None)
+    if raw.get("tools") or body.functions_for_prompt() or backend is None:
         return None
     msgs = raw["messages"]
+    head, extra = _chat_input(st, body.messages, None)
+    if len(head) != len(msgs):
+        return None
+    text = tok.apply_chat_template(head, add_generation_prompt=True, tokenize=False, **extra)
+    enc = _encode_offsets(backend, text)
+    if list(enc.ids) != list(prompt_ids):  # special-token text in a message: ids differ; be conservative
+        return None
+    ends = message_char_ends(text, [m.get("content") for m in head])
+    tok_end = dict(zip(range(len(ends)), token_ends_from_offsets([e or 0 for e in ends],
+                                                                 [e for _, e in enc.offsets], 0)))
     line_ends, at = [], 0
     for i in range(len(msgs)):
         at += len(render_messages(msgs[i:i + 1]))
         line_ends.append(at)
-    tok = st.llm.tokenizer
-    memo: dict[int, int | None] = {}
-    out = []
-    m = 0
+    out, m = [], 0
     for c in char_ends:
         while m < len(msgs) - 1 and line_ends[m] < c:
             m += 1
-        if m not in memo:
-            memo[m] = None
-            if len(memo) <= MAX_MESSAGES:
-                try:
-                    head, extra = _chat_input(st, body.messages[:m + 1], None)
-                    ids = tok.apply_chat_template(head, add_generation_prompt=False, tokenize=True, **extra)
-                except ValueError:  # a template that refuses this head (ChatTemplateError)
-                    ids = None
-                if ids is not None and list(prompt_ids[:len(ids)]) == list(ids):
-                    memo[m] = len(ids)
-        out.append(memo[m] if memo[m] is not None else len(prompt_ids))
+        out.append(tok_end[m] if ends[m] is not None else len(prompt_ids))
     return out
 
 
