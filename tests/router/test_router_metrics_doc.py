@@ -36,10 +36,10 @@ def test_router_metrics_match_the_contract_table():
              mn.UPSTREAM_TTFT, mn.POD_IN_FLIGHT, mn.EJECTED_PODS, mn.EJECTIONS, mn.POD_RESTARTS,
              mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT, mn.KV_KEYS, mn.KV_EVENTS, mn.KV_RESYNCS}
     assert set(table) == names
-    st, bad = StubState("m1", "A", instance="a-1"), StubState("m1", "B", fail_status=500)
+    st, bad = StubState("m1", "A", instance="a-1", kv_events=True), StubState("m1", "B", fail_status=500, kv_events=True)
     with ServerThread(make_stub(st)) as stub, ServerThread(make_stub(bad)) as bad_stub:
         disc = StaticDiscovery([f"m1={stub.url},{bad_stub.url}"], period_s=0.05)
-        with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.05, kv_events="on"))) as r:
+        with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.05))) as r:
             while httpx.get(r.url + "/ready").status_code != 200:
                 pass
             # requests until B is ejected, and A's engine restarts: every labelled family has a sample

@@ -112,7 +112,7 @@ class RouterSettings:
     band_queue_timeout: list[str] = setting([], "a priority band's longest fleet-queue wait, PRIORITY=SECONDS "
                                             "(repeatable); the shortest of it, --queue-timeout and the request's "
                                             "x-goodput-queue-timeout applies", flag="--band-queue-timeout")
-    kv_events: str = setting("off", "follow each pod's KV events (GET /kv/events) into an exact index of its prefix "
+    kv_events: str = setting("on", "follow each pod's KV events (GET /kv/events) into an exact index of its prefix "
                              "cache; off: the request-history index alone (docs/routing.md)", choices=("on", "off"),
                              flag="--kv-events")
     max_slo_classes: int = setting(16, "distinct SLO class names (x-goodput-slo-class) counted under their own "
