@@ -7,7 +7,8 @@ line. A stream that ends (the worker closes it after a while) is resumed from th
 applied; a gap or a new instance id (``ExactIndex.apply``), or a 410 from the worker, drops the
 pod and installs a fresh snapshot; a connection error or a bad answer drops it too (the history
 index answers for it meanwhile) and retries after 1 s, doubling to 30 s. A stream silent for
-three heartbeats (``HEARTBEAT_S``) is taken as broken. A snapshot cut in another chunk size than
+three heartbeats (``HEARTBEAT_S``) is taken as broken, and one that ends without a line (a
+worker closing at once) is retried with the same backoff. A snapshot cut in another chunk size than
 the router's ``--picker-chunk-size`` is never installed (the keys could not match). Pods that leave
 the fleet, or change address, lose their task and their entry.
 """
@@ -79,8 +80,12 @@ class KvFollower:
                         raise ValueError(f"keys cut in chunks of {snap.chunk_size}, the router's are {self.chunk_size}")
                     self.index.reset(name, snap.instance, snap.seq, snap.keys)
                     self.metrics.kv_resyncs.labels(*key, name, reason).inc()
-                reason = await self._stream(key, name, url)
-                delay = self.retry_s
+                reason, lines = await self._stream(key, name, url)
+                if lines:
+                    delay = self.retry_s
+                else:  # an empty stream (a worker closing at once): do not reconnect in a loop
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, self.max_retry_s)
             except asyncio.CancelledError:
                 raise
             except _Gone:
@@ -99,10 +104,10 @@ class KvFollower:
             raise ValueError(f"GET {url}: {r.status}")
         return r.body
 
-    async def _stream(self, key: tuple[str, str], name: str, url: str) -> str:
+    async def _stream(self, key: tuple[str, str], name: str, url: str) -> tuple[str, int]:
         """Read the pod's events from its last sequence applied. Returns the reason of the next
-        resync: ``gap`` or ``instance`` when the index dropped the pod; ``gap`` too when the
-        stream just ended (the pod stays in sync and the stream is resumed)."""
+        resync (``gap`` or ``instance`` when the index dropped the pod; ``gap`` too when the
+        stream just ended: the pod stays in sync and the stream is resumed) and the lines read."""
         st = self.index.state(name)
         assert st is not None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.upstream.timeouts.connect_s,
@@ -114,7 +119,7 @@ class KvFollower:
                 raise _Gone()
             if r.status != 200:
                 raise ValueError(f"GET {EVENTS_PATH}: {r.status}")
-            buf = b""
+            buf, n = b"", 0
             async for data in r.content.iter_any():  # lines of any length (a long prompt's keys)
                 buf += data
                 *lines, buf = buf.split(b"\n")
@@ -122,9 +127,10 @@ class KvFollower:
                     if not line.strip():
                         continue
                     ev = parse_event(line)
+                    n += 1
                     verdict = self.index.apply(name, ev)
                     if verdict != OK:
-                        return verdict
+                        return verdict, n
                     if ev.kind != "heartbeat":
                         counter.inc()
-        return "gap"
+        return "gap", n

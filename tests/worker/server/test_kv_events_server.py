@@ -203,3 +203,12 @@ def test_a_real_worker_publishes_the_routers_keys_of_a_chat(server_main):
                 break
             threading.Event().wait(0.05)
     assert want <= keys
+
+
+def test_a_draining_worker_refuses_a_new_stream(worker):
+    c, st = worker
+    st.set_admin_drain(True)
+    r = c.get("/kv/events?since=0")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+    assert c.get("/kv/snapshot").status_code == 200  # the snapshot still answers
+    st.set_admin_drain(False)

@@ -213,7 +213,7 @@ async def kv_snapshot(request: Request) -> Response:
 async def kv_events(request: Request, since: str = "0", instance: str | None = None) -> Response:
     """NDJSON stream of the events after ``since`` (``goodput.api.kv_events``): 400 for a bad
     ``since`` or ``instance``, 410 when ``instance`` is not this engine's or event ``since + 1``
-    is gone (resync from ``/kv/snapshot``), 503 while the model loads. Ends after
+    is gone (resync from ``/kv/snapshot``), 503 while the model loads or the replica drains. Ends after
     :data:`STREAM_MAX_S`, when the event ring overtakes the reader, or on drain."""
     try:
         seq = check_since(since)
@@ -222,6 +222,9 @@ async def kv_events(request: Request, since: str = "0", instance: str | None = N
     except ValueError as e:
         raise APIError(400, str(e), param="instance" if "instance" in str(e) else "since")
     st, kv, me = _log(request)
+    if not st.admitting:
+        raise APIError(503, "this replica is draining: no event stream", code="draining",
+                       headers={"Retry-After": "1"})
     if instance is not None and instance != me:
         raise APIError(410, f"instance {instance} is gone; this engine is {me}: resync from {SNAPSHOT_PATH}",
                        code="instance_changed")
@@ -232,7 +235,7 @@ async def kv_events(request: Request, since: str = "0", instance: str | None = N
     async def lines():
         last, t0 = seq, time.monotonic()
         beat = None
-        while not st.draining and st.engine is not None and st.engine.is_healthy():
+        while st.admitting and st.engine is not None and st.engine.is_healthy():
             evs = kv.since(last)
             if evs is None:
                 return
