@@ -48,6 +48,9 @@ class ExactIndex:
     def __init__(self) -> None:
         self._pods: dict[str, PodKv] = {}
         self._by_key: dict[int, set[str]] = {}
+        # read-only views for the picker's hot loop (PrefixIndex.match): pods in sync, key -> pods
+        self.synced_pods = self._pods.keys()
+        self.by_key = self._by_key
 
     # ---- reads ---------------------------------------------------------------------------------
     def synced(self, pod: str) -> bool:

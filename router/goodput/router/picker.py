@@ -334,14 +334,25 @@ class PrefixIndex:
             m.popitem(last=False)
 
     def match(self, key: RouteKey, pending: bool = True) -> dict[str, int]:
-        """Prefix score per pod: the number of leading chunks of ``key`` the pod was sent or
-        holds for an open request (:meth:`hold`; only when ``pending``; pods with none are
-        absent). Walks the chain until no pod is left; O(longest match)."""
+        """Prefix score per pod: the number of leading chunks of ``key`` the pod holds (in sync
+        with its KV events: its cache holds them; else: it was sent them) or holds for an open
+        request (:meth:`hold`; only when ``pending``); pods with none are absent. Walks the
+        chain until no pod is left; O(longest match)."""
         out: dict[str, int] = {}
         alive: set[str] | None = None
         pend = self._pending if pending else {}
+        sent_map = self._map
+        ex = self.exact
+        synced = ex.synced_pods if ex is not None else None
+        held_map = ex.by_key if ex is not None else None
         for i, h in enumerate(key.chunks):
-            pods = self._cached_pods(h)
+            pods: Any = sent_map.get(h, ())
+            if synced is not None:  # pods in sync: what their caches hold; the others: what was sent
+                cached = held_map.get(h)
+                if pods and synced:
+                    pods = [p for p in pods if p not in synced]
+                if cached:
+                    pods = cached if not pods else [*pods, *cached]
             held = pend.get(h)
             if held:
                 pods = (*pods, *held)
@@ -353,18 +364,6 @@ class PrefixIndex:
             for p in alive:
                 out[p] = i + 1
         return out
-
-    def _cached_pods(self, chunk: int) -> tuple[str, ...]:
-        """Pods taken to hold ``chunk`` in their cache: those in sync with their KV events that
-        hold it, and those not in sync it was sent to."""
-        sent = self._map.get(chunk, ())
-        ex = self.exact
-        if ex is None:
-            return sent
-        held = ex.pods(chunk)
-        if sent:
-            sent = tuple(p for p in sent if not ex.synced(p))
-        return (*sent, *held) if held else sent
 
     def forget(self, pod: str) -> None:
         """Drop ``pod`` from every entry, pending holds and the exact index included (it left
