@@ -1,7 +1,7 @@
 """Request routing in the simulator, and the multi-turn chat trace it is measured on.
 
 ``SimRouter`` is what ``simulate(..., routing=...)`` (``python -m goodput.bench.simulate
---routing ...``) sends each arrival through. Five routings:
+--routing ...``) sends each arrival through. Six routings:
 
 - ``round-robin``: the ready pods in turn (kube-proxy's IPVS ``rr``; what the simulator did before);
 - ``random``: a seeded uniform choice (kube-proxy's iptables mode);
