@@ -26,6 +26,7 @@ simply lost (the router then learns less, never more, than the cache holds).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Sequence
@@ -173,17 +174,16 @@ async def tie_later(st, request: Request, body, prompts: Sequence[Sequence[int]]
     kv: KvEventLog | None = getattr(st, "kv_events", None)
     if kv is None or not st.llm.config.enable_prefix_caching:
         return
-    try:
-        raw = await request.json()
-    except ValueError:
-        return
-    if not isinstance(raw, dict):
-        return
+    data = await request.body()  # read already (cached): parsed again in the thread, not on the loop
     path = request.url.path
+
+    def ties() -> list[tuple[bytes, int]]:
+        raw = json.loads(data)
+        return compute_ties(st, path, body, raw, prompts) if isinstance(raw, dict) else []
 
     async def run() -> None:
         try:
-            kv.annotate(await asyncio.to_thread(compute_ties, st, path, body, raw, prompts))
+            kv.annotate(await asyncio.to_thread(ties))
         except Exception:  # noqa: BLE001 - never fail a request for its cache knowledge
             log.exception("kv events: could not tie a request's chunks to its blocks")
 
