@@ -38,6 +38,7 @@ from goodput.worker.server.logprobs import (
     completion_logprobs,
     merge_completion_logprobs,
 )
+from goodput.worker.server.kv_events import tie_later
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.tool_calls import (
     ToolCallParser,
@@ -477,6 +478,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     if schema is not None:
         fields["json_schema"] = schema
     entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, **fields)
+    await tie_later(st, request, body, prompt_ids)  # KV events: its chunk keys -> its blocks
     created, model = now_s(), st.model_name
     n_prompt = sum(len(p) for p in prompt_ids)
     text_of = TokenText(tok)
@@ -575,6 +577,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if schema is not None:
         fields["json_schema"] = schema
     entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n, **fields)
+    await tie_later(st, request, body, [prompt_ids])  # KV events: its chunk keys -> its blocks
     rid, created, model, n_prompt = new_id("chatcmpl"), now_s(), st.model_name, len(prompt_ids)
     want_ids = body.return_token_ids
     text_of = TokenText(st.llm.tokenizer)
