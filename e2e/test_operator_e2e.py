@@ -307,3 +307,58 @@ def test_delete_garbage_collects_children_and_stops_processes(kubectl: Kubectl, 
     for ip in ips:
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://{ip}:8000/health", timeout=2)
+
+
+# ------------------------------------------------------------------------- disaggregated prefill/decode
+PD = "pd"
+
+
+@pytest.mark.timeout(2 * POD_READY_S + 120)
+def test_disaggregation_runs_a_prefill_pool_and_removes_it_when_turned_off(kubectl: Kubectl, ns: str, diag):
+    """spec.disaggregation.enabled: a second Deployment (the prefill pool, --role prefill, its own
+    engine settings) beside the workers (--role decode), both pools in the status; turned off, the
+    prefill Deployment and its pods go and the workers roll back to no role."""
+    spec = {**TINY_SPEC, "disaggregation": {"enabled": True, "prefill": {
+        "replicas": 1, "engine": {"maxNumBatchedTokens": 512}}}}
+    kubectl.run("apply", "-f", "-", input=manifest(ns, PD, spec))
+    prefill = wait_for(lambda: kubectl.json("-n", ns, "get", "deployment", f"{PD}-prefill"), 30,
+                       "the prefill Deployment", on_timeout=diag)
+    assert prefill["metadata"]["ownerReferences"][0]["name"] == PD
+
+    def pool_pods(component: str) -> list[dict[str, Any]]:
+        pods = kubectl.json("-n", ns, "get", "pods", "-l",
+                            f"serving.goodput.dev/inferenceservice={PD},app.kubernetes.io/component={component}")
+        return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp") and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+
+    [decode] = wait_for(lambda: pool_pods("worker"), POD_READY_S, "a Ready decode pod", interval=1,
+                        on_timeout=diag)
+    [pre] = wait_for(lambda: pool_pods("prefill-worker"), POD_READY_S, "a Ready prefill pod", interval=1,
+                     on_timeout=diag)
+    d_args, p_args = (p["spec"]["containers"][0]["args"] for p in (decode, pre))
+    assert d_args[d_args.index("--role") + 1] == "decode" and p_args[p_args.index("--role") + 1] == "prefill"
+    assert p_args[p_args.index("--max-num-batched-tokens") + 1] == "512"
+    assert d_args[d_args.index("--max-num-batched-tokens") + 1] == "256"
+    # the Service's endpoints are the decode pod only
+    eps = wait_for(lambda: kubectl.json("-n", ns, "get", "endpoints", PD).get("subsets"), 30, "endpoints")
+    assert [a["ip"] for a in eps[0]["addresses"]] == [pod_ip(decode)]
+
+    obj = wait_for(lambda: (o := isvc(kubectl, ns, PD)) and ((o["status"].get("pools") or {}).get("prefill") or {})
+                   .get("readyReplicas") == 1 and cond(o, "Progressing").get("reason") == "Complete" and o,
+                   60, "status.pools.prefill ready", on_timeout=diag)
+    assert obj["status"]["pools"] == {"decode": {"desiredReplicas": 1, "replicas": 1, "readyReplicas": 1},
+                                      "prefill": {"desiredReplicas": 1, "replicas": 1, "readyReplicas": 1}}
+    assert cond(obj, "Ready")["message"] == "1/1 replicas ready; prefill pool 1/1 ready"
+    wide = kubectl.run("-n", ns, "get", "gisvc", PD, "-o", "wide").stdout.split("\n")
+    head, row = wide[0].split(), wide[1].split()
+    assert row[head.index("PREFILL")] == "1"
+
+    kubectl.run("-n", ns, "patch", "inferenceservice", PD, "--type=merge", "-p",
+                '{"spec":{"disaggregation":{"enabled":false}}}')
+    wait_for(lambda: kubectl.run("-n", ns, "get", "deployment", f"{PD}-prefill", check=False).returncode != 0,
+             60, "the prefill Deployment deleted", on_timeout=diag)
+    wait_for(lambda: not (isvc(kubectl, ns, PD)["status"].get("pools")), 60, "status.pools removed",
+             on_timeout=diag)
+    args = kubectl.json("-n", ns, "get", "deployment", PD)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--role" not in args
+    kubectl.run("-n", ns, "delete", "inferenceservice", PD, "--wait=false")

@@ -79,12 +79,13 @@ def test_child_refused_names_the_child_and_keeps_the_message():
     assert e.problem.message.startswith('the API server refused Secret ns/x-admin (422): Secret "x-admin" is invalid')
 
 
-def _pod(name, crashed, restarts=1, owner="svc"):
+def _pod(name, crashed, restarts=1, owner="svc", component="worker"):
     cs = {"name": "worker", "ready": not crashed, "restartCount": restarts, "state": {"running": {}}}
     if crashed:
         cs["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
         cs["lastState"] = {"terminated": {"exitCode": 1, "reason": "Error", "message": f"boom in {name}\n"}}
-    return {"metadata": {"name": name, "labels": {"serving.goodput.dev/inferenceservice": owner}},
+    return {"metadata": {"name": name, "labels": {"serving.goodput.dev/inferenceservice": owner,
+                                                  "app.kubernetes.io/component": component}},
             "status": {"containerStatuses": [cs]}}
 
 

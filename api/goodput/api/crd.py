@@ -52,15 +52,26 @@ DEFAULT_IMAGE = "goodput/worker:0.1.0"
 # Worker pods carry both; the operator's Deployment, Service and PDB select them by these labels.
 LABEL_ISVC = f"{GROUP}/inferenceservice"
 LABEL_COMPONENT = "app.kubernetes.io/component"
-# A worker pod's role in disaggregated serving (both, prefill, decode; goodput.api.states.WorkerRole),
-# read by the router; absent: both.
-LABEL_ROLE = f"{GROUP}/role"
 DNS_LABEL_MAX = 63  # RFC 1123 label; also the limit of a label value
+
+
+# Disaggregated prefill/decode (``spec.disaggregation``): each worker pod says its role in this label;
+# the prefill pool's pods carry their own component (PREFILL_COMPONENT), so the worker Deployment,
+# Service and PDB (which select "worker") never see them, and the autoscaler's ``spec.replicas``
+# (the scale subresource) sizes the decode pool.
+LABEL_ROLE = f"{GROUP}/role"
+WORKER_COMPONENT = "worker"
+PREFILL_COMPONENT = "prefill-worker"
 
 
 def selector_labels(name: str) -> dict[str, str]:
     """The labels a Deployment, Service and PDB select worker pods by."""
-    return {LABEL_ISVC: name, LABEL_COMPONENT: "worker"}
+    return {LABEL_ISVC: name, LABEL_COMPONENT: WORKER_COMPONENT}
+
+
+def prefill_selector_labels(name: str) -> dict[str, str]:
+    """The labels the prefill pool's Deployment selects its pods by (``spec.disaggregation``)."""
+    return {LABEL_ISVC: name, LABEL_COMPONENT: PREFILL_COMPONENT}
 
 
 def selector_string(name: str) -> str:
@@ -85,6 +96,12 @@ def child_name(name: str, suffix: str, limit: int = DNS_LABEL_MAX) -> str:
         raise ValueError(f"suffix {suffix!r} leaves no room for a name within {limit} characters")
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
     return f"{name[:keep].rstrip('-')}-{digest}-{suffix}"
+
+
+def prefill_deployment_name(name: str) -> str:
+    """The prefill pool's Deployment of InferenceService ``name`` (``name-prefill``, shortened past 63
+    chars)."""
+    return child_name(name, "prefill")
 
 
 def admin_secret_name(name: str) -> str:
@@ -170,6 +187,52 @@ EngineSpec = create_model(
     "EngineSpec", __base__=_EngineSpecBase,
     __doc__="Worker engine settings; each maps to one goodput-worker serve flag. Unset = worker default.",
     **{s.name: _engine_field(s) for s in ENGINE_SETTINGS})
+
+
+def _override_field(s: SettingField) -> tuple[Any, Any]:
+    """A pool's override of one worker setting: like :func:`_engine_field`, but unset (null) for
+    every type, booleans included (null = the service's ``spec.engine`` value)."""
+    typ, field = _engine_field(s)
+    if s.type is bool:
+        return bool | None, Field(None, description=field.description)
+    return typ, field
+
+
+PoolEngineSpec = create_model(
+    "PoolEngineSpec", __base__=_Model,
+    __doc__="Worker engine settings for one pool, over spec.engine: a field set here replaces the "
+            "service's; unset ones keep it.",
+    **{s.name: _override_field(s) for s in ENGINE_SETTINGS})
+
+
+class PrefillPoolSpec(_Model):
+    """The prefill pool: pods that compute prompts' KV and first tokens for the decode pool to pull."""
+
+    replicas: int = Field(1, ge=0, le=1000, description="prefill worker pods")
+    min_replicas: int = Field(1, ge=0, le=1000, description="fewest prefill pods an autoscaler may leave")
+    max_replicas: int = Field(4, ge=1, le=1000, description="most prefill pods an autoscaler may run")
+    engine: PoolEngineSpec = Field(default_factory=PoolEngineSpec, json_schema_extra={"default": {}})
+
+
+class DecodePoolSpec(_Model):
+    """The decode pool: the service's worker pods (``spec.replicas``, the scale subresource, and
+    ``spec.autoscaling`` size it); they stream every response and prefill short prompts themselves."""
+
+    engine: PoolEngineSpec = Field(default_factory=PoolEngineSpec, json_schema_extra={"default": {}})
+
+
+class DisaggregationSpec(_Model):
+    """Disaggregated prefill and decode (DistServe, Zhong et al., OSDI 2024): a prefill pool computes
+    long prompts' KV, the decode pool pulls it and streams the output, so a long prompt never
+    stretches other streams' inter-token latency. Off by default (docs/disaggregation.md)."""
+
+    enabled: bool = Field(False, description="run a prefill pool beside the decode pool")
+    remote_prefill_min_tokens: int = Field(
+        512, ge=0, le=1048576, description="the router sends a prompt to the prefill pool only when the "
+        "decode pod would prefill more than this many of its tokens (uncached); shorter ones are "
+        "prefilled where they decode")
+    prefill: PrefillPoolSpec = Field(default_factory=PrefillPoolSpec, json_schema_extra={"default": {}})
+    decode: DecodePoolSpec = Field(default_factory=DecodePoolSpec, json_schema_extra={"default": {}})
 
 
 def served_model_name(model_spec: Mapping[str, Any]) -> str:
@@ -286,6 +349,8 @@ class InferenceServiceSpec(_Model):
         default_factory=PodTemplateOverrides, json_schema_extra={"default": {}}
     )
     probes: ProbeSpec = Field(default_factory=ProbeSpec, json_schema_extra={"default": {}})
+    disaggregation: DisaggregationSpec = Field(
+        default_factory=DisaggregationSpec, json_schema_extra={"default": {}})
     termination_grace_period_seconds: int | None = Field(
         None, ge=1, le=86400,
         description="how long a worker may drain its in-flight streams after SIGTERM (scale-down, "
@@ -351,9 +416,9 @@ class AutoscalerCondition(_StatusModel):
     last_transition_time: str = Field(description="RFC 3339, when status last changed")
 
 
-class AutoscalerStatus(_StatusModel):
-    """Written only by the autoscaler (the operator never writes it): its recent decisions
-    (newest last, at most MAX_DECISIONS), conditions, and the policy state it resumes from."""
+class PoolAutoscalerStatus(_StatusModel):
+    """The autoscaler's record of one pool: its recent decisions (newest last, at most
+    MAX_DECISIONS), conditions, and the policy state it resumes from."""
 
     last_scale_time: str | None = None
     last_decision_time: str | None = None
@@ -365,6 +430,29 @@ class AutoscalerStatus(_StatusModel):
     )
     policy_state: dict[str, Any] | None = Field(
         None, description="the policy's state (windows, last changes): a restarted autoscaler resumes it")
+
+
+class AutoscalerStatus(PoolAutoscalerStatus):
+    """Written only by the autoscaler (the operator never writes it): the record of the workers (the
+    decode pool of a disaggregated service) and, under ``prefill``, of the prefill pool."""
+
+    prefill: PoolAutoscalerStatus | None = Field(
+        None, description="the prefill pool's record (spec.disaggregation), sized on its own")
+
+
+class PoolStatus(_StatusModel):
+    """One pool's pods (``spec.disaggregation``), from its Deployment."""
+
+    desired_replicas: int = 0
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+class PoolsStatus(_StatusModel):
+    """Each pool of a disaggregated service (absent when ``spec.disaggregation`` is off)."""
+
+    prefill: PoolStatus | None = None
+    decode: PoolStatus | None = None
 
 
 class InferenceServiceStatus(_StatusModel):
@@ -381,6 +469,7 @@ class InferenceServiceStatus(_StatusModel):
     selector: str | None = Field(None, description="label selector of the pods (scale subresource)")
     url: str | None = Field(None, description="in-cluster URL clients use: the router's (operator "
                             "--router-url; it picks the service by model) or else the Service's")
+    pools: PoolsStatus | None = Field(None, description="the prefill and decode pools, when disaggregated")
     admission: AdmissionStatus | None = None
     autoscaler: AutoscalerStatus | None = None
 
@@ -398,12 +487,54 @@ class InferenceService(_Model):
     status: InferenceServiceStatus | None = None
 
 
+def pool_spec(spec: InferenceServiceSpec, pool: Literal["prefill", "decode"]) -> InferenceServiceSpec:
+    """``spec`` as one pool's workers run it: ``spec.engine`` with the pool's engine overrides
+    (``spec.disaggregation.<pool>.engine``, the fields set there) applied; the rest unchanged."""
+    overrides = getattr(spec.disaggregation, pool).engine.model_dump(exclude_none=True)
+    return spec.model_copy(update={"engine": spec.engine.model_copy(update=overrides)})
+
+
 # ------------------------------------------------------------------------------- semantic validation
 class Problem(BaseModel):
     """A spec problem the schema cannot express; becomes Degraded (reason) and a Warning Event."""
 
     reason: str
     message: str
+
+
+def _engine_problems(spec: InferenceServiceSpec, where: str = "engine") -> list[Problem]:
+    """What the schema cannot check of ``spec.engine`` (values with units, cross-field bounds);
+    messages name fields under ``where``."""
+    out: list[Problem] = []
+    e, name = spec.engine, spec.model.name
+    for st in ENGINE_SETTINGS:  # what the schema cannot check: values with units
+        value = getattr(e, st.name)
+        if st.meta.parse is not None and value is not None:
+            try:
+                check(st, st.meta.parse(value) if isinstance(value, str) else value)
+            except ValueError as exc:
+                out.append(Problem(reason="InvalidEngineConfig", message=f"{where}.{to_camel(st.name)}: {exc}"))
+    block_size = engine_value(e, "block_size")
+    if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < block_size:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"{where}.maxNumBatchedTokens ({e.max_num_batched_tokens}) is smaller than "
+            f"{where}.blockSize ({block_size})")))
+    if e.max_model_len is not None and e.max_model_len < block_size:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"{where}.maxModelLen ({e.max_model_len}) is smaller than {where}.blockSize ({block_size})")))
+    context = BUNDLED_MODEL_CONTEXT.get(name)
+    if e.max_model_len is not None and context is not None and e.max_model_len > context:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"{where}.maxModelLen ({e.max_model_len}) exceeds the context length of model {name} "
+            f"({context} tokens)")))
+    if e.attention_backend == "triton" and spec.resources.gpu == 0:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"{where}.attentionBackend triton needs a GPU: set resources.gpu >= 1 or use auto/torch")))
+    if e.attention_backend == "cpu" and spec.resources.gpu > 0:
+        out.append(Problem(reason="InvalidEngineConfig", message=(
+            f"{where}.attentionBackend cpu runs on the CPU, but resources.gpu > 0 gives the worker a GPU: "
+            "use auto or triton")))
+    return out
 
 
 def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
@@ -427,34 +558,12 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
         if name.endswith(".gguf") and not name.startswith(vol.mount_path.rstrip("/") + "/"):
             out.append(Problem(reason="InvalidModelVolume", message=(
                 f"model.name {name!r} is not under model.volume.mountPath {vol.mount_path!r}")))
-    e = spec.engine
-    for st in ENGINE_SETTINGS:  # what the schema cannot check: values with units
-        value = getattr(e, st.name)
-        if st.meta.parse is not None and value is not None:
-            try:
-                check(st, st.meta.parse(value) if isinstance(value, str) else value)
-            except ValueError as exc:
-                out.append(Problem(reason="InvalidEngineConfig", message=f"engine.{to_camel(st.name)}: {exc}"))
-    block_size = engine_value(e, "block_size")
-    if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < block_size:
-        out.append(Problem(reason="InvalidEngineConfig", message=(
-            f"engine.maxNumBatchedTokens ({e.max_num_batched_tokens}) is smaller than "
-            f"engine.blockSize ({block_size})")))
-    if e.max_model_len is not None and e.max_model_len < block_size:
-        out.append(Problem(reason="InvalidEngineConfig", message=(
-            f"engine.maxModelLen ({e.max_model_len}) is smaller than engine.blockSize ({block_size})")))
-    context = BUNDLED_MODEL_CONTEXT.get(name)
-    if e.max_model_len is not None and context is not None and e.max_model_len > context:
-        out.append(Problem(reason="InvalidEngineConfig", message=(
-            f"engine.maxModelLen ({e.max_model_len}) exceeds the context length of model {name} "
-            f"({context} tokens)")))
-    if e.attention_backend == "triton" and spec.resources.gpu == 0:
-        out.append(Problem(reason="InvalidEngineConfig", message=(
-            "engine.attentionBackend triton needs a GPU: set resources.gpu >= 1 or use auto/torch")))
-    if e.attention_backend == "cpu" and spec.resources.gpu > 0:
-        out.append(Problem(reason="InvalidEngineConfig", message=(
-            "engine.attentionBackend cpu runs on the CPU, but resources.gpu > 0 gives the worker a GPU: "
-            "use auto or triton")))
+    base = _engine_problems(spec)
+    out += base
+    for pool in ("prefill", "decode") if spec.disaggregation.enabled else ():
+        where = f"disaggregation.{pool}.engine"  # the pool's merged settings; each problem said once
+        out += [p for p in _engine_problems(pool_spec(spec, pool), where)
+                if p.message.replace(where, "engine") not in {b.message for b in base}]
     a = spec.autoscaling
     if a.min_replicas > a.max_replicas:
         out.append(Problem(reason="InvalidAutoscaling", message=(
@@ -464,6 +573,11 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
             PolicySpec.from_crd(spec.model_dump(by_alias=True))
         except ValueError as e:
             out.append(Problem(reason="InvalidAutoscaling", message=str(e)))
+    d = spec.disaggregation
+    if d.enabled and d.prefill.min_replicas > d.prefill.max_replicas:
+        out.append(Problem(reason="InvalidDisaggregation", message=(
+            f"disaggregation.prefill.minReplicas ({d.prefill.min_replicas}) > "
+            f"disaggregation.prefill.maxReplicas ({d.prefill.max_replicas})")))
     env_names = [v.name for v in spec.pod_template.env]
     if ADMIN_TOKEN_ENV in env_names:
         out.append(Problem(reason="InvalidPodTemplate", message=(

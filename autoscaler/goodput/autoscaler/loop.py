@@ -70,6 +70,55 @@ class ReadyPod:
     load_s: float | None = None          # creationTimestamp -> Ready (its model load; None: unknown)
 
 
+@dataclass(frozen=True)
+class Pool:
+    """One fleet of an InferenceService that the autoscaler sizes on its own measurements.
+
+    ``name``: :data:`WORKERS` (a colocated service's workers, or a disaggregated service's decode
+    pool: replicas through the scale subresource, record in ``status.autoscaler``) or
+    :data:`PREFILL` (``spec.disaggregation``'s prefill pool: replicas written to
+    ``spec.disaggregation.prefill.replicas``, record in ``status.autoscaler.prefill``);
+    ``selector``: its pods' label selector; ``replicas``: what its spec asks for now."""
+
+    name: str
+    selector: str
+    replicas: int
+
+
+WORKERS, PREFILL = "workers", "prefill"
+
+
+def pools(name: str, spec: crd.InferenceServiceSpec) -> list[Pool]:
+    """The fleets of InferenceService ``name``: its workers, and the prefill pool when
+    ``spec.disaggregation`` is on (docs/disaggregation.md)."""
+    out = [Pool(WORKERS, crd.selector_string(name), spec.replicas)]
+    d = spec.disaggregation
+    if d.enabled:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(crd.prefill_selector_labels(name).items()))
+        out.append(Pool(PREFILL, selector, d.prefill.replicas))
+    return out
+
+
+def pool_policy(pspec: PolicySpec, spec: crd.InferenceServiceSpec, pool: Pool) -> PolicySpec:
+    """The policy a pool is held to: the service's SLO and tuning, with the prefill pool's own
+    replica bounds (``spec.disaggregation.prefill.minReplicas/maxReplicas``) for it. The prefill
+    pool's requests are remote prefills (the prompt and its first token), so its own TTFT, queue
+    and KV use move it; the decode pool's TPOT, KV and its local prefills move the workers."""
+    if pool.name != PREFILL:
+        return pspec
+    p = spec.disaggregation.prefill
+    return dataclasses.replace(pspec, min_replicas=p.min_replicas, max_replicas=p.max_replicas)
+
+
+def pool_record(status: Mapping[str, Any], pool: Pool) -> dict[str, Any]:
+    """The pool's record in ``status.autoscaler`` as stored now (the workers' without the
+    prefill pool's, which is kept under its own key)."""
+    autoscaler = status.get("autoscaler") or {}
+    if pool.name == PREFILL:
+        return dict(autoscaler.get("prefill") or {})
+    return {k: v for k, v in autoscaler.items() if k != "prefill"}
+
+
 def _metrics_endpoint(meta: Mapping[str, Any]) -> tuple[int, str]:
     ann = meta.get("annotations") or {}
     try:
@@ -218,10 +267,13 @@ def decision_message(message: str, limits: Mapping[str, policy.Limits]) -> str:
     return f"{message}; limits max_num_seqs {seqs} max_waiting {waiting} ({n} pod{'s' if n != 1 else ''})"
 
 
-def engine_bounds(spec: crd.InferenceServiceSpec) -> policy.Limits | None:
+def engine_bounds(spec: crd.InferenceServiceSpec, pool: str = WORKERS) -> policy.Limits | None:
     """The upper bounds of the limits the autoscaler may set: ``spec.engine.maxNumSeqs`` and
     ``spec.engine.maxWaiting`` (what the user wrote is the most a replica admits; the autoscaler
-    tunes below it). None when neither is set; an unset one is unbounded (a very large int)."""
+    tunes below it); for a disaggregated service's pools, their own settings over those
+    (``crd.pool_spec``). None when neither is set; an unset one is unbounded (a very large int)."""
+    if spec.disaggregation.enabled:
+        spec = crd.pool_spec(spec, "prefill" if pool == PREFILL else "decode")
     seqs, waiting = spec.engine.max_num_seqs, spec.engine.max_waiting
     if seqs is None and waiting is None:
         return None
@@ -369,12 +421,16 @@ class Plan:
 
 
 def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: Observed,
-              decision: policy.Decision, now: float, scale_error: str | None = None) -> Plan:
+              decision: policy.Decision, now: float, scale_error: str | None = None,
+              pool: Pool | None = None) -> Plan:
     """The writes that carry out ``decision`` (pure). ``status``: the object's status now;
     ``scale_error``: the scale write was refused (re-plan after apply's failed attempt): replicas
-    stay, AbleToScale False (FailedUpdateScale), no drain."""
-    current = spec.replicas
-    limits = bound_limits(decision.limits, engine_bounds(spec))
+    stay, AbleToScale False (FailedUpdateScale), no drain. ``pool``: the fleet decided (default:
+    the workers); the prefill pool's record goes to ``status.autoscaler.prefill``, its Events say
+    "prefill pool", and it writes no ``status.admission`` (the router's bound is the service's)."""
+    pool = pool or Pool(WORKERS, "", spec.replicas)
+    current = pool.replicas
+    limits = bound_limits(decision.limits, engine_bounds(spec, pool.name))
     pushes = []
     for p in seen.ready:
         want, s = limits.get(p.name), seen.samples.get(p.name)
@@ -405,13 +461,19 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
     elif seen.draining and len(seen.ready) + len(seen.starting) + len(seen.draining) <= (scale_to or current):
         undrain = tuple(seen.draining)   # the replicas went back up: these pods stay, serve again
 
-    prev_as = status.get("autoscaler") or {}
+    prev_as = pool_record(status, pool)
     # a refused scale is no scale: lastScaleTime stays (current_replicas = the decided ones)
     new_as = autoscaler_status(prev_as, shown, current if scale_error is None else decision.replicas, now)
     patch: dict[str, Any] = {}
     as_patch = merge_diff(prev_as, new_as)
     if as_patch and set(as_patch) - {"lastDecisionTime"}:  # the time alone is not worth a write
-        patch["autoscaler"] = as_patch
+        patch["autoscaler"] = {"prefill": as_patch} if pool.name == PREFILL else as_patch
+    events = plan_events(prev_as, shown, current, limits, seen.observation.unreachable, scale_error)
+    if pool.name == PREFILL:
+        events = [dataclasses.replace(e, message=f"prefill pool: {e.message}", series_key=e.series_key and
+                                      f"prefill/{e.series_key}") for e in events]
+        return Plan(scale_to=scale_to, drain=drain, undrain=undrain, pushes=tuple(pushes), status_patch=patch,
+                    events=tuple(events), limits=limits, message=shown.message)
     old_adm = status.get("admission") or {}
     seqs, waiting = summarize_limits(limits)
     adm: dict[str, Any] = {}
@@ -422,7 +484,6 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
         adm["routerMaxQueued"] = router_max
     if adm:
         patch["admission"] = {**adm, "updatedAt": rfc3339(now)}
-    events = plan_events(prev_as, shown, current, limits, seen.observation.unreachable, scale_error)
     return Plan(scale_to=scale_to, drain=drain, undrain=undrain, pushes=tuple(pushes), status_patch=patch,
                 events=tuple(events), limits=limits, message=shown.message)
 
@@ -599,6 +660,12 @@ class Kube:
         self.isvc.scale.patch(body={"spec": {"replicas": replicas}}, name=name, namespace=namespace,
                               content_type="application/merge-patch+json")
 
+    def scale_prefill(self, namespace: str, name: str, replicas: int) -> None:
+        """``spec.disaggregation.prefill.replicas`` (a merge patch of that field only: the prefill
+        pool has no scale subresource of its own)."""
+        self.isvc.patch(body={"spec": {"disaggregation": {"prefill": {"replicas": replicas}}}}, name=name,
+                        namespace=namespace, content_type="application/merge-patch+json")
+
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         self.isvc.status.patch(body={"status": patch}, name=name, namespace=namespace,
                                content_type="application/merge-patch+json")
@@ -615,6 +682,20 @@ class Kube:
 
 
 # ------------------------------------------------------------------------------------------- the loop
+def _stored_state(obj: Mapping[str, Any], pool: Pool) -> policy.PolicyState | None:
+    """The pool's ``PolicyState`` as stored in its status record; None (fresh) when absent or
+    unreadable (logged)."""
+    stored = pool_record(obj.get("status") or {}, pool).get("policyState")
+    if not stored:
+        return None
+    try:
+        return policy.PolicyState.from_dict(stored)
+    except (TypeError, ValueError, KeyError) as e:
+        log.warning("%s/%s: stored %s policy state unreadable (%r); starting fresh", obj["metadata"]["namespace"],
+                    obj["metadata"]["name"], pool.name, e)
+        return None
+
+
 class Autoscaler:
     """One reconcile pass per ``tick()``; ``run()`` ticks every ``period_s`` while it leads.
 
@@ -642,7 +723,7 @@ class Autoscaler:
         self.period_s = period_s
         self.metrics = metrics
         self.wall_clock = wall_clock
-        self._prev: dict[tuple[str, str], dict[str, observe.PodSample]] = {}  # (ns, name) -> uid -> sample
+        self._prev: dict[tuple[str, str, str], dict[str, observe.PodSample]] = {}  # (ns, name, pool) -> uid -> sample
         self._tokens: dict[tuple[str, str], str] = {}
 
     async def run(self, stop: asyncio.Event, leading: Any = None) -> None:
@@ -700,18 +781,30 @@ class Autoscaler:
             return None
         spec, pspec, state = inputs
         now = self.wall_clock()
-        seen = await self.observe(ns, name, spec, now)
-        decision = policy.decide(now, seen.observation, pspec, state)
-        plan = make_plan(obj.get("status") or {}, spec, seen, decision, now)
-        if self.dry_run:
-            log.info("%s/%s (dry run): %s", ns, name, plan)
-        else:
-            plan = await self.apply(obj, spec, seen, decision, plan, now)
+        workers, *others = pools(name, spec)
+        decision, plan, seen = await self._reconcile_pool(obj, spec, workers, pspec, state, now)
+        for pool in others:  # the prefill pool: its own observation, policy state, record and writes
+            await self._reconcile_pool(obj, spec, pool, pool_policy(pspec, spec, pool),
+                                       _stored_state(obj, pool), now)
         if self.metrics:
             applied = plan.scale_to if plan.scale_to is not None else spec.replicas
             self.metrics.record(ns, name, dataclasses.replace(decision, limits=plan.limits),
                                 decision.replicas if self.dry_run else applied, len(seen.ready), len(seen.starting))
         return dataclasses.replace(decision, limits=plan.limits, message=plan.message)
+
+    async def _reconcile_pool(self, obj: Mapping[str, Any], spec: crd.InferenceServiceSpec, pool: Pool,
+                              pspec: PolicySpec, state: policy.PolicyState | None,
+                              now: float) -> tuple[policy.Decision, Plan, Observed]:
+        """observe -> decide -> plan -> apply for one pool."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        seen = await self.observe(ns, name, spec, now, pool)
+        decision = policy.decide(now, seen.observation, pspec, state)
+        plan = make_plan(obj.get("status") or {}, spec, seen, decision, now, pool=pool)
+        if self.dry_run:
+            log.info("%s/%s %s (dry run): %s", ns, name, pool.name, plan)
+        else:
+            plan = await self.apply(obj, spec, seen, decision, plan, now, pool)
+        return decision, plan, seen
 
     async def _observe_routers(self) -> dict[observe.ServiceKey, policy.RouterObservation] | None:
         if self.routers is None:
@@ -736,23 +829,19 @@ class Autoscaler:
         except ValueError as e:  # e.g. minReplicas > maxReplicas: the operator reports it as Degraded
             log.warning("%s/%s: autoscaling settings refused, not autoscaling it: %s", ns, name, e)
             return None
-        stored = ((obj.get("status") or {}).get("autoscaler") or {}).get("policyState")
-        state = None
-        if stored:
-            try:
-                state = policy.PolicyState.from_dict(stored)
-            except (TypeError, ValueError, KeyError) as e:
-                log.warning("%s/%s: stored policy state unreadable (%r); starting fresh", ns, name, e)
-        return spec, pspec, state
+        return spec, pspec, _stored_state(obj, pools(name, spec)[0])
 
-    async def observe(self, ns: str, name: str, spec: crd.InferenceServiceSpec, now: float) -> Observed:
-        """List the pods, scrape the ready ones, turn the scrapes into deltas (I/O)."""
-        pods = await asyncio.to_thread(self.kube.list_pods, ns, crd.selector_string(name))
+    async def observe(self, ns: str, name: str, spec: crd.InferenceServiceSpec, now: float,
+                      pool: Pool | None = None) -> Observed:
+        """List the pool's pods (default: the workers), scrape the ready ones, turn the scrapes into
+        deltas (I/O)."""
+        pool = pool or pools(name, spec)[0]
+        pods = await asyncio.to_thread(self.kube.list_pods, ns, pool.selector)
         ready, starting = classify_pods(pods, now)
         gone = tuple(sorted((s.name, s.ip) for s in map(pod_state, pods) if s.draining and not s.terminating))
         samples = await self.source.samples(ns, ready) if ready else {}
         observations, unreachable, hits = [], [], {}
-        prev = self._prev.get((ns, name), {})
+        prev = self._prev.get((ns, name, pool.name), {})
         kept: dict[str, observe.PodSample] = {}  # pods no longer ready are forgotten: fresh start
         for p in ready:
             s = samples.get(p.name)
@@ -767,35 +856,40 @@ class Autoscaler:
                 log.info("%s/%s: pod %s unreachable: %r", ns, name, p.name, s)
                 if self.metrics:
                     self.metrics.scrape_errors.labels(ns, name).inc()
-        self._prev[(ns, name)] = kept
-        router = None if self._router_view is None else self._router_view.get(
+        self._prev[(ns, name, pool.name)] = kept
+        # the router's held and queued requests wait for the service's workers, not for its prefill pool
+        router = None if self._router_view is None or pool.name == PREFILL else self._router_view.get(
             (ns, name), policy.RouterObservation(held=0, queued=0, refused=0.0))
         observation = policy.Observation(ready=tuple(observations), starting=tuple(starting),
-                                         unreachable=tuple(unreachable), current_replicas=spec.replicas,
+                                         unreachable=tuple(unreachable), current_replicas=pool.replicas,
                                          router=router)
         return Observed(tuple(ready), tuple(starting), gone, samples, observation, hits)
 
     async def apply(self, obj: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: Observed,
-                    decision: policy.Decision, plan: Plan, now: float) -> Plan:
-        """Carry out ``plan`` (I/O): drain, scale, push limits, patch status, post Events. Returns
-        the plan that was applied (re-planned with the error when the scale write was refused)."""
+                    decision: policy.Decision, plan: Plan, now: float, pool: Pool | None = None) -> Plan:
+        """Carry out ``plan`` for ``pool`` (default: the workers) (I/O): drain, scale, push limits,
+        patch status, post Events. Returns the plan that was applied (re-planned with the error when
+        the scale write was refused)."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        pool = pool or pools(name, spec)[0]
         await asyncio.gather(*(self._drain(ns, name, p.name, p.ip, True) for p in plan.drain))
         await asyncio.gather(*(self._drain(ns, name, pod, ip, False) for pod, ip in plan.undrain))
         if plan.drain and plan.scale_to is not None:
-            still = await self._await_unready(ns, name, {p.name for p in plan.drain})
+            still = await self._await_unready(ns, name, {p.name for p in plan.drain}, pool.selector)
             if still:
                 log.warning("%s/%s: drained pod(s) %s still Ready after %.0f s; lowering replicas anyway "
                             "(the ReplicaSet may remove another pod)", ns, name, ", ".join(sorted(still)),
                             self.drain_unready_wait_s)
         if plan.scale_to is not None:
             try:
-                await asyncio.to_thread(self.kube.scale, ns, name, plan.scale_to)
+                scale = self.kube.scale_prefill if pool.name == PREFILL else self.kube.scale
+                await asyncio.to_thread(scale, ns, name, plan.scale_to)
                 log.info("%s/%s: %s: %s", ns, name, decision.reason, plan.message)
             except Exception as e:  # noqa: BLE001 - reported as AbleToScale=False
                 log.warning("%s/%s: scaling to %d failed: %r", ns, name, plan.scale_to, e)
                 await asyncio.gather(*(self._drain(ns, name, p.name, p.ip, False) for p in plan.drain))
-                plan = make_plan(obj.get("status") or {}, spec, seen, decision, now, scale_error=repr(e)[:300])
+                plan = make_plan(obj.get("status") or {}, spec, seen, decision, now, scale_error=repr(e)[:300],
+                                 pool=pool)
         await self._push_limits(ns, name, plan.pushes)
         if plan.status_patch:
             await asyncio.to_thread(self.kube.patch_status, ns, name, plan.status_patch)
@@ -806,7 +900,7 @@ class Autoscaler:
                 log.warning("%s/%s: could not post an Event: %r", ns, name, e)
         return plan
 
-    async def _await_unready(self, ns: str, name: str, pods: set[str]) -> set[str]:
+    async def _await_unready(self, ns: str, name: str, pods: set[str], selector: str) -> set[str]:
         """Poll the service's pods (every 0.5 s, at most ``drain_unready_wait_s``) until none of
         ``pods`` is Ready in the API; returns the ones still Ready. Why: the ReplicaSet picks the pod
         to delete from the API's view, and before Kubernetes 1.22 (no pod-deletion-cost) it removes
@@ -815,7 +909,7 @@ class Autoscaler:
         another, possibly busy, pod (k8s.io/kubernetes pkg/controller/replicaset, getPodsToDelete)."""
         deadline = time.monotonic() + self.drain_unready_wait_s
         while True:
-            listed = await asyncio.to_thread(self.kube.list_pods, ns, crd.selector_string(name))
+            listed = await asyncio.to_thread(self.kube.list_pods, ns, selector)
             still = {s.name for s in map(pod_state, listed) if s.name in pods and s.ready and not s.terminating}
             if not still or time.monotonic() >= deadline:
                 return still

@@ -131,6 +131,8 @@ def build_crd() -> dict[str, Any]:
         {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
         {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        # a disaggregated service's ready prefill pods (spec.disaggregation), in `kubectl get -o wide` only
+        {"name": "Prefill", "type": "integer", "jsonPath": ".status.pools.prefill.readyReplicas", "priority": 1},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
         # Accepted, or ModelNameTaken: an earlier InferenceService serves the same model name (model_names)
         {"name": "ModelName", "type": "string",

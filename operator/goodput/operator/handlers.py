@@ -397,6 +397,30 @@ def _ensure_secret(name: str, namespace: str, owner: dict[str, Any], logger: log
             raise
 
 
+def _desired_deployment(child: str, name: str, namespace: str, uid: str,
+                        spec: crd.InferenceServiceSpec) -> dict[str, Any]:
+    """The Deployment ``child`` of InferenceService ``name`` as the operator wants it: the workers'
+    (``child == name``) or the prefill pool's."""
+    owner = resources.owner_reference(name, uid)
+    if child == name:
+        return resources.deployment(name, namespace, spec, owner)
+    return resources.prefill_deployment(name, namespace, spec, owner)
+
+
+def _delete_owned(api_version: str, kind: str, namespace: str, name: str, uid: str,
+                  logger: logging.Logger) -> None:
+    """Delete a child the spec no longer has, if it exists and this InferenceService controls it."""
+    obj = _get(api_version, kind, namespace, name)
+    if obj is None or not _owned_by(obj, uid):
+        return
+    try:
+        cluster.resource(api_version, kind).delete(name=name, namespace=namespace)
+        logger.info("deleted %s %s/%s (no longer in the spec)", kind, namespace, name)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
 def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
               observed_deployment: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Bring one InferenceService's children and status to the desired state; idempotent.
@@ -431,13 +455,28 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
 
         deployment: dict[str, Any] | None = None
         service_exists = False
+        disaggregated = spec is not None and spec.disaggregation.enabled
+        prefill_name = crd.prefill_deployment_name(name)
+        prefill: dict[str, Any] | None = None
+        observed_name = ((observed_deployment or {}).get("metadata") or {}).get("name")
         if problems:
             deployment = _get("apps/v1", "Deployment", namespace, name)
             service_exists = _get("v1", "Service", namespace, name) is not None
-        elif observed_deployment is not None and (namespace, name, uid) in state.complete and not \
-                resources.needs_update(resources.deployment(name, namespace, spec, resources.owner_reference(
-                    name, uid)), observed_deployment, parse_quantity):
-            deployment, service_exists = observed_deployment, True
+            prefill = _get("apps/v1", "Deployment", namespace, prefill_name) if disaggregated else None
+        elif observed_deployment is not None and (namespace, name, uid) in state.complete and \
+                (observed_name == name or disaggregated and observed_name == prefill_name) and not \
+                resources.needs_update(
+                    _desired_deployment(observed_name, name, namespace, uid, spec), observed_deployment,
+                    parse_quantity):
+            # a child Deployment's event (pods ready, rollout progress) that changes nothing we set:
+            # refresh the status from it and read the other pool's Deployment only if there is one
+            service_exists = True
+            if observed_name == name:
+                deployment = observed_deployment
+                prefill = _get("apps/v1", "Deployment", namespace, prefill_name) if disaggregated else None
+            else:
+                prefill = observed_deployment
+                deployment = _get("apps/v1", "Deployment", namespace, name)
         else:
             assert spec is not None
             owner = resources.owner_reference(name, uid)
@@ -458,9 +497,15 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
                         f"{desired['kind']} {namespace}/{desired['metadata']['name']} exists and is not "
                         f"controlled by this InferenceService")))
                 if desired["kind"] == "Deployment" and action != "conflict":
-                    deployment = obj
+                    if desired["metadata"]["name"] == name:
+                        deployment = obj
+                    else:
+                        prefill = obj
                 if desired["kind"] == "Service" and action != "conflict":
                     service_exists = obj is not None
+            if current.get("pools"):  # it ran pools: delete what the spec no longer has
+                for api_version, kind, child in resources.obsolete_children(name, spec):
+                    _delete_owned(api_version, kind, namespace, child, uid, logger)
             if not problems:
                 state.complete.add((namespace, name, uid))
 
@@ -470,7 +515,9 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | None = None,
             desired_replicas=spec.replicas if spec else int((body.get("spec") or {}).get("replicas") or 0),
             deployment=deployment, service_exists=service_exists, problems=problems,
             worker_problem=_worker_problem(namespace, name),
-            previous_conditions=prev_conditions, now=_now(), router_url=ROUTER_URL)
+            previous_conditions=prev_conditions, now=_now(), router_url=ROUTER_URL,
+            prefill_desired=spec.disaggregation.prefill.replicas if disaggregated else None,
+            prefill_deployment=prefill)
         accepted = model_names.condition(name_taken, generation, prev_conditions, _now())
         new["conditions"] = [*new["conditions"], accepted]
         if status_mod.status_changed(current, new):
@@ -651,15 +698,16 @@ def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logge
 
 
 @kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY,
-                                          crd.LABEL_COMPONENT: "worker"})
+                                          crd.LABEL_COMPONENT: kopf.PRESENT})
 def on_worker_pod_event(type: str | None, body: kopf.Body, namespace: str, logger: logging.Logger,  # noqa: A002
                         **_: Any) -> None:
-    """A worker pod changed: record whether it is failing (crash loop, cannot start) and, when that
+    """A worker pod (of either pool) changed: record whether it is failing (crash loop, cannot start) and, when that
     changes what its InferenceService reports, reconcile it (WorkerCrashLoop within seconds of the
     kubelet's report, not at the Deployment's progress deadline)."""
     pod = _plain(body)
-    owner = (pod["metadata"].get("labels") or {}).get(crd.LABEL_ISVC)
-    if not owner:
+    labels = pod["metadata"].get("labels") or {}
+    owner = labels.get(crd.LABEL_ISVC)
+    if not owner or labels.get(crd.LABEL_COMPONENT) not in (crd.WORKER_COMPONENT, crd.PREFILL_COMPONENT):
         return
     problem = None if type == "DELETED" else status_mod.pod_failure(pod)
     key, pname = (namespace, owner), pod["metadata"]["name"]

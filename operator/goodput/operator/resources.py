@@ -83,8 +83,9 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
     }
 
 
-def worker_args(spec: InferenceServiceSpec) -> list[str]:
-    """Arguments after ``goodput-worker``: ``serve`` + one flag per worker setting the spec sets.
+def worker_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str]:
+    """Arguments after ``goodput-worker``: ``serve`` + one flag per worker setting the spec sets
+    (+ ``--role ROLE`` for a pool of a disaggregated service: pass it the pool's :func:`crd.pool_spec`).
 
     Driven by the worker's setting declarations (``goodput.worker.engine.config``): each setting
     names where the spec holds it (``spec.engine.<name>``, ``spec.model.name``, ``spec.slo.ttftMs``
@@ -92,7 +93,7 @@ def worker_args(spec: InferenceServiceSpec) -> list[str]:
     Unset fields are omitted so the worker's own defaults apply; sizes are passed as whole bytes;
     ``engine.extraArgs`` is appended verbatim.
     """
-    values: dict[str, Any] = {"host": "0.0.0.0", "port": crd.WORKER_PORT}
+    values: dict[str, Any] = {"host": "0.0.0.0", "port": crd.WORKER_PORT, "role": role}
     for s in settings(EngineArgs):
         path = s.meta.crd
         if path is None:
@@ -137,15 +138,19 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return math.ceil((spec.slo.ttft_ms + tokens * spec.slo.tpot_ms) / 1000.0) + DRAIN_MARGIN_SECONDS
 
 
-def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
-    """The worker pod template (labels, annotations incl. the spec hash, container, probes, volumes)."""
+def pod_template(name: str, spec: InferenceServiceSpec, role: str | None = None) -> dict[str, Any]:
+    """The worker pod template (labels, annotations incl. the spec hash, container, probes, volumes).
+
+    ``role`` (a disaggregated service's pool: ``prefill`` or ``decode``; ``spec`` is then that pool's
+    :func:`crd.pool_spec`): the worker's ``--role`` and the pod's :data:`crd.LABEL_ROLE`; the prefill
+    pool's pods are selected by :func:`crd.prefill_selector_labels` instead of the workers' labels."""
     p = spec.probes
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["goodput-worker"],
-        "args": worker_args(spec),
+        "args": worker_args(spec, role),
         "ports": [{"name": "http", "containerPort": crd.WORKER_PORT, "protocol": "TCP"}],
         # the worker writes its fatal start-up error there; the log tail when it could not
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -203,6 +208,10 @@ def pod_template(name: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     if spec.pod_template.service_account_name:
         pod_spec["serviceAccountName"] = spec.pod_template.service_account_name
     labels = {**spec.pod_template.labels, **common_labels(name)}  # ours win: the selector depends on them
+    if role is not None:
+        labels[crd.LABEL_ROLE] = role
+    if role == "prefill":
+        labels.update(crd.prefill_selector_labels(name))
     annotations = {
         **spec.pod_template.annotations,
         "prometheus.io/scrape": "true",
@@ -233,19 +242,43 @@ def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
 
 def deployment(name: str, namespace: str, spec: InferenceServiceSpec,
                owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    """apps/v1 Deployment of ``spec.replicas`` workers; rolls with maxSurge 1, maxUnavailable 0."""
+    """apps/v1 Deployment of ``spec.replicas`` workers; rolls with maxSurge 1, maxUnavailable 0.
+    With ``spec.disaggregation`` on, these are the decode pool's workers (``--role decode``)."""
+    disaggregated = spec.disaggregation.enabled
+    template = pod_template(name, crd.pool_spec(spec, "decode"), "decode") if disaggregated else \
+        pod_template(name, spec)
+    return _workers_deployment(namespace, spec, _meta(name, namespace, owner), spec.replicas,
+                               selector_labels(name), template)
+
+
+def prefill_deployment(name: str, namespace: str, spec: InferenceServiceSpec,
+                       owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """apps/v1 Deployment of the prefill pool (``spec.disaggregation.prefill.replicas`` workers with
+    ``--role prefill``), named :func:`crd.prefill_deployment_name`. Raises ValueError when
+    ``spec.disaggregation`` is off."""
+    if not spec.disaggregation.enabled:
+        raise ValueError("spec.disaggregation is off: no prefill pool")
+    template = pod_template(name, crd.pool_spec(spec, "prefill"), "prefill")
+    meta = _meta(name, namespace, owner, crd.prefill_deployment_name(name))
+    meta["labels"].update(crd.prefill_selector_labels(name))
+    return _workers_deployment(namespace, spec, meta, spec.disaggregation.prefill.replicas,
+                               crd.prefill_selector_labels(name), template)
+
+
+def _workers_deployment(namespace: str, spec: InferenceServiceSpec, meta: dict[str, Any], replicas: int,
+                        selector: dict[str, str], template: dict[str, Any]) -> dict[str, Any]:
     return _with_hash({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(name, namespace, owner),
+        "metadata": meta,
         "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(name)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             # a rollout is declared stuck only after the startup budget (model loading) plus a minute
             "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 60,
-            "template": pod_template(name, spec),
+            "template": template,
         },
     })
 
@@ -397,10 +430,20 @@ def replacement(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, An
 
 def children(name: str, namespace: str, uid: str, spec: InferenceServiceSpec,
              pdb_api_version: str = "policy/v1") -> list[dict[str, Any]]:
-    """The Deployment, Service and PodDisruptionBudget for one InferenceService, owned by it."""
+    """The Deployment, Service and PodDisruptionBudget for one InferenceService, owned by it, and the
+    prefill pool's Deployment when ``spec.disaggregation`` is on."""
     owner = owner_reference(name, uid)
-    return [
+    out = [
         deployment(name, namespace, spec, owner),
         service(name, namespace, owner),
         pod_disruption_budget(name, namespace, pdb_api_version, owner),
     ]
+    if spec.disaggregation.enabled:
+        out.append(prefill_deployment(name, namespace, spec, owner))
+    return out
+
+
+def obsolete_children(name: str, spec: InferenceServiceSpec) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of children this spec no longer has: the prefill pool's Deployment
+    once ``spec.disaggregation`` is off (garbage collection removes children only with their owner)."""
+    return [] if spec.disaggregation.enabled else [("apps/v1", "Deployment", crd.prefill_deployment_name(name))]

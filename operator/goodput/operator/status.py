@@ -146,6 +146,8 @@ def compute_status(
     previous_conditions: Sequence[dict[str, Any]] = (),
     now: str,
     router_url: str | None = None,
+    prefill_desired: int | None = None,
+    prefill_deployment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status fields (camelCase) for one InferenceService.
 
@@ -154,7 +156,12 @@ def compute_status(
     spec's (not rolled out); ``worker_problem`` is ``worker_failure`` of the running pods.
     ``router_url`` (operator ``--router-url``): when set, ``url`` is that URL (the router picks the
     service by the request's ``model``); else the Service's URL once the Service exists, else None.
-    Returns observedGeneration, conditions, replicas, readyReplicas, updatedReplicas, selector, url.
+    ``prefill_desired`` (None: ``spec.disaggregation`` is off) and ``prefill_deployment``: the prefill
+    pool's wanted replicas and its Deployment. The pool is reported in ``pools`` and counted in
+    Progressing; it does not decide Ready (without prefill pods the decode pods prefill locally,
+    which Ready's message then says).
+    Returns observedGeneration, conditions, replicas, readyReplicas, updatedReplicas, selector, url,
+    pools (None when not disaggregated: a merge patch then removes it).
     Fields owned by others (admission, autoscaler) are not returned.
     """
     dstat = (deployment or {}).get("status") or {}
@@ -221,6 +228,20 @@ def compute_status(
     else:
         readyc = _make("Ready", False, "NoReplicasReady", counts, generation, prev, now)
 
+    pools = None
+    if prefill_desired is not None:
+        pstat = (prefill_deployment or {}).get("status") or {}
+        pready = int(pstat.get("readyReplicas") or 0)
+        pools = {"decode": {"desiredReplicas": desired_replicas, "replicas": total, "readyReplicas": ready},
+                 "prefill": {"desiredReplicas": prefill_desired, "replicas": int(pstat.get("replicas") or 0),
+                             "readyReplicas": pready}}
+        pcounts = f"prefill pool {pready}/{prefill_desired} ready"
+        if readyc["status"] == "True":
+            readyc = _make("Ready", True, readyc["reason"], f"{counts}; {pcounts}" + (
+                " (the decode pods prefill every prompt locally)" if pready == 0 else ""), generation, prev, now)
+        if progressing["reason"] == "Complete" and pready < prefill_desired:
+            progressing = _make("Progressing", True, "WaitingForPrefillReplicas", pcounts, generation, prev, now)
+
     return {
         "observedGeneration": generation,
         "conditions": [readyc, progressing, degraded],
@@ -229,6 +250,7 @@ def compute_status(
         "updatedReplicas": updated,
         "selector": selector_string(name),
         "url": router_url or (resources.service_url(name, namespace) if service_exists else None),
+        "pools": pools,
     }
 
 

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from goodput.api.states import WorkerRole
 from goodput.api.settings import SettingField, check, flag_value, setting, settings, validate
 from goodput.api.units import parse_bytes
 
@@ -128,6 +127,11 @@ class EngineArgs(SchedulerSettings):
     revision: str | None = setting(
         None, "model revision for the prefix-cache identity (default: a hash of the GGUF)",
         crd="model.revision")
+    role: str = setting(
+        "both", "disaggregated serving: both (prefill and decode here, the default), prefill (computes "
+                "prompts' KV for decode pods to pull) or decode (pulls a prompt's KV from a prefill pod when "
+                "the request names one, else prefills locally); the operator sets it per pool",
+        choices=("both", "prefill", "decode"), crd=None)
     host: str = setting("127.0.0.1", "address to listen on", crd=None)
     port: int = setting(8000, "TCP port to listen on", ge=1, le=65535, crd=None)
     dtype: str = setting("bfloat16", "weights and KV cache dtype", choices=("float32", "bfloat16"),
@@ -174,13 +178,8 @@ class EngineArgs(SchedulerSettings):
     max_request_body_bytes: int = setting(
         8 << 20, "largest HTTP request body in bytes (413 beyond); units as --kv-cache-memory",
         ge=1, parse=parse_bytes, crd="engine")
-    # Disaggregated prefill and decode (docs/disaggregation.md). Not in spec.engine: one
-    # InferenceService's pools differ in role, so the operator sets these per pool.
-    role: str = setting(
-        "both", "both: serve requests end to end and either side of a KV transfer; prefill: also "
-                "compute prompts for decode workers (x-goodput-remote-prefill), never import KV; "
-                "decode: also import a prompt's KV from a prefill worker (x-goodput-kv-handle), "
-                "never lease KV to others", choices=tuple(r.value for r in WorkerRole), crd=None)
+    # Disaggregated prefill and decode (docs/disaggregation.md; --role above). Not in spec.engine:
+    # worker-level transfer settings, their defaults hold for every pool.
     kv_lease_seconds: float = setting(
         30.0, "how long a remote prefill's prompt KV stays allocated for a decode worker to pull "
               "(freed at once when pulled or deleted)", gt=0, le=3600, crd=None)

@@ -39,6 +39,7 @@ from goodput.worker.server.logprobs import (
     completion_logprobs,
     merge_completion_logprobs,
 )
+from goodput.worker.server.kv_events import tie_later
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.tool_calls import (
     ToolCallParser,
@@ -559,6 +560,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         fields["json_schema"] = schema
     pd = await _disaggregation(st, request, body, prompt_ids, n, fields)
     entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, pd, **fields)
+    await tie_later(st, request, body, prompt_ids)  # KV events: its chunk keys -> its blocks
     if pd is not None and pd.hold_kv:
         return await _remote_prefill_answer(st, request, entries, pd, len(prompt_ids[0]))
     created, model = now_s(), st.model_name
@@ -660,6 +662,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         fields["json_schema"] = schema
     pd = await _disaggregation(st, request, body, [prompt_ids], body.n, fields)
     entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n, pd, **fields)
+    await tie_later(st, request, body, [prompt_ids])  # KV events: its chunk keys -> its blocks
     if pd is not None and pd.hold_kv:
         return await _remote_prefill_answer(st, request, entries, pd, len(prompt_ids))
     rid, created, model, n_prompt = new_id("chatcmpl"), now_s(), st.model_name, len(prompt_ids)
