@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from goodput.router.disagg import decide
+from goodput.router.disagg import decide, min_chunks
 from goodput.router.picker import Endpoint, PickConfig, PrefixIndex, RouteKey
 
 CFG = PickConfig()
@@ -28,7 +28,9 @@ ROLES = {"d1": "decode", "d2": "decode", "p1": "prefill", "p2": "prefill", "b1":
 
 
 @pytest.mark.parametrize("case, decode, held, pods, index, threshold, want", [
-    ("threshold 0 is off", "d1", 0, ["d1", "p1"], PrefixIndex(), 0, (None, "off", 0)),
+    ("no threshold is off", "d1", 0, ["d1", "p1"], PrefixIndex(), None, (None, "off", 0)),
+    ("threshold 0: any uncached chunk goes remote", "d1", 9, ["d1", "p1"], PrefixIndex(), 0, ("p1", "remote", 1)),
+    ("threshold 0, all cached: short", "d1", 10, ["d1", "p1"], PrefixIndex(), 0, (None, "short", 0)),
     ("decode pod holds all but 2 chunks: short", "d1", 8, ["d1", "p1"], PrefixIndex(), 2, (None, "short", 2)),
     ("3 uncached > 2: remote on the only prefill pod", "d1", 7, ["d1", "p1"], PrefixIndex(), 2, ("p1", "remote", 3)),
     ("nothing cached anywhere: remote", "d1", 0, ["d1", "p1", "p2"], PrefixIndex(), 4, ("p1|p2", "remote", 10)),
@@ -71,3 +73,19 @@ def test_prefix_affinity_gives_way_to_the_load_bound():
 def test_unknown_pods_default_to_both():
     d = decide(OTHER, "x", 0, [ep("x"), ep("y")], {}, PrefixIndex(), CFG, 1)
     assert (d.prefill, d.reason) == ("y", "remote")
+
+
+@pytest.mark.parametrize("tokens, chunk_size, want", [
+    (None, 256, None), (0, 256, 0), (512, 256, 8), (100, 256, 2), (64, 256, 1), (65, 256, 2), (512, 64, 32)])
+def test_min_chunks_is_tokens_times_4_chars_over_the_chunk_size_rounded_up(tokens, chunk_size, want):
+    assert min_chunks(tokens, chunk_size) == want
+
+
+def test_static_urls_carry_roles():
+    from goodput.router.discovery_static import StaticDiscovery
+    [(_, pods)] = StaticDiscovery(["m=http://127.0.0.1:1#prefill,http://127.0.0.1:2/#decode,http://127.0.0.1:3"]).services()
+    assert [(p.name, p.url, p.role) for p in pods] == [
+        ("127.0.0.1:1", "http://127.0.0.1:1", "prefill"), ("127.0.0.1:2", "http://127.0.0.1:2", "decode"),
+        ("127.0.0.1:3", "http://127.0.0.1:3", "both")]
+    with pytest.raises(ValueError, match="role 'fast' of 'http://127.0.0.1:1' is not one of"):
+        StaticDiscovery(["m=http://127.0.0.1:1#fast"]).services()

@@ -3,11 +3,13 @@
 Once admission has picked the request's pod (by load and prefix, as for any request: that pod
 decodes), :func:`decide` says whether a prefill pod computes the prompt first:
 
-- never when the threshold is 0 (``--pd-min-uncached-chunks``, the default: off), or when the
-  picked pod's role is ``prefill`` (it cannot import KV: it serves the request colocated);
-- never when the picked pod lacks at most ``min_uncached_chunks`` of the prompt's chunks (by the
-  router's prefix index: the chunks it was sent before): moving KV costs more than computing a
-  short uncached part (a chunk is ``--picker-chunk-size`` characters, ~64 tokens at 256);
+- never when the service is not disaggregated (no threshold: ``spec.disaggregation`` off and no
+  ``--pd-remote-prefill-min-tokens``), or when the picked pod's role is ``prefill`` (it cannot
+  import KV: it serves the request colocated);
+- never when the picked pod lacks at most the threshold of the prompt's chunks (by the router's
+  prefix index: the chunks it was sent before): moving KV costs more than computing a short
+  uncached part. The threshold is set in tokens (``remotePrefillMinTokens``) and compared in
+  chunks: :func:`min_chunks` (a chunk is ``--picker-chunk-size`` characters, ~4 per token);
 - otherwise the prefill pod is picked among the other Ready pods whose role is ``both`` or
   ``prefill`` by the same picker (prefix affinity first, then load under the bound, pods at their
   limits skipped); none with room: the decode pod prefills locally.
@@ -25,7 +27,7 @@ from goodput.api.router_metrics import PD_DECISIONS_VALUES as DECISIONS
 from goodput.router.picker import Endpoint, PickConfig, PrefixIndex, RouteKey, pick
 
 PREFILL_ROLES = ("both", "prefill")
-__all__ = ["DECISIONS", "PDDecision", "PREFILL_ROLES", "decide"]
+__all__ = ["CHARS_PER_TOKEN", "DECISIONS", "PDDecision", "PREFILL_ROLES", "decide", "min_chunks"]
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,26 @@ class PDDecision:
     uncached: int = 0
 
 
+CHARS_PER_TOKEN = 4  # English text; a request of token ids counts chunk_size ids per chunk instead
+
+
+def min_chunks(min_tokens: int | None, chunk_size: int) -> int | None:
+    """A threshold in prompt tokens as prefix chunks of ``chunk_size`` characters:
+    ``ceil(min_tokens * CHARS_PER_TOKEN / chunk_size)`` (None stays None: off)."""
+    if min_tokens is None:
+        return None
+    return -(-min_tokens * CHARS_PER_TOKEN // chunk_size)
+
+
 def decide(key: RouteKey, decode_pod: str, decode_held: int, endpoints: Sequence[Endpoint],
-           roles: Mapping[str, str], index: PrefixIndex, cfg: PickConfig, min_uncached_chunks: int) -> PDDecision:
+           roles: Mapping[str, str], index: PrefixIndex, cfg: PickConfig,
+           min_uncached_chunks: int | None) -> PDDecision:
     """Whether a prefill pod computes ``key``'s prompt before ``decode_pod`` decodes it (module
     doc). ``decode_held``: leading chunks of the prompt the decode pod holds (its ``Pick.matched_chunks``,
     scored before admission counted this request's own chunks as held there); ``endpoints``: the
     service's routable pods; ``roles``: pod name -> role (missing: ``both``); ``min_uncached_chunks``:
-    the threshold (0: off)."""
-    if min_uncached_chunks <= 0:
+    the threshold (None: off; 0: any uncached chunk goes to a prefill pod)."""
+    if min_uncached_chunks is None:
         return PDDecision(None, "off")
     if roles.get(decode_pod, "both") == "prefill":
         return PDDecision(None, "decode_pod_is_prefill")

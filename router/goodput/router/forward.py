@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 
 from goodput.api.disagg import KV_HANDLE_HEADER, KV_PATH, KV_SOURCE_HEADER, REMOTE_PREFILL_HEADER
-from goodput.router.disagg import decide
+from goodput.router.disagg import decide, min_chunks
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
 from goodput.router.picker import Pick, RouteKey
@@ -317,13 +317,15 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
     labels = svc.key
     if ex.pod is None:
         return None
-    if s.pd_min_uncached_chunks <= 0:
+    tokens = svc.info.remote_prefill_min_tokens
+    threshold = min_chunks(tokens if tokens is not None else s.pd_remote_prefill_min_tokens, rt.pick_cfg.chunk_size)
+    if threshold is None:
         rt.metrics.pd_decisions.labels(*labels, "off").inc()
         return None
     pods = svc.routable_pods()
     held = ex.choice.matched_chunks if ex.choice is not None else 0
     d = decide(ex.key, ex.pod.name, held, endpoints(pods), {p.name: p.info.role for p in pods}, rt.index,
-               rt.pick_cfg, s.pd_min_uncached_chunks)
+               rt.pick_cfg, threshold)
     if d.prefill is None:
         rt.metrics.pd_decisions.labels(*labels, d.reason).inc()
         return None

@@ -266,8 +266,8 @@ def test_through_the_router_long_prompts_go_remote_and_short_ones_stay_local(pd)
 
     p, d = pd
     disc = StaticDiscovery([f"smollm2={p}#prefill,{d}#decode"], period_s=0.2)
-    # a chunk is 256 characters (~64 tokens): more than 2 uncached chunks go to the prefill worker
-    with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.2, pd_min_uncached_chunks=2))) as r:
+    # 128 tokens ~ 512 characters = 2 chunks of 256: more than 2 uncached chunks go to the prefill worker
+    with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.2, pd_remote_prefill_min_tokens=128))) as r:
         deadline = time.monotonic() + 60
         while httpx.get(r.url + "/ready", timeout=TIMEOUT).status_code != 200:
             assert time.monotonic() < deadline, "router not ready"
