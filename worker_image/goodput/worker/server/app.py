@@ -182,8 +182,11 @@ class ServerState:
 
     @property
     def drained(self) -> bool:
-        """SIGTERM-draining and no generate request left in flight: the process may exit."""
-        return self.draining and self.inflight == 0
+        """SIGTERM-draining, no generate request left in flight and no remote prefill's KV lease
+        open (a decode worker may still pull it; a lease ends within --kv-lease-seconds): the
+        process may exit."""
+        leases = getattr(getattr(self.llm, "scheduler", None), "leases", None)
+        return self.draining and self.inflight == 0 and not leases
 
     def require_admitting(self) -> None:
         """Raise 503 (OpenAI error body, code ``draining``) once a drain (SIGTERM or admin) started."""
