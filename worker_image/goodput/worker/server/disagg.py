@@ -107,11 +107,11 @@ async def get_kv(request: Request, handle: str = Path(max_length=128),
             if batch is None:  # expired or deleted mid-stream: the short stream tells the receiver
                 log.warning("KV lease %s ended while streaming block %d", handle, first)
                 return
-            for b, data in enumerate(batch, first):
-                yield encode_frame(b, block_tokens(num_tokens, kv.block_size, b))
-                yield data
-                if metrics is not None:
-                    metrics.observe_kv_sent(len(data))
+            # one write per batch: fewer trips through the ASGI server than one per frame
+            yield b"".join(part for b, data in enumerate(batch, first)
+                           for part in (encode_frame(b, block_tokens(num_tokens, kv.block_size, b)), data))
+            if metrics is not None:
+                metrics.observe_kv_sent(sum(map(len, batch)))
         llm.release_lease(handle)  # pulled: freed at once
 
     return StreamingResponse(body(), media_type=KV_MEDIA_TYPE)
