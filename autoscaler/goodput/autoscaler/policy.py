@@ -322,6 +322,12 @@ class PodObservation:
         scraped: the work per replica of rule 7 then counts output tokens only).
     prompt_len: histogram increase of the prompt tokens per finished request over the interval
         (bounds in tokens; None when not scraped: rule 16 then counts no request infeasible).
+    class_finished, class_tpot_met: SLO class name -> increases over the interval of the finished
+        requests (stop/length) of that class and of those among them meeting their own class's
+        TPOT SLO (``goodput_requests_{finished,tpot_met}_by_class_total``; the unnamed class is
+        ``default``). None when not scraped (a worker without SLO classes): rules 2 and 5 then
+        read the TPOT histogram against ``slo_tpot_s`` and the TTFT budget of ``slo_ttft_s``
+        (rule 17).
     """
 
     name: str
@@ -345,6 +351,8 @@ class PodObservation:
     load_s: float | None = None
     prompt_tokens: float | None = None
     prompt_len: HistogramDelta | None = None
+    class_finished: Mapping[str, float] | None = None
+    class_tpot_met: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -554,11 +562,39 @@ def _pod_service_s(p: PodObservation, slo_ttft_s: float, tpot_ceiling_s: float =
     return min(ttft, slo_ttft_s) + (out - 1.0) * min(p.tpot.mean, tpot_ceiling_s)
 
 
+def _classes_seen(p: PodObservation, spec: PolicySpec) -> bool:
+    """Rule 17: the pod reports per-class counters and the spec declares classes."""
+    return bool(spec.slo_classes) and p.class_finished is not None and p.class_tpot_met is not None
+
+
+def tpot_met(p: PodObservation, spec: PolicySpec) -> float | None:
+    """Rule 2's TPOT attainment over the interval, 0..1 (None: nothing finished). Without SLO
+    classes: the TPOT histogram's fraction at ``slo_tpot_s``. With them (rule 17): the fraction of
+    finished requests meeting their OWN class's TPOT, ``sum(class_tpot_met) / sum(class_finished)``
+    (a batch request at 150 ms meets a 200 ms class, whatever the strictest class asks)."""
+    if _classes_seen(p, spec):
+        fin = sum(p.class_finished.values())
+        return min(1.0, max(0.0, sum(p.class_tpot_met.values()) / fin)) if fin > 0 else None
+    return p.tpot.fraction_le(spec.slo_tpot_s) if p.tpot is not None else None
+
+
+def strictest_tpot(p: PodObservation, spec: PolicySpec) -> float:
+    """The TPOT (seconds) rule 2's growth margins are taken of: ``slo_tpot_s``; with SLO classes
+    (rule 17) the strictest TPOT among the classes that finished requests on the pod over the
+    interval (``slo_tpot_s`` when none did): the batch grows only while every class present would
+    keep its TPOT (the step time is shared by the whole batch)."""
+    if not _classes_seen(p, spec):
+        return spec.slo_tpot_s
+    slos = spec.class_slos()
+    present = [slos[c][1] for c, n in p.class_finished.items() if n > 0 and c in slos]
+    return min(present) if present else spec.slo_tpot_s
+
+
 def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
     """Rule 2 (AIMD on the best batch) for one pod: the cap after this interval's evidence."""
     if p.interval_s <= 0 or p.tpot is None:
         return cap
-    tpot_ok = p.tpot.fraction_le(spec.slo_tpot_s)
+    tpot_ok = tpot_met(p, spec)
     if p.preempted > 0 or (tpot_ok is not None and tpot_ok < spec.attainment_target):
         base = min(cap, max(p.running, spec.min_num_seqs))
         return max(spec.min_num_seqs, min(cap - 1, math.floor(base * spec.batch_decrease)))
@@ -566,8 +602,9 @@ def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
         return cap          # the cap does not bind, or KV binds first: no evidence to grow
     # KV at the new cap, extrapolated from KV per running request now, must stay <= kv_target
     kv_room = math.floor(p.running * spec.kv_target / p.kv_usage) if p.kv_usage > 0 else spec.max_num_seqs
-    fast = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_fast_margin)
-    margin = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin)
+    tpot_ref = strictest_tpot(p, spec)
+    fast = p.tpot.fraction_le(tpot_ref * spec.tpot_fast_margin)
+    margin = p.tpot.fraction_le(tpot_ref * spec.tpot_margin)
     if fast is not None and fast >= spec.attainment_target:
         grown = math.ceil(cap * spec.batch_fast_increase)
     elif margin is not None and margin >= spec.attainment_target:
@@ -585,9 +622,10 @@ def growth_room(p: PodObservation, cap: int, spec: PolicySpec) -> int:
     ``cap`` itself without TPOT evidence, after a preemption or a TPOT miss."""
     if p.interval_s <= 0 or p.tpot is None or p.preempted > 0:
         return cap
-    ok = p.tpot.fraction_le(spec.slo_tpot_s)
-    fast = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_fast_margin)
-    margin = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin)
+    ok = tpot_met(p, spec)
+    tpot_ref = strictest_tpot(p, spec)
+    fast = p.tpot.fraction_le(tpot_ref * spec.tpot_fast_margin)
+    margin = p.tpot.fraction_le(tpot_ref * spec.tpot_margin)
     if ok is None or ok < spec.attainment_target:
         return cap
     if fast is not None and fast >= spec.attainment_target:
@@ -794,6 +832,28 @@ class Fleet:
     queued: int = 0
     infeasible: float = 0.0
     room: float = 0.0
+    queue_ttft_s: float | None = None
+
+
+def queue_ttft(obs: Observation, spec: PolicySpec) -> float | None:
+    """Rule 17: the TTFT (seconds) that bounds a FIFO waiting queue, the strictest TTFT among the
+    SLO classes whose requests finished on the ready pods over the interval (declared classes
+    only; None without classes, per-class counters or such requests: rule 5 then uses
+    ``slo_ttft_s``). A queue is first-in first-out whatever the class: a request queued behind k
+    others waits k / mu whatever its own TTFT, so the queue is as deep as its strictest request
+    allows, not as the mix would average (measured: a 5 s budget on the two-class trace, whose
+    interactive class has 0.5 s, gives 0.590 attainment against 0.763). A service whose strict
+    class sends nothing queues for the looser ones."""
+    if not spec.slo_classes:
+        return None
+    slos = spec.class_slos()
+    present: dict[str, float] = {}
+    for p in obs.ready:
+        if p.interval_s > 0 and p.class_finished is not None:
+            for c, n in p.class_finished.items():
+                present[c] = present.get(c, 0.0) + n
+    ttfts = [slos[c][0] for c, n in present.items() if n > 0 and c in slos]
+    return min(ttfts) if ttfts else None
 
 
 def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, st: PolicyState,
@@ -849,7 +909,8 @@ def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, s
         sizing_service_s=sizing_service_s,
         tpot_mean=sum(h.sum for h in tpots) / tpot_n if tpot_n > 0 else 0.0,
         capacity=capacity, live_capacity=live, t_first=t_first, prompt_mean=prompt_mean,
-        output_mean=output_mean, held=held, queued=queued, infeasible=n_inf, room=room)
+        output_mean=output_mean, held=held, queued=queued, infeasible=n_inf, room=room,
+        queue_ttft_s=queue_ttft(obs, spec))
 
 
 # ------------------------------------------------------------------------------- phase 3: size
@@ -1262,7 +1323,8 @@ def queue_limits(fleet: Fleet, n_ready: int, coming: int, added: int, spec: Poli
                  service_s: float) -> QueueLimits:
     """Phase 7: the waiting-queue limit from the TTFT budget (rule 5) and the router's bound."""
     mu = fleet.live_capacity / service_s if service_s > 0 else 0.0   # completions/s per replica
-    budget = max(0.0, spec.slo_ttft_s - fleet.t_first)
+    ttft = fleet.queue_ttft_s if fleet.queue_ttft_s is not None else spec.slo_ttft_s   # rule 17
+    budget = max(0.0, ttft - fleet.t_first)
     k_ttft = math.floor(budget * mu) if mu > 0 else None
     loading = coming + max(0, added)
     ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
