@@ -48,6 +48,7 @@ MAX_SLO_CLASSES = 8             # named classes per service (a bounded metric la
 SLO_CLASS_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SLO_CLASS_MAX_LENGTH = 63
 SLO_CLASS_HEADER = "x-goodput-slo-class"   # how a request names its class (router and worker)
+SLO_CLASS_LABEL = "slo_class"              # the metric label of the worker's per-class counters
 _CLASS_NAME = re.compile(SLO_CLASS_PATTERN)
 
 
@@ -93,7 +94,13 @@ class SloClass:
 
     def flag(self) -> str:
         """The worker's ``--slo-class`` value: ``NAME:TTFT_MS:TPOT_MS`` (:func:`parse_slo_class`)."""
-        return f"{self.name}:{self.ttft_s * 1000:g}:{self.tpot_s * 1000:g}"
+        return slo_class_flag(self.name, round(self.ttft_s * 1000, 9), round(self.tpot_s * 1000, 9))
+
+
+def slo_class_flag(name: str, ttft_ms: float, tpot_ms: float) -> str:
+    """``NAME:TTFT_MS:TPOT_MS``, the numbers as short as they parse back exactly (5000.0 -> 5000)."""
+    num = lambda x: str(int(x)) if float(x).is_integer() else repr(float(x))  # noqa: E731
+    return f"{name}:{num(ttft_ms)}:{num(tpot_ms)}"
 
 
 def parse_slo_class(text: str) -> SloClass:
@@ -266,5 +273,5 @@ class PolicySpec:
         return out
 
 
-__all__ = ["KnobField", "knobs", "PolicySpec", "SloClass", "parse_slo_class", "check_slo_classes", "class_of",
-           "DEFAULT_SLO_CLASS", "MAX_SLO_CLASSES", "SLO_CLASS_PATTERN", "SLO_CLASS_MAX_LENGTH", "SLO_CLASS_HEADER"]
+__all__ = ["KnobField", "knobs", "PolicySpec", "SloClass", "parse_slo_class", "slo_class_flag", "check_slo_classes", "class_of",
+           "DEFAULT_SLO_CLASS", "MAX_SLO_CLASSES", "SLO_CLASS_PATTERN", "SLO_CLASS_MAX_LENGTH", "SLO_CLASS_HEADER", "SLO_CLASS_LABEL"]
