@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from goodput.autoscaler.policy import HistogramDelta, PodObservation, RouterObservation
 from goodput.api import router_metrics as rm
+from goodput.api.policy import SLO_CLASS_LABEL
 from goodput.api import worker_metrics as m
 
 
@@ -172,7 +173,7 @@ def sample_from_series(idx: dict[str, list[tuple[dict[str, str], float]]], time:
         counters[fld] = sum(_sum(idx, metric + "_total", miss, **{label: v}) for v in values)
     for fld, metric in CLASS_COUNTERS.items():   # optional: absent on a worker without them
         for lab, v in idx.get(metric + "_total", ()):
-            key = f"{fld}:{lab.get(m.SLO_CLASS_LABEL, '')}"
+            key = f"{fld}:{lab.get(SLO_CLASS_LABEL, '')}"
             counters[key] = counters.get(key, 0.0) + v
     sample = PodSample(
         time=time, gauges={fld: _sum(idx, metric, miss) for fld, metric in GAUGES.items()}, counters=counters,
