@@ -76,17 +76,43 @@ def test_a_strict_class_present_holds_the_growth_margins():
 
 
 @pytest.mark.parametrize("pods,spec,want", [
-    ([classed({"default": 0, "batch": 10}, {})], CSPEC, 5.0),            # only batch finished: its 5 s
-    ([classed({"default": 3, "batch": 10}, {})], CSPEC, 1.0),            # the strict class is there: 1 s
-    ([classed({"batch": 10}, {}), classed({"default": 1}, {}, name="b")], CSPEC, 1.0),   # summed over pods
-    ([classed({"default": 3, "batch": 10}, {})], SPEC, None),            # no classes declared
-    ([classed({"other": 4}, {})], CSPEC, None),                          # not a declared class
-    ([classed({"batch": 10}, {}, interval_s=0.0)], CSPEC, None),         # a first scrape: no rates
-    ([pod()], CSPEC, None),                                             # no per-class counters
+    ([classed({"default": 0, "batch": 10}, {})], CSPEC, ("batch",)),             # only batch finished
+    ([classed({"batch": 10, "default": 3}, {})], CSPEC, ("default", "batch")),    # declaration order
+    ([classed({"batch": 10}, {}), classed({"default": 1}, {}, name="b")], CSPEC, ("default", "batch")),
+    ([classed({"default": 3, "batch": 10}, {})], SPEC, ()),               # no classes declared
+    ([classed({"other": 4}, {})], CSPEC, ()),                             # not a declared class
+    ([classed({"batch": 10}, {}, interval_s=0.0)], CSPEC, ()),            # a first scrape: no rates
+    ([pod()], CSPEC, ()),                                                 # no per-class counters
 ])
-def test_queue_ttft_is_the_strictest_class_present(pods, spec, want):
-    o = Observation(tuple(pods), (), (), len(pods))
-    assert P.queue_ttft(o, spec) == want
+def test_classes_present(pods, spec, want):
+    assert P.classes_present(Observation(tuple(pods), (), (), len(pods)), spec) == want
+
+
+@pytest.mark.parametrize("present,seen,want", [
+    (("batch",), {}, 5.0),                      # only batch: its 5 s
+    (("default", "batch"), {}, 1.0),            # the strict class is there: 1 s
+    (("batch",), {"default": 800.0}, 1.0),      # default finished 200 s ago (< 300 s window): 1 s
+    (("batch",), {"default": 600.0}, 5.0),      # 400 s ago: forgotten, 5 s
+    ((), {"batch": 900.0}, 5.0),                # nothing finished now, batch seen 100 s ago
+    ((), {}, None),                             # no evidence: rule 5 uses slo_ttft_s
+])
+def test_queue_ttft_is_the_strictest_class_seen_within_a_window(present, seen, want):
+    assert P.queue_ttft(1000.0, present, CSPEC, PolicyState(class_seen=seen)) == want
+    assert P.queue_ttft(1000.0, present, SPEC, PolicyState(class_seen=seen)) is None   # no classes
+
+
+def test_the_classes_seen_are_remembered_one_window():
+    # call 1 at t=10: both classes finish; call 2 at t=200: only batch; the state keeps default's 10
+    both = classed({"default": 5, "batch": 5}, {"default": 5, "batch": 5})
+    d1 = decide(10.0, Observation((both,), (), (), 1), CSPEC, PolicyState())
+    assert d1.state.class_seen == {"default": 10.0, "batch": 10.0}
+    batch = classed({"default": 0, "batch": 5}, {"default": 0, "batch": 5})
+    d2 = decide(200.0, Observation((batch,), (), (), 1), CSPEC, d1.state)
+    assert d2.state.class_seen == {"default": 10.0, "batch": 200.0}
+    # t=320: default last seen 310 s ago > 300 s: dropped
+    d3 = decide(320.0, Observation((batch,), (), (), 1), CSPEC, d2.state)
+    assert d3.state.class_seen == {"batch": 320.0}
+    assert PolicyState.from_dict(d3.state.to_dict()).class_seen == {"batch": 320.0}
 
 
 def test_queue_limits_use_the_class_budget():

@@ -8,12 +8,11 @@ restarted autoscaler resumes with the same history and does not flap).
 one by one): :func:`tune_batch_caps` (rules 2, 4) -> :func:`capacity` (what one replica
 computes: 14) -> :func:`aggregate` (the fleet: rules 1, 3, 16)
 -> :func:`size` (replicas wanted now: 3, 4) -> :func:`forecast` (Holt over one model load: 11)
-(rule 17, SLO classes, changes the signals of rules 2 and 5 inside :func:`tune_batch_caps` and
-:func:`queue_limits`)
 -> :func:`headroom` (the offered work's history and spikes: 15)
 -> :func:`proven_work` and :func:`fewest_carrying` (what the fleet carries: 7, 14) ->
 :func:`windows` (7, 8, 10) -> :func:`choose_replicas` (7-10, 12) -> :func:`queue_limits` (5,
-12) -> :func:`conditions` -> :func:`next_state`.
+12) -> :func:`conditions` -> :func:`next_state`. Rule 17 (SLO classes) changes the signals of
+rules 2 and 5 inside :func:`tune_batch_caps` and :func:`aggregate` / :func:`queue_limits`.
 
 Terms: TTFT (time to first token), TPOT (time per output token after the first), a request
 *meets the SLO* when TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s`` (those of its SLO class
@@ -254,8 +253,10 @@ How each rule follows from the ideas it rests on:
    reason to cut the batch; (b) rule 2's growth margins are taken of the strictest TPOT among the
    classes that finished requests on the pod (:func:`strictest_tpot`): every request in a step
    waits for the same step, so the batch grows only while every class present keeps its TPOT;
-   (c) rule 5's TTFT budget is the strictest TTFT among the classes present over the interval
-   (:func:`queue_ttft`), not ``slo_ttft_s``: the worker's queue is first-in first-out whatever
+   (c) rule 5's TTFT budget is the strictest TTFT among the classes present (:func:`queue_ttft`:
+   a class that finished requests over the interval or within the last stabilization window,
+   ``PolicyState.class_seen``, so a strict class whose requests are sparse, or all still running,
+   keeps holding the queue), not ``slo_ttft_s``: the worker's queue is first-in first-out whatever
    the class, so a request queued behind k others waits k / mu whatever its own TTFT, and the
    queue is as deep as its strictest request allows (a queue sized from the class mix, letting
    batch requests wait their 5 s, admits requests that make every interactive one behind them
@@ -466,6 +467,8 @@ class PolicyState:
         scale-down taught (the estimate is multiplied by it, <= 1; back to 1 with the floor).
     work_history: ``[time, seconds, offered tokens, offered requests]`` per call with metrics
         over the last ``headroom_window_s`` (rule 15).
+    class_seen: SLO class name -> the last call at which a request of that class finished (rule
+        17; kept one stabilization window).
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -497,6 +500,7 @@ class PolicyState:
     cap_seen_s: float = 0.0
     cap_scale: float = 1.0
     work_history: list[list[float]] = field(default_factory=list)
+    class_seen: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -521,6 +525,8 @@ class PolicyState:
                     kw[f.name] = [[float(x) for x in e] for e in v if len(e) == 4]
                 elif f.name == "caps":
                     kw[f.name] = {str(k): int(x) for k, x in (v or {}).items()}
+                elif f.name == "class_seen":
+                    kw[f.name] = {str(k): float(x) for k, x in (v or {}).items() if math.isfinite(float(x))}
                 elif v is None and type(None) in typing.get_args(t):
                     kw[f.name] = None
                 else:
@@ -832,6 +838,8 @@ class Fleet:
     time. prompt_mean, output_mean: tokens per request this interval (None = no evidence).
     held, queued: at the router. infeasible: requests of the interval no replica could serve
     within the TTFT SLO (rule 16); ``attainment`` leaves them out of its denominator.
+    queue_ttft_s: the TTFT budget of rule 5 with SLO classes (rule 17; None: ``slo_ttft_s``).
+    classes_now: the declared SLO classes that finished requests over the interval (rule 17).
     """
 
     rated: int
@@ -858,26 +866,37 @@ class Fleet:
     infeasible: float = 0.0
     room: float = 0.0
     queue_ttft_s: float | None = None
+    classes_now: tuple[str, ...] = ()
 
 
-def queue_ttft(obs: Observation, spec: PolicySpec) -> float | None:
-    """Rule 17: the TTFT (seconds) that bounds a FIFO waiting queue, the strictest TTFT among the
-    SLO classes whose requests finished on the ready pods over the interval (declared classes
-    only; None without classes, per-class counters or such requests: rule 5 then uses
-    ``slo_ttft_s``). A queue is first-in first-out whatever the class: a request queued behind k
-    others waits k / mu whatever its own TTFT, so the queue is as deep as its strictest request
-    allows, not as the mix would average (measured: a 5 s budget on the two-class trace, whose
-    interactive class has 0.5 s, gives 0.590 attainment against 0.763). A service whose strict
-    class sends nothing queues for the looser ones."""
+def classes_present(obs: Observation, spec: PolicySpec) -> tuple[str, ...]:
+    """Rule 17: the declared SLO classes (``default`` included) whose requests finished on the
+    ready pods over the interval, in declaration order (() without classes or counters)."""
     if not spec.slo_classes:
-        return None
-    slos = spec.class_slos()
-    present: dict[str, float] = {}
+        return ()
+    done: dict[str, float] = {}
     for p in obs.ready:
         if p.interval_s > 0 and p.class_finished is not None:
             for c, n in p.class_finished.items():
-                present[c] = present.get(c, 0.0) + n
-    ttfts = [slos[c][0] for c, n in present.items() if n > 0 and c in slos]
+                done[c] = done.get(c, 0.0) + n
+    return tuple(c for c in spec.class_slos() if done.get(c, 0.0) > 0)
+
+
+def queue_ttft(now: float, present: tuple[str, ...], spec: PolicySpec, st: PolicyState) -> float | None:
+    """Rule 17: the TTFT (seconds) that bounds a FIFO waiting queue: the strictest TTFT among the
+    SLO classes present, those in ``present`` (:func:`classes_present`) and those
+    ``st.class_seen`` saw finish within the last ``stabilization_window_s``; None without classes
+    or without any class seen (rule 5 then uses ``slo_ttft_s``). A queue is first-in first-out
+    whatever the class: a request queued behind k others waits k / mu whatever its own TTFT, so
+    the queue is as deep as its strictest request allows, not as the mix would average (measured:
+    a 5 s budget on the two-class trace, whose interactive class has 0.5 s, gives 0.590
+    attainment against 0.763). A service whose strict class sends nothing for a window queues for
+    the looser ones."""
+    if not spec.slo_classes:
+        return None
+    slos = spec.class_slos()
+    seen = set(present) | {c for c, t in st.class_seen.items() if now - t <= spec.stabilization_window_s}
+    ttfts = [slos[c][0] for c in seen if c in slos]
     return min(ttfts) if ttfts else None
 
 
@@ -923,6 +942,7 @@ def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, s
     output_mean = sum(p.generation_tokens for p in rated) / finished if finished > 0 else None
     held, queued = (router.held, router.queued) if router is not None else (0, 0)
     n_inf = sum(infeasible(p, p_max) for p in rated)
+    present = classes_present(obs, spec)
     return Fleet(
         rated=len(rated), offered_rps=offered_rps, admitted_rps=admitted_rps, finished=finished,
         slo_met=slo_met, rejected=rejected, preempted=sum(p.preempted for p in rated),
@@ -935,7 +955,7 @@ def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, s
         tpot_mean=sum(h.sum for h in tpots) / tpot_n if tpot_n > 0 else 0.0,
         capacity=capacity, live_capacity=live, t_first=t_first, prompt_mean=prompt_mean,
         output_mean=output_mean, held=held, queued=queued, infeasible=n_inf, room=room,
-        queue_ttft_s=queue_ttft(obs, spec))
+        queue_ttft_s=queue_ttft(now, present, spec, st), classes_now=present)
 
 
 # ------------------------------------------------------------------------------- phase 3: size
@@ -1394,8 +1414,8 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
                st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> PolicyState:
     """What the next call remembers: windows, caps, plan (rule 4), Holt (rule 11), the proven and
     failed work per replica and the floor (rule 7), the last busy time (rule 12), the capacity
-    estimate and what an undone scale-down taught it (rule 14), the work history (rule 15).
-    An undone scale-down scales the capacity estimate so that its usable work falls below
+    estimate and what an undone scale-down taught it (rule 14), the work history (rule 15), when
+    each SLO class last finished a request (rule 17). An undone scale-down scales the capacity estimate so that its usable work falls below
     ``(1 - tolerance)`` times the work per replica that failed; the scale returns to 1 when the
     floor has decayed away."""
     current, replicas = obs.current_replicas, out.replicas
@@ -1444,7 +1464,9 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
         cap_tokens=cap.tokens if cap is not None else st.cap_tokens,
         cap_var=cap.var if cap is not None else st.cap_var,
         cap_seen_s=cap.seen_s if cap is not None else st.cap_seen_s, cap_scale=scale,
-        work_history=[list(e) for e in head.history] if head is not None else st.work_history)
+        work_history=[list(e) for e in head.history] if head is not None else st.work_history,
+        class_seen={c: t for c, t in {**st.class_seen, **{c: now for c in fleet.classes_now}}.items()
+                    if now - t <= spec.stabilization_window_s})
 
 
 # -------------------------------------------------------------------------------------- decide
@@ -1507,5 +1529,5 @@ __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
            "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "peak_to_mean", "headroom",
            "SPIKE_NOISE_SD",
-           "tune_cap", "tpot_met", "strictest_tpot", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
+           "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]
