@@ -40,6 +40,9 @@ def two_conversations() -> sim.Trace:
     ("round-robin", 96 / 198),
     ("goodput", 96 / 198),      # each second turn follows its conversation (affinity)
     ("affinity", 96 / 198),
+    # the exact index from the replicas' KV events: a second turn's one chunk (59 ids < 64) is a key
+    # no pod holds yet, so it goes by its anchor's rendezvous, as its first turn did
+    ("goodput-kv", 96 / 198),
 ])
 def test_second_turns_hit_the_prefix_cache(name, hit_rate):
     r = sim.simulate(two_conversations(), baselines.StaticPeak(2), HW, routing=name)
@@ -144,3 +147,25 @@ def test_cli_routing_option(tmp_path):
     got = json.loads(out.read_text())
     assert got["routing"] == "goodput" and got["trace"] == "chat"
     assert 0.0 <= got["policies"]["static-peak"]["prefix_hit_rate"] <= 1.0
+
+
+def test_goodput_kv_indexes_what_each_replica_caches():
+    """goodput-kv on the two conversations: each conversation's turns on one pod (its anchor's
+    rendezvous pod; A's and B's may be the same). Chunks of 64 ids: A1 (40 ids) is one chunk, tied to its last full block (1: ids
+    16-31); A2 (59 ids) one chunk, tied to block 2. Nothing is evicted (2,048 blocks), so after the
+    run the router's exact index (synced once more) holds A1 and A2 on A's pod, B1 and B2 on B's,
+    nothing else."""
+    from types import SimpleNamespace
+
+    from goodput.router.picker import chunk_hashes
+    tr = two_conversations()
+    router = routing.SimRouter("goodput-kv")
+    r = sim.simulate(tr, baselines.StaticPeak(2), HW, routing=router)
+    assert r.finished == 4
+    router._sync([SimpleNamespace(name=n) for n in router.logs])
+    key = [chunk_hashes("sim", "r", None, token_ids=t, chunk_size=64)[0] for t in tr.tokens]
+    held = [router.index.exact.state(n).keys for n in router.logs]
+    a_pod = next(ks for ks in held if key[0] in ks)
+    b_pod = next(ks for ks in held if key[1] in ks)
+    assert {key[0], key[2]} <= a_pod and {key[1], key[3]} <= b_pod
+    assert sorted(map(len, held)) == ([0, 4] if a_pod is b_pod else [2, 2])

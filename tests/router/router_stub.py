@@ -14,6 +14,9 @@ limits, 503 ``draining``) and records what reached it. Its generate routes strea
 - ``fail_status``: generate answers that status at once (e.g. 500), OpenAI error body;
 - ``metrics_when_ready``: /metrics 503 while ``draining`` (limits unknown until Ready);
 - ``max_num_seqs`` / ``max_waiting``: exported on /metrics when set.
+
+- ``kv_events``: ``/kv/snapshot`` and ``/kv/events`` answer as a worker whose prefix cache stays
+  empty (else 404, as a worker without KV events: the router then uses its request history).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class StubState:
     metrics_when_ready: bool = False  # /metrics answers 503 while draining (a pod still loading)
     max_num_seqs: int | None = None
     max_waiting: int | None = None
+    kv_events: bool = False  # serve /kv/snapshot and /kv/events (an empty cache); else 404 (an older worker)
     bodies: list = field(default_factory=list)
     paths: list = field(default_factory=list)
     headers: list = field(default_factory=list)   # each generate request's headers (lowercase names)
@@ -100,6 +104,24 @@ def make_stub(st: StubState) -> FastAPI:
         if st.max_waiting is not None:
             lines.append(f'goodput_admission_max_waiting{{model_name="{st.model}"}} {st.max_waiting}')
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.get("/kv/snapshot")  # goodput.api.kv_events: an empty cache (404 unless kv_events)
+    async def kv_snapshot():
+        if not st.kv_events:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return {"instance": st.instance or "stub0", "seq": 0, "chunk_size": 256, "keys": []}
+
+    @app.get("/kv/events")
+    async def kv_events(since: int = 0):
+        if not st.kv_events:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+        async def beats():
+            for _ in range(100):  # heartbeats for 5 s, then the stream ends (the router resumes it)
+                yield json.dumps({"instance": st.instance or "stub0", "seq": since, "kind": "heartbeat",
+                                  "keys": []}) + "\n"
+                await asyncio.sleep(0.05)
+        return StreamingResponse(beats(), media_type="application/x-ndjson")
 
     @app.get("/v1/models")
     async def models():

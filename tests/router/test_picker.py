@@ -421,15 +421,45 @@ def test_cost_cold_burst_stays_on_two_pods():
     assert [c.prefill for c in got] == [25] + [1] * 8 + [25] + [1] * 6   # cost less request_cost 2
     assert got[0].reason == "rendezvous" and got[1].reason == "affinity" and got[9].reason == "load_bound_fallback"
     assert work == {order[0]: 51, order[1]: 45, order[2]: 0}
-    # counting requests instead (the bounded-load rule, eps_no_affinity 0) spreads it over all 3
+    # counting requests with the plain bound (eps_pending None, eps_no_affinity 0) spreads it over all 3
     idx, loads, pods = PrefixIndex(), {p: 0 for p in "xyz"}, set()
     for i in range(16):
         k = RouteKey("m", "r1", None, prefix + (5000 + i,))
-        choice = pick(k, [ep(p, loads[p]) for p in "xyz"], idx, PickConfig(cost=False, chunk_size=4))
+        choice = pick(k, [ep(p, loads[p]) for p in "xyz"], idx,
+                      PickConfig(cost=False, chunk_size=4, eps_pending=None))
         idx.hold(k, choice.pod)
         loads[choice.pod] += 1
         pods.add(choice.pod)
     assert pods == {"x", "y", "z"}
+
+
+def test_count_cold_burst_a_pending_prefill_counts_as_held():
+    """The same burst, count picking with the defaults (eps 0.25, eps_no_affinity 0, eps_pending
+    1). Request k sees k - 1 open; P1 > P2 > P3 by weight. 1: P1 (rendezvous). 2: P1 holds 24
+    pending, over ceil(1.25 * 2 / 3) = 1, within ceil(2 * 2 / 3) = 2: P1. 3: P1 (2) over 2 and 2:
+    fallback P2. 4: P1, P2 both hold 24 (no gain: bound ceil(4 / 3) = 2): P1 (2) over, P2 (1) is
+    the fallback. k >= 5: both over ceil(k / 3), both within ceil(2k / 3), P3 holds nothing: the
+    holder with fewer open, P1 on ties: P1, P2, P1, ... -> 8 / 8 / 0."""
+    prefix = tuple(range(1000, 1024))
+    p1, p2, p3 = sorted("xyz", key=lambda p: -weight(prefix[7], p))
+    idx, loads, got = PrefixIndex(), {p: 0 for p in "xyz"}, []
+    for i in range(16):
+        k = RouteKey("m", "r1", None, prefix + (5000 + i,))
+        choice = pick(k, [ep(p, loads[p]) for p in "xyz"], idx, PickConfig(chunk_size=4))
+        idx.hold(k, choice.pod)
+        loads[choice.pod] += 1
+        got.append(choice)
+    assert [c.pod for c in got] == [p1, p1, p2, p2] + [p1, p2] * 6
+    assert [c.reason for c in got] == (["rendezvous", "affinity", "load_bound_fallback", "load_bound_fallback"]
+                                       + ["affinity"] * 12)
+    assert loads == {p1: 8, p2: 8, p3: 0}
+    # once the prefix was answered there (recorded, no longer pending only) the plain bound applies
+    idx2 = PrefixIndex()
+    k = RouteKey("m", "r1", None, prefix + (7000,))
+    idx2.record(k, p1)
+    idx2.hold(k, p1)
+    later = RouteKey("m", "r1", None, prefix + (7001,))
+    assert pick(later, [ep(p1, 1), ep(p2, 0), ep(p3, 0)], idx2, PickConfig(chunk_size=4)).pod != p1
 
 
 def test_cost_continuation_goes_home_on_a_replica_that_never_saw_it():

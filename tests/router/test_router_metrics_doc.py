@@ -34,9 +34,9 @@ def test_router_metrics_match_the_contract_table():
     table = doc_table()
     names = {mn.HELD_REQUESTS, mn.QUEUED_REQUESTS, mn.REQUESTS, mn.DECISIONS, mn.QUEUE_WAIT, mn.OVERHEAD,
              mn.UPSTREAM_TTFT, mn.POD_IN_FLIGHT, mn.EJECTED_PODS, mn.EJECTIONS, mn.POD_RESTARTS,
-             mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT}
+             mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT, mn.KV_KEYS, mn.KV_EVENTS, mn.KV_RESYNCS}
     assert set(table) == names
-    st, bad = StubState("m1", "A", instance="a-1"), StubState("m1", "B", fail_status=500)
+    st, bad = StubState("m1", "A", instance="a-1", kv_events=True), StubState("m1", "B", fail_status=500, kv_events=True)
     with ServerThread(make_stub(st)) as stub, ServerThread(make_stub(bad)) as bad_stub:
         disc = StaticDiscovery([f"m1={stub.url},{bad_stub.url}"], period_s=0.05)
         with ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.05))) as r:
@@ -50,6 +50,8 @@ def test_router_metrics_match_the_contract_table():
             st.instance = "a-2"
             while "goodput_router_pod_restarts_total{" not in httpx.get(r.url + "/metrics").text:
                 pass
+            while not all(f"{n}_total{{" in httpx.get(r.url + "/metrics").text for n in (mn.KV_EVENTS, mn.KV_RESYNCS)):
+                pass  # kv events on: each pod's snapshot installed, its stream open
             fams = {f.name: f for f in text_string_to_metric_families(httpx.get(r.url + "/metrics").text)
                     if f.name.startswith("goodput_router_")}
     assert set(fams) == set(table)

@@ -24,17 +24,32 @@ PREFIX = ("You are a careful assistant for the billing team. Answer from the pol
     (2, [8, 8, 0], {"rendezvous": 1, "affinity": 14, "load_bound_fallback": 1}),
 ])
 def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods(request_cost, want_split, want_decisions):
+    _burst(PickConfig(cost=True, request_cost=request_cost), want_split, want_decisions)
+
+
+def test_a_cold_burst_stays_on_two_pods_with_the_default_count_picker():
+    """The same burst with the default picker (counts, eps 0.25, eps_pending 1): a pending
+    prefill counts as held. Request k sees k - 1 open. 1: the rendezvous pod P1. 2: P1 holds 23
+    chunks pending, over the plain bound ceil(1.25 * 2 / 3) = 1 but within the pending bound
+    ceil(2 * 2 / 3) = 2: P1. 3: P1 (2 open) over both (2, 2): the fallback P2 (rendezvous order
+    among the empty pods). 4: P1 and P2 both hold 23 (no gain, bound ceil(4 / 3) = 2): P1 over it,
+    P2 (1 open) takes it as a fallback. 5-16: both over the plain bound ceil(k / 3), both within
+    ceil(2k / 3), P3 holds nothing: the holder with fewer open requests (P1 on ties), alternating:
+    8/8/0. Before this rule the same burst split 6/5/5: every pod prefilled the prefix."""
+    _burst(PickConfig(), [8, 8, 0], {"rendezvous": 1, "affinity": 13, "load_bound_fallback": 2})
+
+
+def _burst(cfg: PickConfig, want_split, want_decisions):
     """16 requests sharing a new ~1,500-token prefix, all open at once, to 3 pods. Each is 24
     chunks (the 24th: the prefix's last 112 characters and the request's own question), 23
     shared; request_cost 0 (the default). The first goes to the rendezvous pod P1 (cost 24); the
     next see its pending prefill as held: P1 scores 24 + (k - 2) + 1 for request k, another pod
     24 + 23 = 47, so P1 takes all 16 (its last: 39 <= 47). With request_cost 2 (below) P1
     scores 26 + 3 (k - 2) + 3 against 24 + 2 + 23 = 49: requests 1-8 (29 .. 47), then P2 the other
-    8 (29 .. 47 <= 49 < P1's 50). Counting requests instead (the bounded-load rule) split the
-    same burst 6/5/5: every pod prefilled the prefix."""
+    8 (29 .. 47 <= 49 < P1's 50)."""
     hold = threading.Event()
     stubs = [StubState("m1", name, hold=hold) for name in "ABC"]
-    with fleet({"m1": stubs}, pick_cfg=PickConfig(cost=True, request_cost=request_cost)) as r:
+    with fleet({"m1": stubs}, pick_cfg=cfg) as r:
         def one(i: int) -> httpx.Response:
             return httpx.post(r.url + "/v1/completions", timeout=HANG_GUARD_S,
                               json={"model": "m1", "prompt": PREFIX + f" Question {i}: what is due?",

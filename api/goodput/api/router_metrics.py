@@ -14,12 +14,15 @@ QUEUED_REQUESTS = "goodput_router_queued_requests"
 # Gauges read from the fleet at scrape time: labels (namespace, inferenceservice, pod) / SERVICE_LABELS.
 POD_IN_FLIGHT = "goodput_router_pod_in_flight_requests"
 EJECTED_PODS = "goodput_router_ejected_pods"
+KV_KEYS = "goodput_router_kv_keys"  # chunk keys the exact index holds for the pod (0: not in sync)
 # Counters (exported as <name>_total).
 REQUESTS = "goodput_router_requests"
 DECISIONS = "goodput_router_decisions"
 EJECTIONS = "goodput_router_ejections"
 POD_RESTARTS = "goodput_router_pod_restarts"
 CLASS_REQUESTS = "goodput_router_class_requests"   # by SLO class (the request's x-goodput-slo-class)
+KV_EVENTS = "goodput_router_kv_events"             # KV events applied to the exact index, by pod
+KV_RESYNCS = "goodput_router_kv_resyncs"           # snapshots installed, by pod and reason
 # Histograms (seconds).
 QUEUE_WAIT = "goodput_router_queue_wait_seconds"
 OVERHEAD = "goodput_router_overhead_seconds"
@@ -34,11 +37,15 @@ POD_LABELS = ("namespace", "inferenceservice", "pod")
 EJECTION_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 CLASS_LABELS = ("namespace", "inferenceservice", "slo_class")
 CLASS_REQUEST_LABELS = ("namespace", "inferenceservice", "slo_class", "outcome")
+KV_RESYNC_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 
 # Label values.
 OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
 DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
 EJECTION_REASONS = ("consecutive_failures", "success_rate", "failure_percentage", "probe_failed")
+# start: the first snapshot of a pod; gap: a sequence gap or events no longer kept; instance: a
+# new engine; error: the stream broke (connection, bad line) and the pod was out of sync meanwhile
+KV_RESYNC_REASONS = ("start", "gap", "instance", "error")
 # slo_class: the request's class name; "" when it names none, OTHER_CLASS beyond the router's
 # --max-slo-classes distinct names (the label's cardinality stays bounded).
 NO_CLASS = ""

@@ -17,6 +17,8 @@ ENGINE_STATES = tuple(s.value for s in EngineState)
 REJECT_REASONS = tuple(r.value for r in RejectReason)
 FINISH_REASONS = tuple(r.value for r in FinishReason)
 
+KV_EVENT_KINDS = ("stored", "evicted", "cleared")  # goodput.api.kv_events kinds that change the cache
+
 # Metric names. Counters are spelled without "_total"; prometheus_client appends it.
 # Gauges (read from the scheduler's stats at scrape time).
 REQUESTS_RUNNING = "goodput_requests_running"
@@ -28,6 +30,10 @@ ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
 CACHE_CONFIG_INFO = "goodput_cache_config_info"
 ENGINE_INSTANCE_INFO = "goodput_engine_instance_info"  # label instance_id (goodput.api.identity)
+# KV events (goodput.api.kv_events): the router chunk keys the prefix cache holds, and the events
+# published (label kind: KV_EVENT_KINDS), read from the engine's KvEventLog at scrape time.
+KV_EVENT_KEYS = "goodput_kv_event_keys"
+KV_EVENTS = "goodput_kv_events"
 # What one scrape says about a worker's load and limits, as both readers hold it: the router's
 # fleet (``goodput.router.fleet.Pod``) and the autoscaler's ``PodObservation`` fields -> gauge (the
 # current sample, summed over its series). One table for both.

@@ -1,7 +1,7 @@
 """Request routing in the simulator, and the multi-turn chat trace it is measured on.
 
 ``SimRouter`` is what ``simulate(..., routing=...)`` (``python -m goodput.bench.simulate
---routing ...``) sends each arrival through. Five routings:
+--routing ...``) sends each arrival through. Six routings:
 
 - ``round-robin``: the ready pods in turn (kube-proxy's IPVS ``rr``; what the simulator did before);
 - ``random``: a seeded uniform choice (kube-proxy's iptables mode);
@@ -19,7 +19,14 @@
   ``affinity`` sends every new conversation to the pod that first served the shared system
   prompt (its match is the longest): the hot spot that bounded loads exist to prevent.
 
-The last two call the router's own code, not a copy. In-flight = the pod's running + waiting
+- ``goodput-kv``: ``goodput`` with the router's ``--kv-events on``: each replica's block manager
+  feeds a ``KvEventLog`` (the worker's), each request's chunk keys are tied to its prompt's KV
+  blocks when it is routed (token ids: exact, as the worker does), and before each pick the
+  router's ``ExactIndex`` applies every event since the last pick (no delay: an upper bound on
+  what the real stream, a few ms behind, gives). Traces with token ids only (others: as
+  ``goodput``).
+
+The last three call the router's own code, not a copy. In-flight = the pod's running + waiting
 requests (with one router, exactly the router's count); the scraped fields (waiting, KV usage)
 are read at the arrival instant (the real router's are up to one scrape period old).
 
@@ -40,18 +47,22 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
+from goodput.api.kv_events import KvEvent
+from goodput.api.prefix import chunk_ends
+from goodput.router.kv_index import OK, ExactIndex
 from goodput.router.picker import Endpoint, PickConfig, PrefixIndex, RouteKey, chunk_hashes, pick
+from goodput.worker.engine.kv_events import KvEventLog, block_ties
 
 if TYPE_CHECKING:  # simulate imports this module: no import cycle at run time
     from goodput.bench.simulate import Replica, Trace
 
-ROUTINGS = ("round-robin", "random", "least-loaded", "affinity", "goodput")
+ROUTINGS = ("round-robin", "random", "least-loaded", "affinity", "goodput", "goodput-kv")
 SIM_CHUNK_TOKENS = 64
 
 
 def pick_config(routing: str) -> PickConfig | None:
     """The picker's configuration for ``affinity`` and ``goodput`` (None for the others)."""
-    if routing == "goodput":
+    if routing in ("goodput", "goodput-kv"):
         return PickConfig(chunk_size=SIM_CHUNK_TOKENS)
     if routing == "affinity":
         return PickConfig(chunk_size=SIM_CHUNK_TOKENS, eps=None, respect_limits=False, cost=False)
@@ -72,6 +83,37 @@ class SimRouter:
         self.turn = itertools.count()
         self.decisions: Counter[str] = Counter()
         self.cost: dict[str, tuple[int, int]] = {}   # request id -> its Pick (cost, prefill)
+        self.logs: dict[str, tuple[KvEventLog, int]] = {}  # goodput-kv: pod -> (its log, last seq applied)
+        if routing == "goodput-kv" and self.index is not None:
+            self.index.exact = ExactIndex()
+
+    def _sync(self, pods: Sequence["Replica"]) -> None:
+        """goodput-kv: every event of every pod since the last pick, into the exact index."""
+        ix = self.index.exact
+        for p in pods:
+            got = self.logs.get(p.name)
+            if got is None:
+                log = KvEventLog()
+                p.sched.block_manager.attach_kv_events(log)
+                ix.reset(p.name, "sim", 0, ())
+                got = self.logs[p.name] = (log, 0)
+            log, last = got
+            evs = log.since(last)
+            if evs is None:   # the ring overtook us: resync from the snapshot
+                seq, keys = log.snapshot()
+                ix.reset(p.name, "sim", seq, keys)
+            else:
+                for seq, kind, keys in evs:
+                    assert ix.apply(p.name, KvEvent("sim", seq, kind, keys)) == OK
+                seq = evs[-1][0] if evs else last
+            self.logs[p.name] = (log, seq)
+
+    def _tie(self, key: RouteKey, ids: Sequence[int], pod: "Replica") -> None:
+        """goodput-kv: the worker's ties of the request's chunk keys to its prompt's blocks."""
+        log = self.logs[pod.name][0]
+        bm = pod.sched.block_manager
+        ends = chunk_ends(token_ids=ids, chunk_size=self.cfg.chunk_size)
+        log.annotate(block_ties(key.chunks, ends, bm.prompt_block_hashes(ids, None), bm.block_size))
 
     def key(self, trace: "Trace", k: int) -> RouteKey:
         """Request ``k``'s route key (see the module doc)."""
@@ -96,6 +138,9 @@ class SimRouter:
             order = pods[start:] + pods[:start]
             return min(order, key=lambda p: len(p.sched.running) + len(p.sched.waiting))
         key = self.key(trace, k)
+        kv = self.index.exact is not None and trace.tokens is not None
+        if kv:
+            self._sync(pods)
         by_name = {p.name: p for p in pods}
         eps = [Endpoint(p.name, f"sim://{p.name}", len(p.sched.running) + len(p.sched.waiting),
                         p.sched.max_num_seqs, p.sched.max_waiting, len(p.sched.running),
@@ -106,6 +151,8 @@ class SimRouter:
         if pod is None:   # no router queue here: the least-loaded pod's own admission decides
             pod = min(eps, key=lambda e: e.in_flight).name
         self.index.record(key, pod)
+        if kv:
+            self._tie(key, trace.tokens[k], by_name[pod])
         if got.cost:
             self.cost[f"q{k}"] = (got.cost, got.prefill)
         return by_name[pod]
@@ -180,6 +227,39 @@ def chat_trace(seed: int = 0, session_rate: float = 1.0, duration: float = 600.0
                     f"{slo[0]} s / TPOT {slo[1] * 1000:.0f} ms")
     tr.tokens = [r[1] for r in reqs]
     tr.anchor_tokens = [r[3] for r in reqs]
+    tr.prefix_caching = True
+    return tr
+
+
+def shared_prefix_trace(seed: int = 0, tenants: int = 64, prefix_tokens: int = 6000, rate: float = 4.0,
+                        duration: float = 600.0, question_median: int = 64, output_median: int = 64,
+                        slo: tuple[float, float] = (2.0, 0.15), max_replicas: int = 10, initial_replicas: int = 3,
+                        vocab: int = 32000) -> "Trace":
+    """Seeded shared-prefix load: ``tenants`` tenants, each with a long prefix of its own
+    (``prefix_tokens`` ids uniform in [2, vocab): a document or a long system prompt); requests
+    arrive as a Poisson process of ``rate`` per second over ``duration`` seconds, each from a
+    tenant drawn uniformly, its prompt the tenant's prefix then a question of its own (lognormal
+    median ``question_median``, sigma 0.6, 8..512), its output lognormal median ``output_median``
+    (sigma 0.6, 8..512). With the defaults the prefixes take 384k tokens: 75 % of three h200
+    replicas' KV pools (171k tokens each), so the caches must evict prefixes that were sent."""
+    from goodput.bench.simulate import Trace
+
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(2, vocab) for _ in range(prefix_tokens)) for _ in range(tenants)]
+    t, reqs = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            break
+        who = rng.randrange(tenants)
+        q = tuple(rng.randrange(2, vocab) for _ in range(_lognormal_int(rng, question_median, 0.6, 8, 512)))
+        reqs.append((t, prefixes[who] + q, _lognormal_int(rng, output_median, 0.6, 8, 512)))
+    tr = Trace("shared-prefix", [r[0] for r in reqs], [len(r[1]) for r in reqs], [r[2] for r in reqs],
+               [0] * len(reqs), [slo], duration, max_replicas, initial_replicas,
+               note=f"seed {seed}, {tenants} tenants x {prefix_tokens}-token prefix, {rate} req/s, question "
+                    f"median {question_median}, output median {output_median}, prefix caching on, SLO TTFT "
+                    f"{slo[0]} s / TPOT {slo[1] * 1000:.0f} ms")
+    tr.tokens = [r[1] for r in reqs]
     tr.prefix_caching = True
     return tr
 

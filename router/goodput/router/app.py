@@ -46,6 +46,8 @@ from goodput.router.fleet import Discovery, Fleet, Pod, Service
 from goodput.router.forward import DRAINING, Attempt, Exchange, forward, verdict
 from goodput.router.metrics import RouterMetrics
 from goodput.router.outlier import FAILURE, OutlierConfig, Outliers
+from goodput.router.kv_follow import KvFollower
+from goodput.router.kv_index import ExactIndex
 from goodput.router.picker import PickConfig, PrefixIndex
 from goodput.router.routing import request_key
 from goodput.router.scrape import scrape_forever, scrape_pod
@@ -111,6 +113,9 @@ class RouterSettings:
     band_queue_timeout: list[str] = setting([], "a priority band's longest fleet-queue wait, PRIORITY=SECONDS "
                                             "(repeatable); the shortest of it, --queue-timeout and the request's "
                                             "x-goodput-queue-timeout applies", flag="--band-queue-timeout")
+    kv_events: str = setting("on", "follow each pod's KV events (GET /kv/events) into an exact index of its prefix "
+                             "cache; off: the request-history index alone (docs/routing.md)", choices=("on", "off"),
+                             flag="--kv-events")
     max_slo_classes: int = setting(16, "distinct SLO class names (x-goodput-slo-class) counted under their own "
                                    "slo_class label; later ones count as 'other'", flag="--max-slo-classes", ge=0)
 
@@ -320,6 +325,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.pick_cfg = pick_cfg or PickConfig()
         self.index = PrefixIndex(self.pick_cfg.index_capacity)
+        self.index.exact = ExactIndex() if settings.kv_events == "on" else None
         self.outliers = Outliers(settings.outlier_config())
         self.admission = Admission(self.fleet, self.metrics, self.index, self.pick_cfg,
                                    hold_timeout_s=settings.hold_timeout_s,
@@ -328,6 +334,7 @@ class Router:
                                    retry_after_s=settings.retry_after_s,
                                    learn_limits=self.learn_limits, outliers=self.outliers)
         self.metrics.watch_fleet(self.fleet, self.outliers)
+        self.metrics.watch_kv(self.fleet, self.index.exact)
         self._scrapes: dict[str, asyncio.Future] = {}  # pod URL -> the scrape in progress
         self.upstream = Upstream(settings.timeouts(), settings.max_connections)
         self.cards: dict[tuple[str, str], dict[str, Any]] = {}  # (pod URL, model) -> the pod's card
@@ -345,6 +352,10 @@ class Router:
                        asyncio.create_task(scrape_forever(self.fleet, self.upstream, s.scrape_period_s,
                                                           self.admission.dispatch, self.note_instance),
                                            name="scrape")]
+        if self.index.exact is not None:
+            follower = KvFollower(self.fleet, self.upstream, self.index.exact, self.metrics, self.pick_cfg.chunk_size,
+                                  s.scrape_period_s)
+            self._tasks.append(asyncio.create_task(follower.run(), name="kv-events"))
 
     async def _run_discovery(self) -> None:
         try:

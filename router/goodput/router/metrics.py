@@ -40,6 +40,10 @@ class RouterMetrics:
                                     mn.CLASS_LABELS, buckets=WAIT_BUCKETS, registry=r)
         self.ejections = Counter(mn.EJECTIONS, "Pods set aside by outlier ejection, by reason.",
                                  mn.EJECTION_LABELS, registry=r)
+        self.kv_events = Counter(mn.KV_EVENTS, "KV events applied to the exact index (--kv-events on).",
+                                 mn.POD_LABELS, registry=r)
+        self.kv_resyncs = Counter(mn.KV_RESYNCS, "Snapshots of a pod's KV cache keys installed, by reason.",
+                                  mn.KV_RESYNC_LABELS, registry=r)
         self.restarts = Counter(mn.POD_RESTARTS, "Engine restarts in place seen (a new instance id): the "
                                 "pod's prefix-cache knowledge was dropped.", mn.POD_LABELS, registry=r)
 
@@ -47,6 +51,11 @@ class RouterMetrics:
         """Export the per-pod in-flight counts and the ejected pods per service of ``fleet``
         (a :class:`~goodput.router.fleet.Fleet`), read at scrape time."""
         self.registry.register(_FleetCollector(fleet, outliers))
+
+    def watch_kv(self, fleet, exact) -> None:
+        """Export the keys the exact index (``goodput.router.kv_index.ExactIndex``, None: events
+        off) holds per pod of ``fleet``, read at scrape time."""
+        self.registry.register(_KvCollector(fleet, exact))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -69,3 +78,18 @@ class _FleetCollector(Collector):
             ejected.add_metric(list(svc.key), self.outliers.ejected_count(svc.key))
         yield in_flight
         yield ejected
+
+
+class _KvCollector(Collector):
+    """``goodput_router_kv_keys`` per pod: the exact index's keys (0 when not in sync or off)."""
+
+    def __init__(self, fleet, exact) -> None:
+        self.fleet, self.exact = fleet, exact
+
+    def collect(self):
+        g = GaugeMetricFamily(mn.KV_KEYS, "Chunk keys the router's exact index holds for the pod, from its KV "
+                              "events (0: not in sync, or --kv-events off).", labels=mn.POD_LABELS)
+        for svc in self.fleet.services():
+            for name in sorted(svc.pods):
+                g.add_metric([*svc.key, name], self.exact.size(name) if self.exact is not None else 0)
+        yield g

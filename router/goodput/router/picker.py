@@ -56,7 +56,12 @@ instead of summed with weights):
    this one does not hear from; and ``eps_no_affinity`` (default 0: at most the mean, rounded
    up) otherwise (a new conversation, or a prefix every pod has, like a shared system prompt):
    such a request loses nothing by moving, so it balances the load, and a new pod fills with
-   new conversations first. The bound always
+   new conversations first. **A pending prefill counts as held**: when no pod within the
+   bound holds as much of the prompt as some pod whose extra is held only for requests still
+   open there (a new prefix being prefilled now; ``PrefixIndex.match(key, pending=False)`` does
+   not count it), that pod keeps the request up to the wider bound of ``eps_pending`` (1: twice
+   the mean), so a burst sharing a new prefix fills its rendezvous pod, then a second one, not
+   every pod (all 16 of a burst on 3 pods: 8/8/0 instead of 6/5/5). The bound always
    leaves one pod below it, so a fallback exists unless every pod is at its limits (then the
    least-loaded pod that is not). ``eps = None`` disables the bound (and ``respect_limits =
    False`` the filter: the simulator's ``affinity`` routing).
@@ -74,14 +79,12 @@ next turn extends, so a short first turn may be placed elsewhere once by another
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
+from goodput.api.prefix import _h64, _seed, chunk_hashes, render_messages
 from goodput.api.settings import setting, validate
 
 __all__ = [
@@ -178,6 +181,11 @@ class PickConfig:
         conversations on their pod. None: no bound at all (``affinity`` routing in the simulator).
     eps_no_affinity: the slack for any other request (no prefix advantage, not a continuation;
         ignored when ``eps`` is None).
+    eps_pending: count picking: the slack for a pod whose advantage over every pod within the
+        bound is a prefill still pending there (chunks it holds only for open requests: a cold
+        prefix on its way into that pod's cache). Moving such a request prefills the prefix once
+        more on another pod, so it stays with a pending holder up to ``(1 + eps_pending)`` x the
+        mean. None: the plain bound (a burst sharing a new prefix then spreads over every pod).
     rendezvous_chunks: how many leading chunks the rendezvous hash keys on.
     index_capacity: most chunk hashes the :class:`PrefixIndex` keeps (LRU beyond).
     respect_limits: skip pods at their admission limits (False: the simulator's ``affinity``).
@@ -194,6 +202,8 @@ class PickConfig:
     eps: float | None = setting(0.25, "load-bound slack for a request with a prefix advantage (none: no bound)",
                                 ge=0)
     eps_no_affinity: float = setting(0.0, "load-bound slack for any other request", ge=0)
+    eps_pending: float | None = setting(1.0, "count picking: load-bound slack for a pod whose prefix advantage is "
+                                        "a prefill still pending there (none: the plain bound)", ge=0)
     rendezvous_chunks: int = setting(8, "leading chunks the rendezvous hash keys on", ge=1)
     index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
     respect_limits: bool = setting(True, "skip pods at their admission limits")
@@ -207,85 +217,8 @@ class PickConfig:
 
 
 # ------------------------------------------------------------------------------------ hashing
-def _h64(data: bytes) -> int:
-    """64-bit BLAKE2b of ``data`` as an unsigned int (big-endian digest)."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
-
-def _field(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack(">I", len(b)) + b
-
-
-def _seed(model: str, revision: str, cache_salt: str | None, kind: str) -> int:
-    """The chain's seed: length-prefixed model, revision, salt (a flag byte tells None from "")
-    and the kind of content ("chat", "text", "ids"), so none of them can spell another."""
-    salt = b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt)
-    return _h64(b"goodput-route-v1" + _field(model) + _field(revision) + salt + _field(kind))
-
-
-def _content_text(content: Any) -> Any:
-    """Message content as the chat template sees it: a list made only of text parts is the
-    concatenation of their text (OpenAI allows both spellings); anything else unchanged."""
-    if isinstance(content, list) and content and all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    return content
-
-
-def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
-    """Canonical text of a chat request: ``tools`` (when given; templates render them before the
-    conversation) then one line per message, each the message as JSON with sorted keys and no
-    spaces (content of only text parts joined into one string). The rendering of a conversation is
-    a prefix of the rendering of its continuation (messages appended), which is what makes the
-    next turn's chunk chain extend this one's."""
-    out = []
-    if tools:
-        out.append(json.dumps({"tools": list(tools)}, sort_keys=True, separators=(",", ":"),
-                              ensure_ascii=False))
-    for m in messages:
-        msg = dict(m)
-        if "content" in msg:
-            msg["content"] = _content_text(msg["content"])
-        out.append(json.dumps(msg, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
-    return "".join(line + "\n" for line in out)
-
-
-def chunk_hashes(model: str, revision: str, cache_salt: str | None, *,
-                 messages: Sequence[Mapping[str, Any]] | None = None, tools: Sequence[Any] | None = None,
-                 prompt: str | None = None, token_ids: Sequence[int] | None = None,
-                 chunk_size: int = PickConfig.chunk_size) -> tuple[int, ...]:
-    """Chained 64-bit hashes of the request's content in chunks of ``chunk_size``.
-
-    Exactly one of ``messages`` (chat; rendered by :func:`render_messages`, with ``tools``),
-    ``prompt`` (completions text) or ``token_ids`` (completions token ids, each 0 <= id < 2**32)
-    is given. The content is cut into chunks of ``chunk_size`` characters (text) or ids; the last
-    chunk may be shorter (an empty content has no chunk). With ``h_0`` the seed of (model,
-    revision, cache_salt, kind) and ``c_i`` the i-th chunk's bytes (UTF-8 text, or each id as 4
-    big-endian bytes): ``h_i = blake2b64(h_{i-1} as 8 big-endian bytes + c_i)``. Returns
-    ``(h_1, ..., h_k)``. Raises ValueError when not exactly one content is given, or for a bad
-    ``chunk_size``.
-    """
-    if sum(x is not None for x in (messages, prompt, token_ids)) != 1:
-        raise ValueError("give exactly one of messages, prompt or token_ids")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    if token_ids is not None:
-        kind = "ids"
-        ids = list(token_ids)
-        pieces: Iterable[bytes] = (struct.pack(f">{len(ids[i:i + chunk_size])}I", *ids[i:i + chunk_size])
-                                   for i in range(0, len(ids), chunk_size))
-    else:
-        kind = "chat" if messages is not None else "text"
-        text = render_messages(messages, tools) if messages is not None else prompt
-        pieces = (text[i:i + chunk_size].encode("utf-8") for i in range(0, len(text), chunk_size))
-    h = _seed(model, revision, cache_salt, kind)
-    out = []
-    for piece in pieces:
-        h = _h64(h.to_bytes(8, "big") + piece)
-        out.append(h)
-    return tuple(out)
+# The chunk chain (chunk_hashes, render_messages) lives in the contract package goodput.api.prefix:
+# the worker computes the same keys for its KV events.
 
 
 def route_key(model: str, revision: str, cache_salt: str | None, cfg: PickConfig | None = None,
@@ -326,6 +259,12 @@ class PrefixIndex:
 
     ``record`` touches a request's chunks last to first, so a prefix is more recently used than
     its suffix and outlives it (the engine's prefix cache evicts in the same order).
+
+    ``exact``: the router's exact index of what each pod's prefix cache holds, from the pods' KV
+    events (``goodput.router.kv_index.ExactIndex``; None: events off). For a pod in sync there
+    (``exact.synced(pod)``) a chunk is held when the pod's cache holds its key
+    (``exact.pods(chunk)``), whatever it was sent; for any other pod, when it was sent the chunk
+    (this index's history). Pending holds count either way.
     """
 
     def __init__(self, capacity: int = PickConfig.index_capacity) -> None:
@@ -334,6 +273,7 @@ class PrefixIndex:
         self.capacity = capacity
         self._map: OrderedDict[int, tuple[str, ...]] = OrderedDict()
         self._pending: dict[int, dict[str, int]] = {}  # chunk -> {pod: requests open with it}
+        self.exact = None  # an ExactIndex (kv_index.py) when the router follows the pods' KV events
 
     def __len__(self) -> int:
         return len(self._map)
@@ -393,15 +333,26 @@ class PrefixIndex:
         while len(m) > self.capacity:
             m.popitem(last=False)
 
-    def match(self, key: RouteKey) -> dict[str, int]:
-        """Prefix score per pod: the number of leading chunks of ``key`` the pod was sent or
-        holds for an open request (:meth:`hold`; pods with none are absent). Walks the chain
-        until no pod is left; O(longest match)."""
+    def match(self, key: RouteKey, pending: bool = True) -> dict[str, int]:
+        """Prefix score per pod: the number of leading chunks of ``key`` the pod holds (in sync
+        with its KV events: its cache holds them; else: it was sent them) or holds for an open
+        request (:meth:`hold`; only when ``pending``); pods with none are absent. Walks the
+        chain until no pod is left; O(longest match)."""
         out: dict[str, int] = {}
         alive: set[str] | None = None
-        pend = self._pending
+        pend = self._pending if pending else {}
+        sent_map = self._map
+        ex = self.exact
+        synced = ex.synced_pods if ex is not None else None
+        held_map = ex.by_key if ex is not None else None
         for i, h in enumerate(key.chunks):
-            pods = self._map.get(h, ())
+            pods: Any = sent_map.get(h, ())
+            if synced is not None:  # pods in sync: what their caches hold; the others: what was sent
+                cached = held_map.get(h)
+                if pods and synced:
+                    pods = [p for p in pods if p not in synced]
+                if cached:
+                    pods = cached if not pods else [*pods, *cached]
             held = pend.get(h)
             if held:
                 pods = (*pods, *held)
@@ -415,8 +366,10 @@ class PrefixIndex:
         return out
 
     def forget(self, pod: str) -> None:
-        """Drop ``pod`` from every entry, pending holds included (it left the fleet, or its
-        engine restarted); O(entries)."""
+        """Drop ``pod`` from every entry, pending holds and the exact index included (it left
+        the fleet, or its engine restarted); O(entries)."""
+        if self.exact is not None:
+            self.exact.drop(pod)
         for h in list(self._pending):
             d = self._pending[h]
             if d.pop(pod, None) is not None and not d:
@@ -570,6 +523,18 @@ def pick_by_count(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixInd
     ok = [e for e in fits if e.in_flight + 1 <= bound]
     if any(e is preferred for e in ok):
         return Pick(preferred.name, REASON_AFFINITY if m_pref > 0 else REASON_RENDEZVOUS, m_pref)
+    if cfg.eps is not None and cfg.eps_pending is not None and m_pref > 0:
+        # A pending prefill counts as held: a pod holding more than any pod within the bound,
+        # that extra only for open requests (a cold prefix being prefilled there), keeps the
+        # request up to the wider bound; else another pod would prefill the prefix again.
+        top_ok = max((scores.get(e.name, 0) for e in ok), default=0)
+        sent = index.match(key, pending=False)
+        wide = load_bound(endpoints, cfg.eps_pending)
+        holders = [e for e in fits if scores.get(e.name, 0) > top_ok and sent.get(e.name, 0) <= top_ok
+                   and e.in_flight + 1 <= wide]
+        if holders:
+            best = max(holders, key=lambda e: (scores.get(e.name, 0), -e.in_flight, weight[e.name]))
+            return Pick(best.name, REASON_AFFINITY, scores.get(best.name, 0))
     if ok:
         best = max(ok, key=lambda e: (scores.get(e.name, 0), -(e.waiting or 0), -(e.kv_usage or 0.0),
                                       weight[e.name]))

@@ -10,36 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+__all__ = ["content_of", "request_key", "endpoints"]
+
+from goodput.api.prefix import content_of
 from goodput.router.fleet import Pod, Service
 from goodput.router.picker import Endpoint, PickConfig, RouteKey, route_key
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
-                                       for t in x)
-
-
-def content_of(path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The keyword content for ``picker.chunk_hashes``: ``messages`` (+ ``tools``), ``prompt`` or
-    ``token_ids``."""
-    if path.endswith("/chat/completions"):
-        msgs = body.get("messages")
-        if isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs):
-            tools = body.get("tools")
-            return {"messages": msgs, "tools": tools if isinstance(tools, list) else None}
-        return {"prompt": ""}
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, str):
-            return {"prompt": first}
-        if _is_ids(prompt):
-            return {"token_ids": prompt}
-        if _is_ids(first):
-            return {"token_ids": first}
-    return {"prompt": ""}
 
 
 def request_key(svc: Service, path: str, body: dict[str, Any], cfg: PickConfig) -> RouteKey:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from goodput.worker.engine.block_manager import BlockManager
+from goodput.worker.engine.kv_events import KvEventLog
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 
@@ -209,6 +210,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     Besides the bookkeeping invariants, a fake KV store records which token was written into
     each slot: every live request must always read its own tokens through its block table,
     so a block handed to the wrong request, reused while referenced, or a wrong cache hit fails.
+    A KvEventLog is attached: each admitted prompt's full blocks are tied to a key each (before
+    or after the admission), and the keys it holds must always be those of the tied blocks in the
+    prefix cache, its events replayed from 0 giving the same set.
     """
 
     live = Bundle("live")
@@ -218,6 +222,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks, block_size)
         self.reqs: dict[str, Request] = {}
         self.kv: dict[int, int] = {}
+        self.log = KvEventLog()
+        self.bm.attach_kv_events(self.log)
+        self.tied: set[bytes] = set()
+
+    def _tie(self, req: Request) -> None:
+        hashes = self.bm.prompt_block_hashes(req.prompt_token_ids, req.cache_salt)
+        self.log.annotate([(h, int.from_bytes(h[:8], "big")) for h in hashes])
+        self.tied.update(hashes)
 
     def _write(self, req: Request, start: int, end: int) -> None:
         bs = self.bm.block_size
@@ -239,7 +251,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(target=live, prompt=st.lists(st.integers(1, 2), min_size=1, max_size=12),
           salt=st.sampled_from([None, "t"]))
     def admit(self, prompt, salt):
-        req = self._admit(mkreq(prompt, salt))
+        r = mkreq(prompt, salt)
+        if len(prompt) % 2:  # tie before the blocks are cached (the usual order) or after
+            self._tie(r)
+        req = self._admit(r)
+        if not len(prompt) % 2:
+            self._tie(r)
         return req if req is not None else mkreq([1])  # a dummy with no blocks
 
     @rule(req=live, tok=st.integers(1, 2))
@@ -296,6 +313,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.kv[req.block_ids[p // bs] * bs + p % bs] == req.all_token_ids[p], \
                     f"{req.request_id} reads a foreign token at position {p}"
         assert 0 <= self.bm.usage <= 1
+        cached = {int.from_bytes(h[:8], "big") for h in self.tied if h in self.bm._cached}
+        seq, held = self.log.snapshot()
+        assert held == cached
+        replay: set[int] = set()
+        for _, kind, keys in self.log.since(0):
+            (replay.update if kind == "stored" else replay.difference_update)(keys)
+        assert replay == held and seq == self.log.seq
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -45,6 +45,9 @@ from goodput.api.worker_metrics import (
     ITERATION_TOKENS,
     KV_CACHE_BLOCKS,
     KV_CACHE_USAGE_RATIO,
+    KV_EVENT_KEYS,
+    KV_EVENT_KINDS,
+    KV_EVENTS,
     LABEL_VALUES,
     REQUEST_DECODE_TIME,
     REQUEST_GENERATION_TOKENS,
@@ -165,6 +168,24 @@ class _StatsCollector(Collector):
                 yield from self._labelled_counter(name, doc, label, LABEL_VALUES[label], value)
 
 
+class _KvEventsCollector(Collector):
+    """Exports the KV event log's counts (``goodput.api.kv_events``; zeros until a log is set)."""
+
+    def __init__(self, model_name: str, owner: "WorkerMetrics"):
+        self._model, self._owner = model_name, owner
+
+    def collect(self):
+        log = self._owner.kv_events
+        g = GaugeMetricFamily(KV_EVENT_KEYS, "Router chunk keys the prefix cache holds (as published on /kv/events).",
+                              labels=["model_name"])
+        g.add_metric([self._model], log.held() if log is not None else 0)
+        yield g
+        c = CounterMetricFamily(KV_EVENTS, "KV events published, by kind.", labels=["model_name", "kind"])
+        for k in KV_EVENT_KINDS:
+            c.add_metric([self._model, k], log.events_total.get(k, 0) if log is not None else 0)
+        yield c
+
+
 class _Hist:
     """One latency histogram, mirrored to its vLLM alias when aliases are on."""
 
@@ -210,6 +231,8 @@ class WorkerMetrics:
               ["model_name", INSTANCE_LABEL], registry=self.registry).labels(model_name, self.instance_id).set(1)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.registry.register(_StatsCollector(model_name, stats_fn, vllm_aliases))
+        self.kv_events = None  # the engine's KvEventLog, once the server attached one
+        self.registry.register(_KvEventsCollector(model_name, self))
         for gname, value, what in ((SLO_TTFT_SECONDS, slo_ttft_s, "TTFT"), (SLO_TPOT_SECONDS, slo_tpot_s, "TPOT")):
             if value is not None:  # the thresholds themselves, for the dashboards' SLO lines
                 Gauge(gname, f"The {what} SLO in seconds (threshold of goodput_requests_slo_met_total).",

@@ -22,6 +22,9 @@ cached blocks are evicted least-recently-freed first (LRU). A request's blocks a
 first, so its prefix (most shareable) outlives its suffix.
 
 All per-step operations are O(blocks touched); only ``check_invariants`` scans the pool.
+
+KV events (``attach_kv_events``): a block hash entering the prefix cache or leaving it (evicted
+for a new allocation) is told to a :class:`KvEventLog` after the cache map changed; O(1) each.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from array import array
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
+from goodput.worker.engine.kv_events import KvEventLog
 from goodput.worker.engine.request import Request
 
 
@@ -77,6 +81,7 @@ class BlockManager:
         # Prefix-cache counters, in tokens (vLLM's prefix_cache_queries / hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.kv_events: KvEventLog | None = None
 
     @classmethod
     def from_config(cls, config) -> "BlockManager":
@@ -107,6 +112,24 @@ class BlockManager:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def attach_kv_events(self, log: KvEventLog) -> None:
+        """Tell ``log`` every block hash that enters or leaves the prefix cache from now on (and
+        let it ask whether a hash is cached)."""
+        log.is_cached = self._cached.__contains__
+        self.kv_events = log
+
+    def prompt_block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        """The prefix-cache hashes of the full blocks of ``token_ids`` (the chain a request with
+        these tokens and salt gets); pure, any thread."""
+        ident = self._identity(cache_salt)
+        bs = self.block_size
+        out: list[bytes] = []
+        parent: bytes | None = None
+        for i in range(len(token_ids) // bs):
+            parent = self.hash_block(parent, ident, token_ids[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return out
 
     # ---- hashing ---------------------------------------------------------------------------
     def _identity(self, cache_salt: str | None) -> bytes:
@@ -238,6 +261,8 @@ class BlockManager:
         if blk.hash is not None:  # evict its cached content
             if self._cached.get(blk.hash) == bid:
                 del self._cached[blk.hash]
+                if self.kv_events is not None:
+                    self.kv_events.block_evicted(blk.hash)
             blk.forget()
         blk.ref = 1
         return bid
@@ -268,6 +293,8 @@ class BlockManager:
             blk.ident = ident
             blk.tokens = tuple(toks[i * bs:(i + 1) * bs])
             self._cached[h] = req.block_ids[i]
+            if self.kv_events is not None:
+                self.kv_events.block_stored(h)
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:

@@ -158,6 +158,7 @@ class ServerState:
         self.draining = False  # SIGTERM drain: the process exits once drained (cli.py)
         self.admin_draining = False  # POST /admin/drain: same admission effect, the process stays
         self.inflight = 0  # generate requests whose response (stream included) is not finished
+        self.kv_events = None  # the engine's KvEventLog (server/kv_events.py), once loaded
 
     def start_drain(self) -> None:
         """SIGTERM: stop admitting (/ready 503, new generate requests 503); in-flight ones finish,
@@ -278,6 +279,8 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
                 if on_load_failure is not None:
                     on_load_failure(exc)
                 return
+            from goodput.worker.server.kv_events import attach as attach_kv_events
+            state.kv_events = attach_kv_events(llm)  # before any request: the log sees every block
             eng = AsyncLLMEngine(llm)
             eng.start(loop)
             state.llm, state.engine = llm, eng
@@ -305,9 +308,11 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
     app.add_middleware(_InstanceHeader, state=state)
 
     from goodput.worker.server.admin import router as admin_router
+    from goodput.worker.server.kv_events import router as kv_events_router
     from goodput.worker.server.openai_routes import router as openai_router
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(kv_events_router)
 
     @app.get("/health", response_model=HealthStatus, responses=_PROBE_503)
     async def health() -> JSONResponse:

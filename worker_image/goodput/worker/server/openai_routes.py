@@ -39,6 +39,7 @@ from goodput.worker.server.logprobs import (
     completion_logprobs,
     merge_completion_logprobs,
 )
+from goodput.worker.server.kv_events import tie_later
 from goodput.worker.server.errors import APIError
 from goodput.worker.server.tool_calls import (
     ToolCallParser,
@@ -489,6 +490,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         fields["json_schema"] = schema
     entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n,
                          slo_class=request.headers.get(SLO_CLASS_HEADER), **fields)
+    await tie_later(st, request, body, prompt_ids)  # KV events: its chunk keys -> its blocks
     created, model = now_s(), st.model_name
     n_prompt = sum(len(p) for p in prompt_ids)
     text_of = TokenText(tok)
@@ -588,6 +590,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         fields["json_schema"] = schema
     entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n,
                          slo_class=request.headers.get(SLO_CLASS_HEADER), **fields)
+    await tie_later(st, request, body, [prompt_ids])  # KV events: its chunk keys -> its blocks
     rid, created, model, n_prompt = new_id("chatcmpl"), now_s(), st.model_name, len(prompt_ids)
     want_ids = body.return_token_ids
     text_of = TokenText(st.llm.tokenizer)
