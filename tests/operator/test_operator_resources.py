@@ -52,7 +52,8 @@ EVERY_FIELD = {
                "maxStopStringChars": 50, "maxStopTokenIds": 6, "maxRequestBodyBytes": "1Mi",
                "speculativeMode": "adaptive", "numSpeculativeTokens": 3, "promptLookupMax": 5,
                "promptLookupMin": 3, "speculativeMaxRunning": 6},
-    "slo": {"ttftMs": 123.25, "tpotMs": 7},
+    "slo": {"ttftMs": 123.25, "tpotMs": 7,
+            "classes": [{"name": "batch", "ttftMs": 5000, "tpotMs": 200.5}, {"name": "chat", "ttftMs": 300, "tpotMs": 40}]},
 }
 
 
@@ -72,7 +73,8 @@ def test_worker_args_parse_back_to_what_the_spec_asked_for():
             "block_size": 32, "max_num_seqs": 5, "max_num_batched_tokens": 96, "max_model_len": 700,
             "max_waiting": 0, "enable_prefix_caching": False, "vllm_metric_aliases": True,
             "scheduling_policy": "static", "attention_backend": "torch", "num_threads": 3,
-            "log_level": "debug", "slo_ttft_ms": 123.25, "slo_tpot_ms": 7.0, "max_stop_strings": 4,
+            "log_level": "debug", "slo_ttft_ms": 123.25, "slo_tpot_ms": 7.0,
+            "slo_classes": ["batch:5000:200.5", "chat:300:40"], "max_stop_strings": 4,
             "max_stop_string_chars": 50, "max_stop_token_ids": 6, "max_request_body_bytes": 2**20,
             "speculative_mode": "adaptive", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
             "prompt_lookup_min": 3, "speculative_max_running": 6}

@@ -50,6 +50,7 @@ class StubState:
     kv_events: bool = False  # serve /kv/snapshot and /kv/events (an empty cache); else 404 (an older worker)
     bodies: list = field(default_factory=list)
     paths: list = field(default_factory=list)
+    headers: list = field(default_factory=list)   # each generate request's headers (lowercase names)
     started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     aborted: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -138,6 +139,7 @@ def make_stub(st: StubState) -> FastAPI:
         with st.lock:
             st.bodies.append(body)
             st.paths.append(req.url.path)
+            st.headers.append(dict(req.headers))
         st.started.release()
         if st.draining:
             return JSONResponse({"error": {"message": "draining", "type": "service_unavailable",

@@ -94,3 +94,16 @@ def test_requests_and_ttft_counted_per_slo_class():
                           inferenceservice="m1", slo_class=cls) == n, cls
         assert sample(r.url, "goodput_router_class_requests_total", namespace="", inferenceservice="m1",
                       slo_class="bulk", outcome="success") == 0
+
+
+def test_the_slo_class_header_travels_to_the_pod():
+    """The worker judges a request by the class it names, so the router passes the header on as
+    sent (even a name the router counts as "other" or "": the worker decides what it knows)."""
+    st = StubState("m1", "A")
+    with fleet({"m1": [st]}, max_slo_classes=1) as r:
+        for cls in ("batch", "interactive", None):
+            headers = {"x-goodput-slo-class": cls} if cls else {}
+            resp = httpx.post(r.url + "/v1/completions", json={"model": "m1", "prompt": "x"}, headers=headers,
+                              timeout=HANG_GUARD_S)
+            assert resp.status_code == 200
+        assert [h.get("x-goodput-slo-class") for h in st.headers] == ["batch", "interactive", None]

@@ -12,7 +12,7 @@ from goodput.worker.engine.config import EngineArgs
 PUBLIC_FLAGS = [
     "--model", "--host", "--port", "--dtype", "--kv-cache-memory", "--block-size", "--max-num-seqs",
     "--max-num-batched-tokens", "--max-model-len", "--max-waiting", "--no-enable-prefix-caching",
-    "--slo-ttft-ms", "--slo-tpot-ms", "--vllm-metric-aliases", "--attention-backend",
+    "--slo-ttft-ms", "--slo-tpot-ms", "--vllm-metric-aliases", "--attention-backend", "--slo-class",
 ]
 
 

@@ -24,7 +24,8 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from goodput.api.policy import KnobField, PolicySpec, knobs
+from goodput.api.policy import (DEFAULT_SLO_CLASS, MAX_SLO_CLASSES, SLO_CLASS_MAX_LENGTH, SLO_CLASS_PATTERN,
+                                KnobField, PolicySpec, knobs, slo_class_flag)
 from goodput.api.admin import ADMIN_TOKEN_ENV
 from goodput.api.settings import SettingField, check, settings
 from goodput.worker.engine.config import EngineArgs
@@ -273,12 +274,32 @@ def _nested(model: Any) -> Any:
     return model, Field(default_factory=model, json_schema_extra={"default": {}})
 
 
+class SLOClassSpec(_Model):
+    """One SLO class: a request naming it in x-goodput-slo-class meets the SLO when TTFT <= ttftMs, TPOT <= tpotMs."""
+
+    name: str = Field(..., min_length=1, max_length=SLO_CLASS_MAX_LENGTH, pattern=SLO_CLASS_PATTERN,
+                      description="the class's name, as requests send it in the x-goodput-slo-class header "
+                      f"(a DNS label; not {DEFAULT_SLO_CLASS!r}, the unnamed class)")
+    ttft_ms: float = Field(..., gt=0, description="time-to-first-token target of the class, milliseconds")
+    tpot_ms: float = Field(..., gt=0, description="time-per-output-token target of the class, milliseconds")
+
+    def flag(self) -> str:
+        """The worker's ``--slo-class`` value for this class, ``NAME:TTFT_MS:TPOT_MS``."""
+        return slo_class_flag(self.name, self.ttft_ms, self.tpot_ms)
+
+
 # The SLO and autoscaling fields are built from the policy's knob declarations
 # (goodput.api.policy.PolicySpec), so a new knob appears here by itself.
 SLOSpec = create_model(
     "SLOSpec", __base__=_Model,
-    __doc__="Service-level objectives; a request meets the SLO when TTFT <= ttftMs and TPOT <= tpotMs.",
-    **_knob_fields("slo"))
+    __doc__="Service-level objectives; a request meets the SLO when TTFT <= ttftMs and TPOT <= tpotMs "
+            "(those of its class, when it names one of classes).",
+    **_knob_fields("slo"),
+    classes=(list[SLOClassSpec], Field(
+        default_factory=list, max_length=MAX_SLO_CLASSES,
+        description="named SLO classes, each judged by its own TTFT and TPOT (requests name theirs in the "
+        "x-goodput-slo-class header; none or an unknown name: ttftMs and tpotMs above); the autoscaler "
+        "sizes for each class's own SLO")))
 AutoscalingTargets = create_model(
     "AutoscalingTargets", __base__=_Model, __doc__="Signals the autoscaler holds each replica to.",
     **_knob_fields("autoscaling", "targets"))
@@ -564,6 +585,13 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
         where = f"disaggregation.{pool}.engine"  # the pool's merged settings; each problem said once
         out += [p for p in _engine_problems(pool_spec(spec, pool), where)
                 if p.message.replace(where, "engine") not in {b.message for b in base}]
+    names = [c.name for c in spec.slo.classes]
+    if DEFAULT_SLO_CLASS in names:
+        out.append(Problem(reason="InvalidSLO", message=(
+            f"slo.classes name {DEFAULT_SLO_CLASS!r} is reserved for the unnamed class (slo.ttftMs, slo.tpotMs)")))
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        out.append(Problem(reason="InvalidSLO", message=f"slo.classes names must be unique, repeated: {', '.join(dup)}"))
     a = spec.autoscaling
     if a.min_replicas > a.max_replicas:
         out.append(Problem(reason="InvalidAutoscaling", message=(
@@ -572,7 +600,8 @@ def semantic_problems(spec: InferenceServiceSpec) -> list[Problem]:
         try:   # the policy's own consistency checks (e.g. tuning.minNumSeqs <= tuning.maxNumSeqs)
             PolicySpec.from_crd(spec.model_dump(by_alias=True))
         except ValueError as e:
-            out.append(Problem(reason="InvalidAutoscaling", message=str(e)))
+            if not str(e).startswith("slo.classes"):   # said once, above, as InvalidSLO
+                out.append(Problem(reason="InvalidAutoscaling", message=str(e)))
     d = spec.disaggregation
     if d.enabled and d.prefill.min_replicas > d.prefill.max_replicas:
         out.append(Problem(reason="InvalidDisaggregation", message=(

@@ -7,7 +7,9 @@ the knobs tune are explained in ``goodput.autoscaler.policy``. Standard library 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from goodput.api.settings import Setting, check, setting, settings
@@ -38,6 +40,97 @@ def knobs() -> list[KnobField]:
         out.append(KnobField(s.name, s.type, s.default, tuple(s.meta.crd.split(".")), crd_type,
                              crd_type(round(s.default / s.meta.unit, 9)), s.meta))
     return out
+
+
+# ------------------------------------------------------------------------------------ SLO classes
+DEFAULT_SLO_CLASS = "default"   # the class of a request naming none (or an unknown one): spec.slo's own
+MAX_SLO_CLASSES = 8             # named classes per service (a bounded metric label set)
+SLO_CLASS_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SLO_CLASS_MAX_LENGTH = 63
+SLO_CLASS_HEADER = "x-goodput-slo-class"   # how a request names its class (router and worker)
+SLO_CLASS_LABEL = "slo_class"              # the metric label of the worker's per-class counters
+_CLASS_NAME = re.compile(SLO_CLASS_PATTERN)
+
+
+@dataclass(frozen=True)
+class SloClass:
+    """One named SLO class (``spec.slo.classes[]``): a request of class ``name`` meets its SLO when
+    TTFT <= ``ttft_s`` and TPOT <= ``tpot_s`` (seconds). ``name``: a DNS label (lowercase letters,
+    digits, '-'; at most 63 characters), not ``default`` (the unnamed class, ``spec.slo.ttftMs`` /
+    ``tpotMs``). Raises ValueError naming the field on a bad name or a time that is not > 0."""
+
+    name: str
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or len(self.name) > SLO_CLASS_MAX_LENGTH \
+                or not _CLASS_NAME.match(self.name):
+            raise ValueError(f"slo.classes name {self.name!r} must be a DNS label (lowercase letters, digits, "
+                             f"'-'; at most {SLO_CLASS_MAX_LENGTH} characters)")
+        if self.name == DEFAULT_SLO_CLASS:
+            raise ValueError(f"slo.classes name {DEFAULT_SLO_CLASS!r} is reserved for the unnamed class "
+                             "(slo.ttftMs, slo.tpotMs)")
+        for what, v in (("ttftMs", self.ttft_s), ("tpotMs", self.tpot_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"slo.classes[{self.name}].{what} must be a number > 0, got {v!r}")
+
+    @classmethod
+    def from_crd(cls, d: Mapping[str, Any]) -> "SloClass":
+        """From one ``spec.slo.classes[]`` item, ``{name, ttftMs, tpotMs}`` (milliseconds). Raises
+        ValueError naming the field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"slo.classes items must be objects {{name, ttftMs, tpotMs}}, got {d!r}")
+        for key in ("name", "ttftMs", "tpotMs"):
+            if d.get(key) is None:
+                raise ValueError(f"slo.classes[{d.get('name', '?')}].{key} must be set")
+        try:
+            return cls(d["name"], float(d["ttftMs"]) / 1000.0, float(d["tpotMs"]) / 1000.0)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ValueError) and str(e).startswith("slo.classes"):
+                raise
+            raise ValueError(f"slo.classes[{d.get('name')}]: ttftMs and tpotMs must be numbers, got "
+                             f"{d.get('ttftMs')!r}, {d.get('tpotMs')!r}") from None
+
+    def flag(self) -> str:
+        """The worker's ``--slo-class`` value: ``NAME:TTFT_MS:TPOT_MS`` (:func:`parse_slo_class`)."""
+        return slo_class_flag(self.name, round(self.ttft_s * 1000, 9), round(self.tpot_s * 1000, 9))
+
+
+def slo_class_flag(name: str, ttft_ms: float, tpot_ms: float) -> str:
+    """``NAME:TTFT_MS:TPOT_MS``, the numbers as short as they parse back exactly (5000.0 -> 5000)."""
+    num = lambda x: str(int(x)) if float(x).is_integer() else repr(float(x))  # noqa: E731
+    return f"{name}:{num(ttft_ms)}:{num(tpot_ms)}"
+
+
+def parse_slo_class(text: str) -> SloClass:
+    """``NAME:TTFT_MS:TPOT_MS`` (the worker's ``--slo-class``, e.g. ``batch:5000:200``) -> SloClass.
+    Raises ValueError saying what is expected."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"an SLO class is NAME:TTFT_MS:TPOT_MS (e.g. batch:5000:200), got {text!r}")
+    try:
+        ttft, tpot = float(parts[1]), float(parts[2])
+    except ValueError:
+        raise ValueError(f"an SLO class is NAME:TTFT_MS:TPOT_MS with numbers in milliseconds, got {text!r}") from None
+    return SloClass(parts[0], ttft / 1000.0, tpot / 1000.0)
+
+
+def check_slo_classes(classes: tuple[SloClass, ...] | list[SloClass]) -> None:
+    """At most :data:`MAX_SLO_CLASSES`, names unique. Raises ValueError naming the problem."""
+    if len(classes) > MAX_SLO_CLASSES:
+        raise ValueError(f"slo.classes holds at most {MAX_SLO_CLASSES} classes, got {len(classes)}")
+    names = [c.name for c in classes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"slo.classes names must be unique, repeated: {', '.join(dup)}")
+
+
+def class_of(name: str | None, known: Mapping[str, Any] | tuple[SloClass, ...]) -> str:
+    """The class a request is judged in: ``name`` when it is a declared class, else
+    :data:`DEFAULT_SLO_CLASS` (no header, or a name the service does not declare: never an error)."""
+    names = known if isinstance(known, Mapping) else {c.name for c in known}
+    return name if name and name in names else DEFAULT_SLO_CLASS
 
 
 # ------------------------------------------------------------------------------------------ spec
@@ -129,10 +222,16 @@ class PolicySpec:
     headroom_window_s: float = setting(0.0, "seconds of offered work whose peak-to-mean ratio over one model "
                                        "load sizes the spike headroom (rule 15; 0: off, e.g. 900)", ge=0,
                                        crd="autoscaling.tuning.headroomWindowSeconds")
+    # the named SLO classes (spec.slo.classes; not a knob: a list of objects): each request is judged
+    # by its own class's TTFT/TPOT, the default class by slo_ttft_s / slo_tpot_s
+    slo_classes: tuple[SloClass, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for s in settings(PolicySpec):
             check(s, getattr(self, s.name), name=f"{s.name} ({s.meta.crd})")
+        if not isinstance(self.slo_classes, tuple) or not all(isinstance(c, SloClass) for c in self.slo_classes):
+            raise ValueError("slo_classes must be a tuple of SloClass")
+        check_slo_classes(self.slo_classes)
         if self.max_replicas < max(1, self.min_replicas):
             raise ValueError(f"need min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
         if self.min_num_seqs > self.max_num_seqs:
@@ -159,7 +258,20 @@ class PolicySpec:
         engine = spec.get("engine") or {}
         if engine.get("maxNumSeqs"):
             kw["max_num_seqs"] = max(int(engine["maxNumSeqs"]), kw.get("max_num_seqs", cls.max_num_seqs))
+        classes = (spec.get("slo") or {}).get("classes") if isinstance(spec.get("slo"), Mapping) else None
+        if classes:
+            if not isinstance(classes, list):
+                raise ValueError(f"slo.classes must be a list, got {classes!r}")
+            kw["slo_classes"] = tuple(SloClass.from_crd(c) for c in classes)
         return cls(**kw)
 
+    def class_slos(self) -> dict[str, tuple[float, float]]:
+        """Class name -> (TTFT, TPOT) in seconds: :data:`DEFAULT_SLO_CLASS` (``slo_ttft_s``,
+        ``slo_tpot_s``) first, then the named classes in declaration order."""
+        out = {DEFAULT_SLO_CLASS: (self.slo_ttft_s, self.slo_tpot_s)}
+        out.update((c.name, (c.ttft_s, c.tpot_s)) for c in self.slo_classes)
+        return out
 
-__all__ = ["KnobField", "knobs", "PolicySpec"]
+
+__all__ = ["KnobField", "knobs", "PolicySpec", "SloClass", "parse_slo_class", "slo_class_flag", "check_slo_classes", "class_of",
+           "DEFAULT_SLO_CLASS", "MAX_SLO_CLASSES", "SLO_CLASS_PATTERN", "SLO_CLASS_MAX_LENGTH", "SLO_CLASS_HEADER", "SLO_CLASS_LABEL"]

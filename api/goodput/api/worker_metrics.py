@@ -91,6 +91,12 @@ KV_TRANSFER_SECONDS = "goodput_kv_transfer_seconds"
 # so dashboards draw each service's own SLO line
 SLO_TTFT_SECONDS = "goodput_slo_ttft_seconds"
 SLO_TPOT_SECONDS = "goodput_slo_tpot_seconds"
+# Counters per SLO class (label slo_class: "default", the unnamed class and requests naming an unknown
+# one, or a class declared by --slo-class: a bounded set), each request judged by its own class's
+# TTFT/TPOT: finished (stop or length), meeting both, meeting its TPOT
+REQUESTS_FINISHED_BY_CLASS = "goodput_requests_finished_by_class"
+REQUESTS_SLO_MET_BY_CLASS = "goodput_requests_slo_met_by_class"
+REQUESTS_TPOT_MET_BY_CLASS = "goodput_requests_tpot_met_by_class"
 
 # The scheduler's counters: SchedulerStats field -> (metric name, label or None, HELP). The worker
 # exports each from the scheduler's snapshot; a labelled counter has one series per label value.

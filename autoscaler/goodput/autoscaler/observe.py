@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from goodput.autoscaler.policy import HistogramDelta, PodObservation, RouterObservation
 from goodput.api import router_metrics as rm
+from goodput.api.policy import SLO_CLASS_LABEL
 from goodput.api import worker_metrics as m
 
 
@@ -66,6 +67,14 @@ HISTOGRAMS: dict[str, str] = {
     "tpot": m.TIME_PER_OUTPUT_TOKEN,
     "queue": m.REQUEST_QUEUE_TIME,
     "prompt_len": m.REQUEST_PROMPT_TOKENS,    # tokens, not seconds: per finished request (rule 16)
+}
+# PodObservation field -> per-class counter (label slo_class): one dict {class: increase} per field.
+# Optional: a worker without them (an older image) gives None, and the policy reads the histograms.
+# In a PodSample they are flat counters named "<field>:<class>" (so restarts and deltas need nothing
+# of their own).
+CLASS_COUNTERS: dict[str, str] = {
+    "class_finished": m.REQUESTS_FINISHED_BY_CLASS,
+    "class_tpot_met": m.REQUESTS_TPOT_MET_BY_CLASS,
 }
 # PodObservation field -> gauge metric name (the current sample's value, never a delta): the
 # contract's table, which the router reads too
@@ -137,6 +146,7 @@ def needed_series() -> tuple[str, ...]:
     as ``_bucket``/``_count``/``_sum``) — e.g. for a PromQL ``__name__`` matcher."""
     names = list(GAUGES.values()) + [metric + "_total" for metric, _ in COUNTERS.values()]
     names += [h + suffix for h in HISTOGRAMS.values() for suffix in ("_bucket", "_count", "_sum")]
+    names += [metric + "_total" for metric in CLASS_COUNTERS.values()]
     return tuple(dict.fromkeys(names))
 
 
@@ -161,6 +171,10 @@ def sample_from_series(idx: dict[str, list[tuple[dict[str, str], float]]], time:
             continue
         [(label, values)] = labels.items()
         counters[fld] = sum(_sum(idx, metric + "_total", miss, **{label: v}) for v in values)
+    for fld, metric in CLASS_COUNTERS.items():   # optional: absent on a worker without them
+        for lab, v in idx.get(metric + "_total", ()):
+            key = f"{fld}:{lab.get(SLO_CLASS_LABEL, '')}"
+            counters[key] = counters.get(key, 0.0) + v
     sample = PodSample(
         time=time, gauges={fld: _sum(idx, metric, miss) for fld, metric in GAUGES.items()}, counters=counters,
         histograms={fld: _histogram(idx, metric, miss) for fld, metric in HISTOGRAMS.items()})
@@ -228,6 +242,10 @@ def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float 
     values: dict[str, Any] = {k: int(v) if k in _INT_GAUGES else v for k, v in cur.gauges.items()}
     values.update(d.counters)
     values.update(d.histograms)
+    for k, v in d.counters.items():   # "class_finished:batch" -> class_finished["batch"]
+        fld, sep, cls = k.partition(":")
+        if sep and fld in CLASS_COUNTERS:
+            values.setdefault(fld, {})[cls] = v
     values = {k: v for k, v in values.items() if k in _OBS_FIELDS}
     return PodObservation(name=name, interval_s=d.interval_s, age_s=age_s, load_s=load_s, **values)
 

@@ -11,10 +11,12 @@ computes: 14) -> :func:`aggregate` (the fleet: rules 1, 3, 16)
 -> :func:`headroom` (the offered work's history and spikes: 15)
 -> :func:`proven_work` and :func:`fewest_carrying` (what the fleet carries: 7, 14) ->
 :func:`windows` (7, 8, 10) -> :func:`choose_replicas` (7-10, 12) -> :func:`queue_limits` (5,
-12) -> :func:`conditions` -> :func:`next_state`.
+12) -> :func:`conditions` -> :func:`next_state`. Rule 17 (SLO classes) changes the signals of
+rules 2 and 5 inside :func:`tune_batch_caps` and :func:`aggregate` / :func:`queue_limits`.
 
 Terms: TTFT (time to first token), TPOT (time per output token after the first), a request
-*meets the SLO* when TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s``; *goodput* is the rate of
+*meets the SLO* when TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s`` (those of its SLO class
+when it names one: rule 17); *goodput* is the rate of
 such requests (DistServe, Zhong et al., OSDI 2024). *Attainment* is SLO-meeting requests over
 OFFERED requests.
 
@@ -238,6 +240,30 @@ How each rule follows from the ideas it rests on:
    replicas would help), reported in ``Decision.infeasible``, the decision message, a Warning
    Event series ``InfeasibleRequests`` and the counter
    ``goodput_autoscaler_infeasible_requests_total``. Their work still counts in the load.
+
+17. SLO classes: each request is held to its own class's SLO (``spec.slo_classes``, the CRD's
+   ``spec.slo.classes``; a request names its class in the ``x-goodput-slo-class`` header, none or
+   an unknown name is the default class, ``slo_ttft_s`` / ``slo_tpot_s``). The worker judges
+   ``slo_met`` per class, so attainment (rule 1) and the evidence of rule 3 are per class already;
+   it also counts, per class, the finished requests and those meeting their own class's TPOT
+   (``PodObservation.class_finished``, ``class_tpot_met``). With classes declared and counted:
+   (a) rule 2's TPOT signal is the fraction of finished requests meeting their OWN class's TPOT,
+   ``sum(class_tpot_met) / sum(class_finished)`` (:func:`tpot_met`), not the TPOT histogram's
+   fraction at the strictest TPOT: a batch request at 150 ms meets its 200 ms class and is no
+   reason to cut the batch; (b) rule 2's growth margins are taken of the strictest TPOT among the
+   classes that finished requests on the pod (:func:`strictest_tpot`): every request in a step
+   waits for the same step, so the batch grows only while every class present keeps its TPOT;
+   (c) rule 5's TTFT budget is the strictest TTFT among the classes present (:func:`queue_ttft`:
+   a class that finished requests over the interval or within the last stabilization window,
+   ``PolicyState.class_seen``, so a strict class whose requests are sparse, or all still running,
+   keeps holding the queue), not ``slo_ttft_s``: the worker's queue is first-in first-out whatever
+   the class, so a request queued behind k others waits k / mu whatever its own TTFT, and the
+   queue is as deep as its strictest request allows (a queue sized from the class mix, letting
+   batch requests wait their 5 s, admits requests that make every interactive one behind them
+   late: measured on the simulator's two-class trace, a 5 s budget gives 0.590 attainment and a
+   1.5 s one 0.633, against 0.763 with the strictest class's 0.5 s). A service whose strict class
+   sends nothing queues for the looser ones. Without classes, or with a worker that does not
+   export the per-class counters, rules 2 and 5 read exactly as above (bit for bit).
 """
 from __future__ import annotations
 
@@ -322,6 +348,12 @@ class PodObservation:
         scraped: the work per replica of rule 7 then counts output tokens only).
     prompt_len: histogram increase of the prompt tokens per finished request over the interval
         (bounds in tokens; None when not scraped: rule 16 then counts no request infeasible).
+    class_finished, class_tpot_met: SLO class name -> increases over the interval of the finished
+        requests (stop/length) of that class and of those among them meeting their own class's
+        TPOT SLO (``goodput_requests_{finished,tpot_met}_by_class_total``; the unnamed class is
+        ``default``). None when not scraped (a worker without SLO classes): rules 2 and 5 then
+        read the TPOT histogram against ``slo_tpot_s`` and the TTFT budget of ``slo_ttft_s``
+        (rule 17).
     """
 
     name: str
@@ -345,6 +377,8 @@ class PodObservation:
     load_s: float | None = None
     prompt_tokens: float | None = None
     prompt_len: HistogramDelta | None = None
+    class_finished: Mapping[str, float] | None = None
+    class_tpot_met: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -433,6 +467,8 @@ class PolicyState:
         scale-down taught (the estimate is multiplied by it, <= 1; back to 1 with the floor).
     work_history: ``[time, seconds, offered tokens, offered requests]`` per call with metrics
         over the last ``headroom_window_s`` (rule 15).
+    class_seen: SLO class name -> the last call at which a request of that class finished (rule
+        17; kept one stabilization window).
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -464,6 +500,7 @@ class PolicyState:
     cap_seen_s: float = 0.0
     cap_scale: float = 1.0
     work_history: list[list[float]] = field(default_factory=list)
+    class_seen: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -488,6 +525,8 @@ class PolicyState:
                     kw[f.name] = [[float(x) for x in e] for e in v if len(e) == 4]
                 elif f.name == "caps":
                     kw[f.name] = {str(k): int(x) for k, x in (v or {}).items()}
+                elif f.name == "class_seen":
+                    kw[f.name] = {str(k): float(x) for k, x in (v or {}).items() if math.isfinite(float(x))}
                 elif v is None and type(None) in typing.get_args(t):
                     kw[f.name] = None
                 else:
@@ -554,11 +593,39 @@ def _pod_service_s(p: PodObservation, slo_ttft_s: float, tpot_ceiling_s: float =
     return min(ttft, slo_ttft_s) + (out - 1.0) * min(p.tpot.mean, tpot_ceiling_s)
 
 
+def _classes_seen(p: PodObservation, spec: PolicySpec) -> bool:
+    """Rule 17: the pod reports per-class counters and the spec declares classes."""
+    return bool(spec.slo_classes) and p.class_finished is not None and p.class_tpot_met is not None
+
+
+def tpot_met(p: PodObservation, spec: PolicySpec) -> float | None:
+    """Rule 2's TPOT attainment over the interval, 0..1 (None: nothing finished). Without SLO
+    classes: the TPOT histogram's fraction at ``slo_tpot_s``. With them (rule 17): the fraction of
+    finished requests meeting their OWN class's TPOT, ``sum(class_tpot_met) / sum(class_finished)``
+    (a batch request at 150 ms meets a 200 ms class, whatever the strictest class asks)."""
+    if _classes_seen(p, spec):
+        fin = sum(p.class_finished.values())
+        return min(1.0, max(0.0, sum(p.class_tpot_met.values()) / fin)) if fin > 0 else None
+    return p.tpot.fraction_le(spec.slo_tpot_s) if p.tpot is not None else None
+
+
+def strictest_tpot(p: PodObservation, spec: PolicySpec) -> float:
+    """The TPOT (seconds) rule 2's growth margins are taken of: ``slo_tpot_s``; with SLO classes
+    (rule 17) the strictest TPOT among the classes that finished requests on the pod over the
+    interval (``slo_tpot_s`` when none did): the batch grows only while every class present would
+    keep its TPOT (the step time is shared by the whole batch)."""
+    if not _classes_seen(p, spec):
+        return spec.slo_tpot_s
+    slos = spec.class_slos()
+    present = [slos[c][1] for c, n in p.class_finished.items() if n > 0 and c in slos]
+    return min(present) if present else spec.slo_tpot_s
+
+
 def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
     """Rule 2 (AIMD on the best batch) for one pod: the cap after this interval's evidence."""
     if p.interval_s <= 0 or p.tpot is None:
         return cap
-    tpot_ok = p.tpot.fraction_le(spec.slo_tpot_s)
+    tpot_ok = tpot_met(p, spec)
     if p.preempted > 0 or (tpot_ok is not None and tpot_ok < spec.attainment_target):
         base = min(cap, max(p.running, spec.min_num_seqs))
         return max(spec.min_num_seqs, min(cap - 1, math.floor(base * spec.batch_decrease)))
@@ -566,8 +633,9 @@ def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
         return cap          # the cap does not bind, or KV binds first: no evidence to grow
     # KV at the new cap, extrapolated from KV per running request now, must stay <= kv_target
     kv_room = math.floor(p.running * spec.kv_target / p.kv_usage) if p.kv_usage > 0 else spec.max_num_seqs
-    fast = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_fast_margin)
-    margin = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin)
+    tpot_ref = strictest_tpot(p, spec)
+    fast = p.tpot.fraction_le(tpot_ref * spec.tpot_fast_margin)
+    margin = p.tpot.fraction_le(tpot_ref * spec.tpot_margin)
     if fast is not None and fast >= spec.attainment_target:
         grown = math.ceil(cap * spec.batch_fast_increase)
     elif margin is not None and margin >= spec.attainment_target:
@@ -585,9 +653,10 @@ def growth_room(p: PodObservation, cap: int, spec: PolicySpec) -> int:
     ``cap`` itself without TPOT evidence, after a preemption or a TPOT miss."""
     if p.interval_s <= 0 or p.tpot is None or p.preempted > 0:
         return cap
-    ok = p.tpot.fraction_le(spec.slo_tpot_s)
-    fast = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_fast_margin)
-    margin = p.tpot.fraction_le(spec.slo_tpot_s * spec.tpot_margin)
+    ok = tpot_met(p, spec)
+    tpot_ref = strictest_tpot(p, spec)
+    fast = p.tpot.fraction_le(tpot_ref * spec.tpot_fast_margin)
+    margin = p.tpot.fraction_le(tpot_ref * spec.tpot_margin)
     if ok is None or ok < spec.attainment_target:
         return cap
     if fast is not None and fast >= spec.attainment_target:
@@ -769,6 +838,8 @@ class Fleet:
     time. prompt_mean, output_mean: tokens per request this interval (None = no evidence).
     held, queued: at the router. infeasible: requests of the interval no replica could serve
     within the TTFT SLO (rule 16); ``attainment`` leaves them out of its denominator.
+    queue_ttft_s: the TTFT budget of rule 5 with SLO classes (rule 17; None: ``slo_ttft_s``).
+    classes_now: the declared SLO classes that finished requests over the interval (rule 17).
     """
 
     rated: int
@@ -794,6 +865,39 @@ class Fleet:
     queued: int = 0
     infeasible: float = 0.0
     room: float = 0.0
+    queue_ttft_s: float | None = None
+    classes_now: tuple[str, ...] = ()
+
+
+def classes_present(obs: Observation, spec: PolicySpec) -> tuple[str, ...]:
+    """Rule 17: the declared SLO classes (``default`` included) whose requests finished on the
+    ready pods over the interval, in declaration order (() without classes or counters)."""
+    if not spec.slo_classes:
+        return ()
+    done: dict[str, float] = {}
+    for p in obs.ready:
+        if p.interval_s > 0 and p.class_finished is not None:
+            for c, n in p.class_finished.items():
+                done[c] = done.get(c, 0.0) + n
+    return tuple(c for c in spec.class_slos() if done.get(c, 0.0) > 0)
+
+
+def queue_ttft(now: float, present: tuple[str, ...], spec: PolicySpec, st: PolicyState) -> float | None:
+    """Rule 17: the TTFT (seconds) that bounds a FIFO waiting queue: the strictest TTFT among the
+    SLO classes present, those in ``present`` (:func:`classes_present`) and those
+    ``st.class_seen`` saw finish within the last ``stabilization_window_s``; None without classes
+    or without any class seen (rule 5 then uses ``slo_ttft_s``). A queue is first-in first-out
+    whatever the class: a request queued behind k others waits k / mu whatever its own TTFT, so
+    the queue is as deep as its strictest request allows, not as the mix would average (measured:
+    a 5 s budget on the two-class trace, whose interactive class has 0.5 s, gives 0.590
+    attainment against 0.763). A service whose strict class sends nothing for a window queues for
+    the looser ones."""
+    if not spec.slo_classes:
+        return None
+    slos = spec.class_slos()
+    seen = set(present) | {c for c, t in st.class_seen.items() if now - t <= spec.stabilization_window_s}
+    ttfts = [slos[c][0] for c in seen if c in slos]
+    return min(ttfts) if ttfts else None
 
 
 def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, st: PolicyState,
@@ -838,6 +942,7 @@ def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, s
     output_mean = sum(p.generation_tokens for p in rated) / finished if finished > 0 else None
     held, queued = (router.held, router.queued) if router is not None else (0, 0)
     n_inf = sum(infeasible(p, p_max) for p in rated)
+    present = classes_present(obs, spec)
     return Fleet(
         rated=len(rated), offered_rps=offered_rps, admitted_rps=admitted_rps, finished=finished,
         slo_met=slo_met, rejected=rejected, preempted=sum(p.preempted for p in rated),
@@ -849,7 +954,8 @@ def aggregate(now: float, obs: Observation, caps: BatchCaps, spec: PolicySpec, s
         sizing_service_s=sizing_service_s,
         tpot_mean=sum(h.sum for h in tpots) / tpot_n if tpot_n > 0 else 0.0,
         capacity=capacity, live_capacity=live, t_first=t_first, prompt_mean=prompt_mean,
-        output_mean=output_mean, held=held, queued=queued, infeasible=n_inf, room=room)
+        output_mean=output_mean, held=held, queued=queued, infeasible=n_inf, room=room,
+        queue_ttft_s=queue_ttft(now, present, spec, st), classes_now=present)
 
 
 # ------------------------------------------------------------------------------- phase 3: size
@@ -1262,7 +1368,8 @@ def queue_limits(fleet: Fleet, n_ready: int, coming: int, added: int, spec: Poli
                  service_s: float) -> QueueLimits:
     """Phase 7: the waiting-queue limit from the TTFT budget (rule 5) and the router's bound."""
     mu = fleet.live_capacity / service_s if service_s > 0 else 0.0   # completions/s per replica
-    budget = max(0.0, spec.slo_ttft_s - fleet.t_first)
+    ttft = fleet.queue_ttft_s if fleet.queue_ttft_s is not None else spec.slo_ttft_s   # rule 17
+    budget = max(0.0, ttft - fleet.t_first)
     k_ttft = math.floor(budget * mu) if mu > 0 else None
     loading = coming + max(0, added)
     ready_frac = n_ready / max(1, n_ready + loading) if loading else 1.0
@@ -1307,8 +1414,8 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
                st: PolicyState, cap: Capacity | None = None, head: Headroom | None = None) -> PolicyState:
     """What the next call remembers: windows, caps, plan (rule 4), Holt (rule 11), the proven and
     failed work per replica and the floor (rule 7), the last busy time (rule 12), the capacity
-    estimate and what an undone scale-down taught it (rule 14), the work history (rule 15).
-    An undone scale-down scales the capacity estimate so that its usable work falls below
+    estimate and what an undone scale-down taught it (rule 14), the work history (rule 15), when
+    each SLO class last finished a request (rule 17). An undone scale-down scales the capacity estimate so that its usable work falls below
     ``(1 - tolerance)`` times the work per replica that failed; the scale returns to 1 when the
     floor has decayed away."""
     current, replicas = obs.current_replicas, out.replicas
@@ -1357,7 +1464,9 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
         cap_tokens=cap.tokens if cap is not None else st.cap_tokens,
         cap_var=cap.var if cap is not None else st.cap_var,
         cap_seen_s=cap.seen_s if cap is not None else st.cap_seen_s, cap_scale=scale,
-        work_history=[list(e) for e in head.history] if head is not None else st.work_history)
+        work_history=[list(e) for e in head.history] if head is not None else st.work_history,
+        class_seen={c: t for c, t in {**st.class_seen, **{c: now for c in fleet.classes_now}}.items()
+                    if now - t <= spec.stabilization_window_s})
 
 
 # -------------------------------------------------------------------------------------- decide
@@ -1420,5 +1529,5 @@ __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
            "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "peak_to_mean", "headroom",
            "SPIKE_NOISE_SD",
-           "tune_cap", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
+           "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from goodput.autoscaler import observe
-from goodput.api.policy import PolicySpec
+from goodput.api.policy import PolicySpec, SloClass
 from goodput.autoscaler.policy import (
     Observation,
     PodObservation,
@@ -160,6 +160,7 @@ class Trace:
     tokens: list[tuple[int, ...]] | None = None   # prompt token ids (None: 1..prompt, no shared prefix)
     anchor_tokens: list[int] | None = None  # leading tokens naming the conversation (routing.chat_trace)
     prefix_caching: bool = False            # the replicas' engine prefix cache
+    class_names: list[str] | None = None    # class -> its SLO class name (None: one unnamed class)
 
     def __len__(self) -> int:
         return len(self.t)
@@ -224,12 +225,13 @@ def synthetic_trace(kind: str, seed: int = 0, rate: float = 6.0, duration: float
         prompt.append(_lognormal_int(rng, p_med, 0.6, 8, 6000))
         output.append(_lognormal_int(rng, o_med, 0.8, 2, 1500))
         cls.append(c)
+    names = None
     if kind == "two-class":
-        slos = [(0.5, 0.05), (5.0, 0.2)]
+        slos, names = [(0.5, 0.05), (5.0, 0.2)], ["interactive", "batch"]
     slo_note = "; ".join(f"TTFT {a} s / TPOT {b * 1000:.0f} ms" for a, b in slos)
     return Trace(kind, ts, prompt, output, cls, slos, duration, max_replicas, initial_replicas,
                  note=f"seed {seed}, base {rate} req/s, prompts median {prompt_median}, outputs "
-                      f"median {output_median}, SLO {slo_note}")
+                      f"median {output_median}, SLO {slo_note}", class_names=names)
 
 
 def azure_trace(path: str | None = None, rate_scale: float = 4.0, slo: tuple[float, float] = (1.0, 0.1),
@@ -307,13 +309,18 @@ class Replica:
     """One simulated worker: the real Scheduler with a simulated clock and step time."""
 
     def __init__(self, name: str, created: float, ready_at: float, cfg: EngineConfig,
-                 slos: list[tuple[float, float]], block_manager: BlockManager | None = None) -> None:
+                 slos: list[tuple[float, float]], block_manager: BlockManager | None = None,
+                 class_names: list[str] | None = None) -> None:
         self.name = name
         self.created = created
         self.ready_at = ready_at
         self.now = created
         self.sched = Scheduler(cfg, block_manager, clock=lambda: self.now)
         self.slos = slos
+        # what the worker exports per SLO class (goodput_requests_{finished,tpot_met}_by_class_total),
+        # for a trace with named classes: class name -> [finished, meeting its own TPOT]
+        self.class_names = class_names
+        self.by_class: dict[str, list[int]] = {n: [0, 0] for n in class_names or ()}
         self.stepping = False
         self.draining = False
         self.gone_at: float | None = None
@@ -339,7 +346,9 @@ class Replica:
                       "slo_met": self.slo_met, "rejected_429": rej["queue_full"],
                       "rejected_400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
                       "generation_tokens": s.generation_tokens_total, "prompt_tokens": s.prompt_tokens_total,
-                      "prefix_cache_hits": s.prefix_cache_hits_total},
+                      "prefix_cache_hits": s.prefix_cache_hits_total,
+                      **{f"class_finished:{n}": v[0] for n, v in self.by_class.items()},
+                      **{f"class_tpot_met:{n}": v[1] for n, v in self.by_class.items()}},
             histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot(),
                         "prompt_len": self.prompt_len.snapshot()})
 
@@ -473,7 +482,8 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
     seq = itertools.count()
 
     def new_pod(now: float, ready: bool) -> Replica:
-        r = Replica(f"pod-{next(serial)}", now, now if ready else now + load_time_s, cfg, trace.slos)
+        r = Replica(f"pod-{next(serial)}", now, now if ready else now + load_time_s, cfg, trace.slos,
+                    class_names=trace.class_names)
         pods.append(r)
         if not ready:
             heapq.heappush(events, (r.ready_at, next(seq), "ready", r))
@@ -527,6 +537,10 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                 r.prompt_len.observe(req.num_prompt_tokens)
                 finished_total += 1
                 slo_ttft, slo_tpot = r.slos[c]
+                if r.class_names is not None:
+                    counts = r.by_class[r.class_names[c]]
+                    counts[0] += 1
+                    counts[1] += tpot is None or tpot <= slo_tpot
                 if ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot):
                     r.slo_met += 1
                     slo_met_total += 1
@@ -628,11 +642,14 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
 
 
 def default_goodput_spec(trace: Trace, **kw) -> PolicySpec:
-    """Our policy's spec for a trace: the strictest class SLO, the trace's replica bounds."""
+    """Our policy's spec for a trace, as the loop builds it from an InferenceService: the default
+    class (``spec.slo.ttftMs`` / ``tpotMs``) at the strictest class SLO, a trace with named classes
+    declaring each (``spec.slo.classes``), the trace's replica bounds."""
     ttft = min(s[0] for s in trace.slos)
     tpot = min(s[1] for s in trace.slos)
+    classes = tuple(SloClass(n, a, b) for n, (a, b) in zip(trace.class_names or (), trace.slos))
     base = dict(min_replicas=1, max_replicas=trace.max_replicas, slo_ttft_s=ttft, slo_tpot_s=tpot,
-                attainment_target=0.9)
+                attainment_target=0.9, slo_classes=classes)
     base.update(kw)
     return PolicySpec(**base)
 

@@ -101,6 +101,8 @@ def worker_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str
         obj: Any = spec.engine if path == "engine" else spec
         for attr in ([s.name] if path == "engine" else map(to_snake, path.split("."))):
             obj = None if obj is None else getattr(obj, attr)
+        if isinstance(obj, list):   # a repeatable flag (slo.classes: one --slo-class per class)
+            obj = [x.flag() if hasattr(x, "flag") else x for x in obj] or None
         values[s.name] = obj
     return ["serve", *to_cli_args(values), *spec.engine.extra_args]
 

@@ -65,7 +65,8 @@ _TENANT_B, _QUEUE_TIMEOUT_B, _SLO_CLASS_B = (h.encode() for h in (TENANT_HEADER,
                                                                     SLO_CLASS_HEADER))
 # Request headers passed to the pod; response headers passed back (the rest are hop-by-hop or
 # recomputed: content-length, transfer-encoding, connection, date, server).
-_FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept")
+_FORWARD_REQ = ("content-type", "authorization", "x-request-id", "traceparent", "tracestate", "accept",
+                SLO_CLASS_HEADER)   # the worker judges the request by its class
 _FORWARD_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 # The router's own refusals by error code -> goodput_router_requests_total outcome.
 _OUTCOMES = {"queue_full": "refused", "queue_timeout": "timeout", "no_ready_pod": "timeout"}

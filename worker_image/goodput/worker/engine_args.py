@@ -63,6 +63,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         args.model_name, engine.stats,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000.0,
         slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000.0,
-        vllm_aliases=args.vllm_metric_aliases, max_model_len=max_model_len)
+        vllm_aliases=args.vllm_metric_aliases, max_model_len=max_model_len,
+        slo_classes=args.slo_class_list())
     engine.kv_bytes_per_token = per_token
     return engine

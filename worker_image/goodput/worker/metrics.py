@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.scheduler import SchedulerStats
 from goodput.api.identity import INSTANCE_LABEL, new_instance_id
+from goodput.api.policy import DEFAULT_SLO_CLASS, SLO_CLASS_LABEL, SloClass, class_of
 from goodput.api.states import FinishReason
 from goodput.api.worker_metrics import (
     ADMISSION_MAX_NUM_SEQS,
@@ -65,7 +66,10 @@ from goodput.api.worker_metrics import (
     REQUEST_PROMPT_TOKENS,
     REQUEST_QUEUE_TIME,
     REQUESTS_RUNNING,
+    REQUESTS_FINISHED_BY_CLASS,
     REQUESTS_SLO_MET,
+    REQUESTS_SLO_MET_BY_CLASS,
+    REQUESTS_TPOT_MET_BY_CLASS,
     REQUESTS_WAITING,
     SCHEDULER_COUNTERS,
     SLO_TPOT_SECONDS,
@@ -221,12 +225,16 @@ class WorkerMetrics:
     max_model_len: largest bucket of the per-request token histograms (1-2-5 buckets up to it).
     instance_id: this engine's identity (``goodput.api.identity``; None: a new one), exported as
         ``goodput_engine_instance_info{instance_id}``.
+    slo_classes: the named SLO classes (``--slo-class``): a request assigned one
+        (:meth:`assign_class`) is judged by its TTFT/TPOT, the others by ``slo_ttft_s`` /
+        ``slo_tpot_s`` as class ``default``; ``goodput_requests_{finished,slo_met,tpot_met}_by_class``
+        count each class (label ``slo_class``: ``default`` and these names only).
     """
 
     def __init__(self, model_name: str, stats_fn: Callable[[], SchedulerStats],
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                  vllm_aliases: bool = False, max_model_len: int | None = None,
-                 instance_id: str | None = None) -> None:
+                 instance_id: str | None = None, slo_classes: tuple[SloClass, ...] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.instance_id = instance_id or new_instance_id()
@@ -243,6 +251,19 @@ class WorkerMetrics:
         self._slo_met = Counter(REQUESTS_SLO_MET,
                                 "Finished requests (stop or length) meeting both the TTFT and TPOT SLOs.",
                                 ["model_name"], registry=self.registry).labels(model_name)
+        # per SLO class: name -> (TTFT, TPOT) thresholds; request id -> its class while it runs
+        self.class_slos: dict[str, tuple[float | None, float | None]] = {DEFAULT_SLO_CLASS: (slo_ttft_s, slo_tpot_s)}
+        self.class_slos.update((c.name, (c.ttft_s, c.tpot_s)) for c in slo_classes)
+        self._request_class: dict[str, str] = {}
+        by_class = [(name, Counter(name, doc, ["model_name", SLO_CLASS_LABEL], registry=self.registry))
+                    for name, doc in (
+                        (REQUESTS_FINISHED_BY_CLASS, "Finished requests (stop or length) by SLO class."),
+                        (REQUESTS_SLO_MET_BY_CLASS, "Finished requests (stop or length) meeting their own "
+                                                    "SLO class's TTFT and TPOT, by SLO class."),
+                        (REQUESTS_TPOT_MET_BY_CLASS, "Finished requests (stop or length) meeting their own "
+                                                     "SLO class's TPOT, by SLO class."))]
+        self._by_class = {c: tuple(counter.labels(model_name, c) for _, counter in by_class)
+                          for c in self.class_slos}   # every series exported from the start, at 0
         h = lambda name, doc, b: _Hist(self.registry, name, doc, b, model_name, vllm_aliases)
         self.ttft = h(TIME_TO_FIRST_TOKEN, "Time to first token: first token - arrival.", TTFT_BUCKETS)
         self.itl = h(INTER_TOKEN_LATENCY, "Every gap between consecutive output tokens.",
@@ -290,6 +311,22 @@ class WorkerMetrics:
         """A decode worker prefilled locally although handed a transfer (``KV_FALLBACK_REASONS``)."""
         self._kv_fallbacks.labels(self.model_name, reason).inc()
 
+    def assign_class(self, request_ids: Iterable[str], name: str | None) -> str:
+        """Judge these requests (an OpenAI request's engine requests) by the SLO class ``name`` (the
+        ``x-goodput-slo-class`` header; None, empty or a class not declared: ``default``, never an
+        error). Returns the class used. :meth:`observe_finished` forgets each request;
+        :meth:`forget` undoes this for requests that were never admitted."""
+        cls = class_of(name, self.class_slos)
+        if cls != DEFAULT_SLO_CLASS:
+            for rid in request_ids:
+                self._request_class[rid] = cls
+        return cls
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the class of requests that will never finish (refused at admission)."""
+        for rid in request_ids:
+            self._request_class.pop(rid, None)
+
     def observe_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:
         self.ttft.observe(ttft_s)
         if queue_time_s is not None:
@@ -326,9 +363,16 @@ class WorkerMetrics:
         if n is not None:
             self.params_n.observe(n)
         self.params_max_tokens.observe(req.sampling_params.max_tokens)
-        if finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and slo_met(req.ttft, tpot_s, self.slo_ttft_s,
-                                                             self.slo_tpot_s):
-            self._slo_met.inc()
+        cls = self._request_class.pop(getattr(req, "request_id", ""), DEFAULT_SLO_CLASS)
+        if finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            ttft_slo, tpot_slo = self.class_slos[cls]
+            finished, met, tpot_met = self._by_class[cls]
+            finished.inc()
+            if slo_met(None, tpot_s, None, tpot_slo):
+                tpot_met.inc()
+            if slo_met(req.ttft, tpot_s, ttft_slo, tpot_slo):
+                met.inc()
+                self._slo_met.inc()
 
     def render(self) -> bytes:
         """The text exposition format (``text/plain; version=0.0.4``)."""

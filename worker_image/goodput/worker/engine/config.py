@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from goodput.api.policy import SloClass, check_slo_classes, parse_slo_class
 from goodput.api.settings import SettingField, check, flag_value, setting, settings, validate
 from goodput.api.units import parse_bytes
 
@@ -60,6 +61,9 @@ def to_cli_args(values: Mapping[str, Any]) -> list[str]:
         if s.type is bool:
             if value != s.default:
                 out.append(s.flag if value else "--no-" + s.flag[2:])
+        elif s.type is list:   # a repeatable flag: once per item
+            for item in value:
+                out += [s.flag, str(item)]
         else:
             out += [s.flag, flag_value(s, value)]
     return out
@@ -159,6 +163,11 @@ class EngineArgs(SchedulerSettings):
                                         gt=0, crd="slo.ttftMs")
     slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput_requests_slo_met_total (ms)",
                                         gt=0, crd="slo.tpotMs")
+    slo_classes: list[str] = setting(
+        [], "an SLO class NAME:TTFT_MS:TPOT_MS (repeatable, e.g. batch:5000:200): requests naming it in the "
+            "x-goodput-slo-class header are judged by its TTFT/TPOT for goodput_requests_slo_met_total and "
+            "counted under slo_class=NAME; others by --slo-ttft-ms/--slo-tpot-ms as slo_class=default",
+        crd="slo.classes", flag="--slo-class", metavar="NAME:TTFT_MS:TPOT_MS")
     vllm_metric_aliases: bool = setting(False, "also export vLLM's metric names (docs/metrics.md)",
                                         crd="engine")
     logprobs_mode: str = setting(
@@ -190,9 +199,19 @@ class EngineArgs(SchedulerSettings):
     def __post_init__(self) -> None:
         validate(self)
         self.check_prompt_lookup()
+        self.slo_class_list()   # raises ValueError naming --slo-class
         if self.quantization != "none" and self.device == "cuda":
             raise ValueError(f"quantization {self.quantization!r} runs on torch's CPU kernels only; "
                              "use device 'cpu', or quantization 'none' on CUDA")
+
+    def slo_class_list(self) -> tuple[SloClass, ...]:
+        """``--slo-class`` parsed (at most 8, names unique). Raises ValueError naming the flag."""
+        try:
+            classes = tuple(parse_slo_class(c) for c in self.slo_classes)
+            check_slo_classes(classes)
+        except ValueError as e:
+            raise ValueError(f"--slo-class: {e}") from None
+        return classes
 
     @property
     def model_name(self) -> str:

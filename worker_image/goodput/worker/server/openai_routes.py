@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from goodput.api.policy import SLO_CLASS_HEADER
 from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.async_engine import EngineDeadError, RequestStream
 from goodput.worker.llm_engine import RequestDelta
@@ -231,12 +232,15 @@ def _engine_error(st, e: BaseException, n_prompt_tokens: int) -> APIError:
 
 
 def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: float,
-               n: int, pd: _Disagg | None = None, **engine_fields: Any) -> list[tuple[int, int, RequestStream]]:
+               n: int, pd: _Disagg | None = None, *, slo_class: str | None = None,
+               **engine_fields: Any) -> list[tuple[int, int, RequestStream]]:
     """Admit ``n`` choices of every prompt (forks sharing each prompt's KV blocks): all of them
     or none (what was admitted is aborted when a later one is refused). Returns
     (choice index = prompt_index * n + i, prompt index, stream) in index order. ``pd``: the
     request's part in disaggregated serving (one prompt, n = 1): a remote prefill (its first
-    token only, its KV leased) or an imported prompt."""
+    token only, its KV leased) or an imported prompt. ``slo_class``: the
+    ``x-goodput-slo-class`` header (the metrics judge each request by its class; an unknown one
+    is the default class)."""
     engine = st.require_engine()
     try:
         params = [body.to_sampling_params(max_tokens, i, **(engine_fields if i == 0 else {
@@ -249,6 +253,8 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
         raise _invalid(st, APIError(400, str(e)))
     prefix = new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl")
     admitted: list[tuple[int, int, RequestStream]] = []
+    metrics = st.llm.metrics if st.llm is not None else None
+    classed: list[str] = []
     try:
         if len(prompts) > 1:  # a batch: 400 when it can never fit the queue, 429 when not now
             engine.check_room(len(prompts))
@@ -256,6 +262,9 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
             rid = f"{prefix}-{pi}" if len(prompts) > 1 else prefix
             if pd is not None and pd.handle is not None:
                 rid = pd.handle
+            if metrics is not None:
+                classed += [rid] + [f"{rid}-n{i}" for i in range(1, n)]
+                metrics.assign_class(classed[-n:], slo_class)
             streams = engine.add_request_group(
                 rid, ids, params[0], arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt,
                 forks=[(f"{rid}-n{i}", params[i]) for i in range(1, n)],
@@ -264,6 +273,8 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
     except (AdmissionError, EngineDeadError, ValueError, TypeError) as e:
         for _, _, s in admitted:
             s.abort()
+        if metrics is not None:   # the refused prompt's requests never finish
+            metrics.forget(classed[len(admitted):])
         raise _engine_error(st, e, 0)
     return admitted
 
@@ -559,7 +570,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     if schema is not None:
         fields["json_schema"] = schema
     pd = await _disaggregation(st, request, body, prompt_ids, n, fields)
-    entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, pd, **fields)
+    entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, pd,
+                         slo_class=request.headers.get(SLO_CLASS_HEADER), **fields)
     await tie_later(st, request, body, prompt_ids)  # KV events: its chunk keys -> its blocks
     if pd is not None and pd.hold_kv:
         return await _remote_prefill_answer(st, request, entries, pd, len(prompt_ids[0]))
@@ -661,7 +673,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if schema is not None:
         fields["json_schema"] = schema
     pd = await _disaggregation(st, request, body, [prompt_ids], body.n, fields)
-    entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n, pd, **fields)
+    entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n, pd,
+                         slo_class=request.headers.get(SLO_CLASS_HEADER), **fields)
     await tie_later(st, request, body, [prompt_ids])  # KV events: its chunk keys -> its blocks
     if pd is not None and pd.hold_kv:
         return await _remote_prefill_answer(st, request, entries, pd, len(prompt_ids))
