@@ -230,6 +230,17 @@ def serving() -> dashboard.Dashboard:
                            "proposed {{pod}}"),
                           (f"sum by (pod) (rate({W.SPEC_DECODE_ACCEPTED_TOKENS}_total{{{POD}}}[{RATE}]))",
                            "accepted {{pod}}")], 0, y, w=8))
+    d = (d.with_panel(_ts("KV transfer", "Disaggregated prefill: KV payload bytes per second sent by prefill "
+                          "pods and received by decode pods (2·L·n_kv·d_head·bytes per token), and the leases "
+                          "prefill pods hold now.", "Bps",
+                          [(f"sum by (pod, direction) (rate({W.KV_TRANSFER_BYTES}_total{{{POD}}}[{RATE}]))",
+                            "{{direction}} {{pod}}")], 8, y, w=8))
+         .with_panel(_ts("Prefills by where", "Requests per second whose prompt was computed locally or "
+                         "imported from a prefill pod (remote), and transfers that fell back to a local "
+                         "prefill, by reason.", "ops",
+                         [(f"sum by (pod, where) (rate({W.PREFILLS}_total{{{POD}}}[{RATE}]))", "{{where}} {{pod}}"),
+                          (f"sum by (pod, reason) (rate({W.KV_TRANSFER_FALLBACKS}_total{{{POD}}}[{RATE}]))",
+                           "fallback {{reason}} {{pod}}")], 16, y, w=8)))
     y += 8
     return _router_row(d, y, by)
 

@@ -28,6 +28,7 @@ PROMQL_WORDS = {
     "sum", "by", "without", "rate", "increase", "histogram_quantile", "max", "min", "avg", "count",
     "label_values", "on", "ignoring", "and", "or", "unless", "bool", "avg_over_time", "vector",
     "le", "namespace", "inferenceservice", "pod", "reason", "finished_reason", "state", "model_name", "outcome",
+    "direction", "where",
 }
 
 

@@ -252,3 +252,33 @@ def test_cli_kubernetes_flags():
     assert d.namespaces is None
     with pytest.raises(SystemExit):
         dk.from_args(argparse.Namespace(namespace=["a"], all_namespaces=True, watch_timeout=300))
+
+
+def _with_role(obj, role):
+    obj["metadata"]["labels"]["serving.goodput.dev/role"] = role
+    return obj
+
+
+@pytest.mark.parametrize("obj, role", [
+    (_with_role(pod(), "decode"), "decode"),
+    (_with_role(pod(component="prefill-worker"), "prefill"), "prefill"),
+    (pod(component="prefill-worker"), "prefill"),      # the prefill pool's component says it
+    (_with_role(pod(), "bogus"), "both"),
+    (pod(), "both"),
+], ids=["decode", "prefill-pool", "prefill-component-only", "unknown-role", "no-label"])
+def test_pod_record_role_for_disaggregated_serving(obj, role):
+    assert pod_record(obj)[3].role == role
+
+
+@pytest.mark.parametrize("disagg, want", [
+    (None, None),
+    ({"enabled": False, "remotePrefillMinTokens": 100}, None),
+    ({"enabled": True}, 512),                              # the CRD's default
+    ({"enabled": True, "remotePrefillMinTokens": 0}, 0),
+    ({"enabled": True, "remotePrefillMinTokens": 2048}, 2048),
+])
+def test_service_info_carries_the_remote_prefill_threshold(disagg, want):
+    obj = isvc()
+    if disagg is not None:
+        obj["spec"]["disaggregation"] = disagg
+    assert service_info(obj).remote_prefill_min_tokens == want

@@ -34,7 +34,8 @@ def test_router_metrics_match_the_contract_table():
     table = doc_table()
     names = {mn.HELD_REQUESTS, mn.QUEUED_REQUESTS, mn.REQUESTS, mn.DECISIONS, mn.QUEUE_WAIT, mn.OVERHEAD,
              mn.UPSTREAM_TTFT, mn.POD_IN_FLIGHT, mn.EJECTED_PODS, mn.EJECTIONS, mn.POD_RESTARTS,
-             mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT, mn.KV_KEYS, mn.KV_EVENTS, mn.KV_RESYNCS}
+             mn.CLASS_REQUESTS, mn.CLASS_UPSTREAM_TTFT, mn.KV_KEYS, mn.KV_EVENTS, mn.KV_RESYNCS,
+             mn.PD_DECISIONS}
     assert set(table) == names
     st, bad = StubState("m1", "A", instance="a-1", kv_events=True), StubState("m1", "B", fail_status=500, kv_events=True)
     with ServerThread(make_stub(st)) as stub, ServerThread(make_stub(bad)) as bad_stub:

@@ -47,7 +47,8 @@ STATS = SchedulerStats(
     finished_total={"stop": 7, "length": 4, "abort": 1}, preemptions_total=6,
     prompt_tokens_total=900, generation_tokens_total=300, prefix_cache_queries_total=800,
     prefix_cache_hits_total=320, steps_total=77, batched_tokens_total=1234, spec_decode_drafts_total=10,
-    spec_decode_draft_tokens_total=40, spec_decode_accepted_tokens_total=25)
+    spec_decode_draft_tokens_total=40, spec_decode_accepted_tokens_total=25,
+    prefills_total={"local": 11, "remote": 9}, kv_lease_expiries_total=2, num_leases=3, num_leased_blocks=12)
 
 
 def finished_request(ttft: float | None, tpot: float | None, n_out: int = 3, prompt: int = 4,
@@ -140,8 +141,28 @@ def test_values_come_from_the_stats_snapshot():
     assert value(fams, "goodput_batched_tokens_total") == 1234
     assert value(fams, "goodput_spec_decode_draft_tokens_total") == 40
     assert value(fams, "goodput_spec_decode_accepted_tokens_total") == 25
+    assert value(fams, "goodput_prefills_total", where="remote") == 9
+    assert value(fams, "goodput_prefills_total", where="local") == 11
+    assert value(fams, "goodput_kv_lease_expiries_total") == 2
+    assert value(fams, "goodput_kv_leases") == 3
+    assert value(fams, "goodput_kv_leased_blocks") == 12
     assert value(fams, "goodput_cache_config_info", block_size="16", num_blocks="120",
                  enable_prefix_caching="true") == 1
+
+
+def test_kv_transfer_counters_and_histogram():
+    m = WorkerMetrics("m", lambda: STATS)
+    m.observe_kv_sent(46080 * 3)
+    m.observe_kv_received(46080 * 5, 0.02)
+    m.observe_kv_fallback("timeout")
+    fams = parse(m)
+    assert value(fams, "goodput_kv_transfer_bytes_total", direction="sent") == 138240
+    assert value(fams, "goodput_kv_transfer_bytes_total", direction="received") == 230400
+    assert value(fams, "goodput_kv_transfer_fallbacks_total", reason="timeout") == 1
+    assert value(fams, "goodput_kv_transfer_fallbacks_total", reason="mismatch") == 0
+    assert value(fams, "goodput_kv_transfer_seconds_count") == 1
+    assert value(fams, "goodput_kv_transfer_seconds_bucket", le="0.025") == 1
+    assert value(fams, "goodput_kv_transfer_seconds_bucket", le="0.01") == 0
 
 
 def test_histograms_bucket_observations():

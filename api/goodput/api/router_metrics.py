@@ -21,6 +21,7 @@ DECISIONS = "goodput_router_decisions"
 EJECTIONS = "goodput_router_ejections"
 POD_RESTARTS = "goodput_router_pod_restarts"
 CLASS_REQUESTS = "goodput_router_class_requests"   # by SLO class (the request's x-goodput-slo-class)
+PD_DECISIONS = "goodput_router_pd_decisions"       # disaggregated prefill: remote or local, and why
 KV_EVENTS = "goodput_router_kv_events"             # KV events applied to the exact index, by pod
 KV_RESYNCS = "goodput_router_kv_resyncs"           # snapshots installed, by pod and reason
 # Histograms (seconds).
@@ -37,11 +38,13 @@ POD_LABELS = ("namespace", "inferenceservice", "pod")
 EJECTION_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 CLASS_LABELS = ("namespace", "inferenceservice", "slo_class")
 CLASS_REQUEST_LABELS = ("namespace", "inferenceservice", "slo_class", "outcome")
+PD_DECISION_LABELS = ("namespace", "inferenceservice", "decision")
 KV_RESYNC_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 
 # Label values.
 OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
 DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
+PD_DECISIONS_VALUES = ("remote", "off", "short", "decode_pod_is_prefill", "no_prefill_pod", "prefill_failed")
 EJECTION_REASONS = ("consecutive_failures", "success_rate", "failure_percentage", "probe_failed")
 # start: the first snapshot of a pod; gap: a sequence gap or events no longer kept; instance: a
 # new engine; error: the stream broke (connection, bad line) and the pod was out of sync meanwhile

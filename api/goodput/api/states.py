@@ -40,3 +40,23 @@ class EngineState(_Name):
     WAITING = "waiting"
     REJECTING = "rejecting"
     BLOCKED = "blocked"
+
+
+class WorkerRole(_Name):
+    """A worker's part in disaggregated serving (``--role``; docs/disaggregation.md).
+
+    BOTH: serves requests end to end (today's colocated serving) and either side of a KV transfer.
+    PREFILL: also computes prompts for decode workers; never imports KV. DECODE: also imports a
+    prompt's KV from a prefill worker; never leases KV to others.
+    """
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class PrefillWhere(_Name):
+    """Where a request's prompt KV was computed: by this engine, or imported from a prefill worker."""
+
+    LOCAL = "local"
+    REMOTE = "remote"

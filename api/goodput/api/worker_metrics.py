@@ -10,12 +10,17 @@ every series.
 """
 from __future__ import annotations
 
-from goodput.api.states import EngineState, FinishReason, RejectReason
+from goodput.api.states import EngineState, FinishReason, PrefillWhere, RejectReason
 
 # Label values, derived from the engine's enums (one source).
 ENGINE_STATES = tuple(s.value for s in EngineState)
 REJECT_REASONS = tuple(r.value for r in RejectReason)
 FINISH_REASONS = tuple(r.value for r in FinishReason)
+# Disaggregated prefill (docs/disaggregation.md): where a prompt's KV was computed, which way KV
+# bytes went, and why a decode worker prefilled locally although it was handed a transfer.
+PREFILL_WHERE = tuple(w.value for w in PrefillWhere)
+KV_DIRECTIONS = ("sent", "received")
+KV_FALLBACK_REASONS = ("mismatch", "timeout", "error", "unsupported")
 
 KV_EVENT_KINDS = ("stored", "evicted", "cleared")  # goodput.api.kv_events kinds that change the cache
 
@@ -30,6 +35,8 @@ ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
 CACHE_CONFIG_INFO = "goodput_cache_config_info"
 ENGINE_INSTANCE_INFO = "goodput_engine_instance_info"  # label instance_id (goodput.api.identity)
+KV_LEASES = "goodput_kv_leases"
+KV_LEASED_BLOCKS = "goodput_kv_leased_blocks"
 # KV events (goodput.api.kv_events): the router chunk keys the prefix cache holds, and the events
 # published (label kind: KV_EVENT_KINDS), read from the engine's KvEventLog at scrape time.
 KV_EVENT_KEYS = "goodput_kv_event_keys"
@@ -60,6 +67,11 @@ BATCHED_TOKENS = "goodput_batched_tokens"
 SPEC_DECODE_DRAFTS = "goodput_spec_decode_drafts"
 SPEC_DECODE_DRAFT_TOKENS = "goodput_spec_decode_draft_tokens"
 SPEC_DECODE_ACCEPTED_TOKENS = "goodput_spec_decode_accepted_tokens"
+PREFILLS = "goodput_prefills"
+KV_LEASE_EXPIRIES = "goodput_kv_lease_expiries"
+# Counters observed by the server as KV moves (disaggregated prefill).
+KV_TRANSFER_BYTES = "goodput_kv_transfer_bytes"
+KV_TRANSFER_FALLBACKS = "goodput_kv_transfer_fallbacks"
 # Histograms (observed by the engine as steps run and requests finish).
 TIME_TO_FIRST_TOKEN = "goodput_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "goodput_inter_token_latency_seconds"
@@ -74,6 +86,7 @@ REQUEST_GENERATION_TOKENS = "goodput_request_generation_tokens"
 REQUEST_PARAMS_N = "goodput_request_params_n"
 REQUEST_PARAMS_MAX_TOKENS = "goodput_request_params_max_tokens"
 ITERATION_TOKENS = "goodput_iteration_tokens"
+KV_TRANSFER_SECONDS = "goodput_kv_transfer_seconds"
 # gauges: the SLO thresholds the worker judges goodput_requests_slo_met by (exported only when set),
 # so dashboards draw each service's own SLO line
 SLO_TTFT_SECONDS = "goodput_slo_ttft_seconds"
@@ -104,8 +117,13 @@ SCHEDULER_COUNTERS = {
     "spec_decode_draft_tokens_total": (SPEC_DECODE_DRAFT_TOKENS, None, "Draft tokens proposed."),
     "spec_decode_accepted_tokens_total": (SPEC_DECODE_ACCEPTED_TOKENS, None,
                                           "Draft tokens accepted (equal to the target's own token)."),
+    "prefills_total": (PREFILLS, "where", "Requests by where their prompt's KV was computed "
+                                          "(local, or remote: imported from a prefill worker)."),
+    "kv_lease_expiries_total": (KV_LEASE_EXPIRIES, None,
+                                "Remote prefills' KV leases freed because nobody pulled them in time."),
 }
-LABEL_VALUES = {"reason": REJECT_REASONS, "finished_reason": FINISH_REASONS, "state": ENGINE_STATES}
+LABEL_VALUES = {"reason": REJECT_REASONS, "finished_reason": FINISH_REASONS, "state": ENGINE_STATES,
+                "where": PREFILL_WHERE}
 
 # goodput name -> vLLM name, for --vllm-metric-aliases. Same value, same type; vLLM's
 # cache_config_info carries its own label names (docs/metrics.md).
@@ -143,6 +161,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+# KV pulls: a few blocks over loopback (ms) to thousands of tokens over a pod network (seconds).
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0,
                120.0, 180.0, 300.0)
 

@@ -97,8 +97,12 @@ class Admission:
     def try_pick(self, svc: Service, key: RouteKey, exclude: frozenset[str] = frozenset()
                  ) -> tuple[Pod, Pick] | None:
         """Pick a routable pod not in ``exclude`` and reserve it (``in_flight += 1``); None when
-        there is none or every one is at its limits."""
+        there is none or every one is at its limits. Pods whose role is ``prefill`` are picked only
+        when no other pod is left (they compute prompts for the others)."""
         pods = self._in_service(svc, [p for p in svc.routable_pods() if p.name not in exclude], bool(exclude))
+        # a request is decoded where it is sent: pods of role prefill only when no other can take it
+        # (disaggregated prefill, docs/disaggregation.md)
+        pods = [p for p in pods if p.info.role != "prefill"] or pods
         if not pods:
             return None
         choice = pick(key, endpoints(pods), self.index, self.cfg)

@@ -118,6 +118,13 @@ class RouterSettings:
                              flag="--kv-events")
     max_slo_classes: int = setting(16, "distinct SLO class names (x-goodput-slo-class) counted under their own "
                                    "slo_class label; later ones count as 'other'", flag="--max-slo-classes", ge=0)
+    pd_remote_prefill_min_tokens: int | None = setting(
+        None, "disaggregated prefill for services that do not set spec.disaggregation (static mode): a "
+              "prefill pod computes the prompt when the decode pod would prefill more than this many of its "
+              "tokens (estimated from prefix chunks); none: never (docs/disaggregation.md)",
+        flag="--pd-remote-prefill-min-tokens", ge=0)
+    pd_prefill_timeout_s: float = setting(60.0, "longest remote prefill call; past it, or on any error, the decode "
+                                          "pod prefills locally", flag="--pd-prefill-timeout", gt=0)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -14,8 +14,10 @@ What the fleet gets (pure functions, table-tested):
   (None unset), ``startup_timeout_s`` = ``spec.probes.startupTimeoutSeconds`` (the CRD's default
   when absent) — the longest hold of a request while the service has no Ready pod.
 - :func:`pod_record`: one pod → (namespace, InferenceService, pod name, :class:`PodInfo` or None).
-  Worker pods are those labelled ``app.kubernetes.io/component=worker`` and
-  ``serving.goodput.dev/inferenceservice=<name>`` (the operator's selector labels). URL =
+  Worker pods are those labelled ``app.kubernetes.io/component=worker`` (or ``prefill-worker``: a
+  disaggregated service's prefill pool, role ``prefill``) and
+  ``serving.goodput.dev/inferenceservice=<name>`` (the operator's selector labels); ``role`` from
+  ``serving.goodput.dev/role`` (absent: ``both``). URL =
   ``http://<podIP>:<container port "http">`` (8000 when the port is not named). ``ready``,
   ``terminating`` and ``draining`` as :func:`goodput.api.pods.pod_state` reads them (the Ready
   condition; ``metadata.deletionTimestamp``; annotation ``serving.goodput.dev/draining: "true"``,
@@ -48,11 +50,14 @@ from goodput.api import crd
 from goodput.api.pods import pod_state
 from goodput.api.settings import setting
 
+from goodput.api.states import WorkerRole
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo, ServiceKey
 
 log = logging.getLogger("goodput.router.discovery")
 
-WORKER_SELECTOR = f"{crd.LABEL_COMPONENT}=worker,{crd.LABEL_ISVC}"
+# the decode (or only) pool and, of a disaggregated service, its prefill pool (role prefill: the router
+# sends it prompts to prefill, and plain requests only when no other pod is left)
+WORKER_SELECTOR = f"{crd.LABEL_COMPONENT} in ({crd.WORKER_COMPONENT},{crd.PREFILL_COMPONENT}),{crd.LABEL_ISVC}"
 DEFAULT_STARTUP_TIMEOUT_S = crd.ProbeSpec.model_fields["startup_timeout_seconds"].default
 GONE = 410
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
@@ -71,7 +76,18 @@ def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
         revision=model.get("revision") or "",
         router_max_queued=rmq if isinstance(rmq, int) and not isinstance(rmq, bool) and rmq >= 0 else None,
         startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S),
-        created=meta.get("creationTimestamp") or "")
+        created=meta.get("creationTimestamp") or "",
+        remote_prefill_min_tokens=_remote_prefill_min_tokens(spec.get("disaggregation")))
+
+
+def _remote_prefill_min_tokens(d: Any) -> int | None:
+    """``spec.disaggregation.remotePrefillMinTokens`` when enabled (the CRD's default when unset),
+    else None."""
+    if not isinstance(d, Mapping) or d.get("enabled") is not True:
+        return None
+    v = d.get("remotePrefillMinTokens")
+    default = crd.DisaggregationSpec.model_fields["remote_prefill_min_tokens"].default
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
 
 
 def _http_port(spec: Mapping[str, Any]) -> int:
@@ -82,6 +98,9 @@ def _http_port(spec: Mapping[str, Any]) -> int:
     return crd.WORKER_PORT
 
 
+ROLES = tuple(r.value for r in WorkerRole)
+
+
 def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] | None:
     """A pod (camelCase dict) → ``(namespace, InferenceService name, pod name, PodInfo | None)``;
     None when it is not a worker pod of an InferenceService. The PodInfo is None for a pod that
@@ -89,14 +108,17 @@ def pod_record(pod: Mapping[str, Any]) -> tuple[str, str, str, PodInfo | None] |
     meta, spec, s = pod.get("metadata") or {}, pod.get("spec") or {}, pod_state(pod)
     labels = meta.get("labels") or {}
     isvc = labels.get(crd.LABEL_ISVC)
-    if not isvc or labels.get(crd.LABEL_COMPONENT) != "worker":
+    component = labels.get(crd.LABEL_COMPONENT)
+    if not isvc or component not in (crd.WORKER_COMPONENT, crd.PREFILL_COMPONENT):
         return None
     ns, name = meta.get("namespace") or "", meta["name"]
     if not s.ip or s.finished:
         return ns, isvc, name, None
     host = f"[{s.ip}]" if ":" in s.ip else s.ip
+    role = "prefill" if component == crd.PREFILL_COMPONENT else labels.get(crd.LABEL_ROLE, "both")
     return ns, isvc, name, PodInfo(name=name, url=f"http://{host}:{_http_port(spec)}", ready=s.ready,
-                                   terminating=s.terminating, draining=s.draining)
+                                   terminating=s.terminating, draining=s.draining,
+                                   role=role if role in ROLES else "both")
 
 
 class FleetMirror:

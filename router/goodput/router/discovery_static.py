@@ -1,7 +1,8 @@
 """Static discovery: ``--static MODEL=URL,URL,...`` (repeatable), as vLLM production-stack's
 router has, for local fleets and tests.
 
-Each ``MODEL=URL,...`` is one service (namespace ``""``, name = the model) whose pods are the URLs
+Each ``MODEL=URL,...`` is one service (a URL may end in ``#prefill`` / ``#decode``: the worker's role
+in disaggregated serving) (namespace ``""``, name = the model) whose pods are the URLs
 (pod name = ``host:port`` of the URL). Without a kubelet to say which pod is Ready, the source
 probes each pod's ``GET /ready`` every ``period_s`` (the router's ``--scrape-period``): 200 →
 Ready; 503 with ``{"status": "draining"}`` → draining (the worker's drain, see
@@ -17,8 +18,12 @@ import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from goodput.api.states import WorkerRole
 from goodput.router.fleet import Fleet, PodInfo, ServiceInfo
 from goodput.router.upstream import ERRORS, Timeouts, Upstream
+
+
+ROLES = tuple(r.value for r in WorkerRole)
 
 
 def parse_static(spec: str) -> tuple[str, list[str]]:
@@ -41,6 +46,17 @@ def parse_static(spec: str) -> tuple[str, list[str]]:
     if not out:
         raise ValueError(f"--static {spec!r}: no URL for model {model!r}")
     return model, out
+
+
+def static_pod(spec: str, url: str) -> PodInfo:
+    """A static pod from one URL of a spec: ``URL`` or ``URL#ROLE`` (a worker's ``--role``,
+    ``both`` / ``prefill`` / ``decode``, for disaggregated prefill; default both). Raises
+    ValueError for another role."""
+    base, _, role = url.partition("#")
+    base = base.rstrip("/")
+    if role and role not in ROLES:
+        raise ValueError(f"--static {spec!r}: role {role!r} of {base!r} is not one of {ROLES}")
+    return PodInfo(name=pod_name(base), url=base, ready=False, role=role or "both")
 
 
 def pod_name(url: str) -> str:
@@ -71,7 +87,7 @@ class StaticDiscovery:
             seen[model] = 1
             info = ServiceInfo(namespace="", name=model, model=model,
                                startup_timeout_s=self.startup_timeout_s)
-            out.append((info, [PodInfo(name=pod_name(u), url=u, ready=False) for u in urls]))
+            out.append((info, [static_pod(spec, u) for u in urls]))
         return out
 
     def fill(self, fleet: Fleet) -> None:

@@ -39,7 +39,9 @@ class ServiceInfo:
     while the service has no Ready pod (``spec.probes.startupTimeoutSeconds``; None = the
     router's ``--hold-timeout``). ``created``: ``metadata.creationTimestamp`` (RFC 3339; ``""``
     unknown): when several services claim one model name, the earliest created owns it
-    (:meth:`claim_order`). Static mode: namespace ``""`` and name = the model.
+    (:meth:`claim_order`). ``remote_prefill_min_tokens``: ``spec.disaggregation.remotePrefillMinTokens``
+    when ``spec.disaggregation.enabled`` (None: not disaggregated; the router's
+    ``--pd-remote-prefill-min-tokens`` applies). Static mode: namespace ``""`` and name = the model.
     """
 
     namespace: str
@@ -49,6 +51,7 @@ class ServiceInfo:
     router_max_queued: int | None = None
     startup_timeout_s: float | None = None
     created: str = ""
+    remote_prefill_min_tokens: int | None = None
 
     @property
     def key(self) -> ServiceKey:
@@ -63,13 +66,16 @@ class ServiceInfo:
 
 @dataclass(frozen=True)
 class PodInfo:
-    """One worker pod as discovery sees it. ``url``: ``http://<podIP>:<port>``, no trailing slash."""
+    """One worker pod as discovery sees it. ``url``: ``http://<podIP>:<port>``, no trailing slash.
+    ``role``: its part in disaggregated serving (``both``, ``prefill``, ``decode``; label
+    ``serving.goodput.dev/role``, static mode's ``URL#role``)."""
 
     name: str
     url: str
     ready: bool = True
     terminating: bool = False  # metadata.deletionTimestamp is set
     draining: bool = False     # annotation serving.goodput.dev/draining == "true"
+    role: str = "both"
 
 
 @dataclass
@@ -141,10 +147,12 @@ class Service:
 
     def queue_bound(self) -> int:
         """The fleet queue's bound: ``routerMaxQueued``, or unset: the sum of the routable pods'
-        ``max_waiting`` (those not scraped yet count 0)."""
+        ``max_waiting`` (those not scraped yet count 0; a prefill pool's pods do not count: they
+        take queued requests only when no other pod is left)."""
         if self.info.router_max_queued is not None:
             return self.info.router_max_queued
-        return sum(p.max_waiting or 0 for p in self.routable_pods())
+        pods = self.routable_pods()
+        return sum(p.max_waiting or 0 for p in ([p for p in pods if p.info.role != "prefill"] or pods))
 
 
 class Discovery(Protocol):

@@ -22,6 +22,7 @@ Never after the first byte: a stream cut mid-way ends the client's stream with o
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -31,9 +32,12 @@ from typing import Any
 
 import aiohttp
 
+from goodput.api.disagg import KV_HANDLE_HEADER, KV_PATH, KV_SOURCE_HEADER, REMOTE_PREFILL_HEADER
+from goodput.router.disagg import decide, min_chunks
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
 from goodput.router.picker import Pick, RouteKey
+from goodput.router.routing import endpoints
 from goodput.router.upstream import CONNECTION_ERRORS as RETRYABLE
 
 log = logging.getLogger("goodput.router")
@@ -235,7 +239,9 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
     ex.take(pod, choice)
     rt.metrics.overhead.observe(max(0.0, time.perf_counter() - ex.t0 - waited))
     resp: aiohttp.ClientResponse | None = None
+    lease: tuple[str, str] | None = None
     try:
+        lease = await remote_prefill(rt, ex)
         while True:
             sent = time.perf_counter()
             resp, a = await attempt(rt.upstream.session, ex)
@@ -280,6 +286,71 @@ async def forward(rt: Any, ex: Exchange, send) -> None:
         if ex.reserved and ex.pod is not None:
             adm.release(svc, ex.pod, ex.key, ex.work)
             ex.reserved = False
+        if lease is not None and ex.outcome != "success":
+            _delete_lease(rt, *lease)  # a cancelled or failed request: free the prefill pod's blocks now
+
+
+_background: set[asyncio.Task] = set()
+
+
+def _delete_lease(rt: Any, url: str, handle: str) -> None:
+    """``DELETE {url}/kv/leases/{handle}`` in the background (404 when the decode pod pulled it already)."""
+    async def delete() -> None:
+        with suppress(*RETRYABLE, asyncio.TimeoutError):
+            async with rt.upstream.session.delete(url + KV_PATH.format(handle=handle),
+                                                  timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+
+    task = asyncio.ensure_future(delete())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
+    """Disaggregated prefill (goodput.router.disagg, docs/disaggregation.md): when :func:`decide`
+    picks a prefill pod for the request ``ex.pod`` will decode, send it the request with
+    ``x-goodput-remote-prefill`` and, on its 200, add the transfer headers (handle, the prefill
+    pod's URL) to ``ex.headers``. Returns (prefill pod URL, handle), or None: the decode pod
+    prefills locally (off, a short uncached prompt, no prefill pod with room, or the prefill call
+    failed or took longer than ``--pd-prefill-timeout``: nothing reached the client yet)."""
+    s, svc = rt.settings, ex.svc
+    labels = svc.key
+    if ex.pod is None:
+        return None
+    tokens = svc.info.remote_prefill_min_tokens
+    threshold = min_chunks(tokens if tokens is not None else s.pd_remote_prefill_min_tokens, rt.pick_cfg.chunk_size)
+    if threshold is None:
+        rt.metrics.pd_decisions.labels(*labels, "off").inc()
+        return None
+    pods = svc.routable_pods()
+    held = ex.choice.matched_chunks if ex.choice is not None else 0
+    d = decide(ex.key, ex.pod.name, held, endpoints(pods), {p.name: p.info.role for p in pods}, rt.index,
+               rt.pick_cfg, threshold)
+    if d.prefill is None:
+        rt.metrics.pd_decisions.labels(*labels, d.reason).inc()
+        return None
+    pp = svc.pods[d.prefill]
+    pp.in_flight += 1
+    try:
+        async with rt.upstream.session.post(
+                pp.url + ex.path, data=ex.body, headers={**ex.headers, REMOTE_PREFILL_HEADER: "1"},
+                timeout=aiohttp.ClientTimeout(total=s.pd_prefill_timeout_s)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"{resp.status} from the prefill pod: {(await resp.read())[:200]!r}")
+            handle = (await resp.json())["handle"]
+            if not isinstance(handle, str):
+                raise ValueError(f"handle {handle!r}")
+    except (*RETRYABLE, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
+        log.warning("remote prefill on %s failed (%s: %s); %s prefills locally", pp.name, type(e).__name__, e,
+                    ex.pod.name)
+        rt.metrics.pd_decisions.labels(*labels, "prefill_failed").inc()
+        return None
+    finally:
+        pp.in_flight -= 1
+    rt.index.record(ex.key, pp.name)
+    rt.metrics.pd_decisions.labels(*labels, "remote").inc()
+    ex.headers = {**ex.headers, KV_HANDLE_HEADER: handle, KV_SOURCE_HEADER: pp.url}
+    return pp.url, handle
 
 
 async def _deliver(rt: Any, ex: Exchange, resp: aiohttp.ClientResponse, send, sent: float) -> None:

@@ -28,6 +28,9 @@ class RouterMetrics:
         self.requests = Counter(mn.REQUESTS, "Requests by outcome (pod empty when none was chosen).",
                                 mn.REQUEST_LABELS, registry=r)
         self.decisions = Counter(mn.DECISIONS, "Routing decisions by reason.", mn.DECISION_LABELS, registry=r)
+        self.pd_decisions = Counter(mn.PD_DECISIONS, "Disaggregated prefill: requests whose prompt a prefill pod "
+                                    "computed (remote) or the decode pod (the other decisions), by decision.",
+                                    mn.PD_DECISION_LABELS, registry=r)
         self.queue_wait = Histogram(mn.QUEUE_WAIT, "Time in the fleet queue or hold.", mn.SERVICE_LABELS,
                                     buckets=WAIT_BUCKETS, registry=r)
         self.overhead = Histogram(mn.OVERHEAD, "Router-added latency before the upstream request is sent "

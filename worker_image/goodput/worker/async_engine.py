@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from goodput.worker.engine.outputs import KvImport
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.llm_engine import LLMEngine, RequestDelta
@@ -114,6 +115,10 @@ class AsyncLLMEngine:
         while not self._stop.is_set():
             self.heartbeat = time.monotonic()
             if not eng.has_unfinished():
+                try:
+                    eng.expire_leases()  # remote prefills' KV nobody pulled (schedule() does it too)
+                except Exception:
+                    log.exception("expiring KV leases failed")
                 self._wake.wait(self.idle_tick_s)
                 self._wake.clear()
                 continue
@@ -162,9 +167,11 @@ class AsyncLLMEngine:
     def add_request_group(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                           *, arrival_time: float | None = None, priority: int = 0,
                           cache_salt: str | None = None,
-                          forks: Sequence[tuple[str, SamplingParams]] = ()) -> list[RequestStream]:
+                          forks: Sequence[tuple[str, SamplingParams]] = (), hold_kv: bool = False,
+                          kv_import: KvImport | None = None) -> list[RequestStream]:
         """:meth:`add_request` plus ``forks`` (id, params) sharing the prompt's KV (``n > 1``):
-        all admitted or none; one stream per id, the request's first."""
+        all admitted or none; one stream per id, the request's first. ``hold_kv`` / ``kv_import``:
+        a remote prefill / an imported prompt (``LLMEngine.add_request``)."""
         if self.error is not None:
             raise EngineDeadError(f"engine is dead: {self.error!r}")
         ids = [request_id] + [cid for cid, _ in forks]
@@ -174,7 +181,8 @@ class AsyncLLMEngine:
         self._streams.update(zip(ids, streams))
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                                    priority=priority, cache_salt=cache_salt, forks=forks)
+                                    priority=priority, cache_salt=cache_salt, forks=forks,
+                                    hold_kv=hold_kv, kv_import=kv_import)
         except BaseException:
             for i in ids:
                 self._streams.pop(i, None)

@@ -46,7 +46,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     config = EngineConfig(
         **args.scheduler_settings(), num_blocks=runner.num_blocks, max_model_len=max_model_len,
         eos_token_ids=tuple(sorted(eos)), model_name=args.model_name, revision=revision,
-        vocab_size=mc.vocab_size)
+        vocab_size=mc.vocab_size, kv_lease_s=args.kv_lease_seconds)
     per_token = runner.kv_bytes_per_token
     dtype_bytes = per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
     log.info("KV cache: %d blocks x %d tokens = %d tokens of capacity; %d bytes/token "

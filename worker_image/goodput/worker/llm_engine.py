@@ -28,10 +28,11 @@ from typing import Protocol
 
 from goodput.worker.detokenizer import IncrementalDetokenizer, SupportsDecode
 from goodput.worker.engine.config import EngineConfig
-from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, TokenLogprobs
+from goodput.worker.engine.outputs import KvImport, RequestOutput, RunnerOutput, SchedulerOutput, TokenLogprobs
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.worker.engine.scheduler import Scheduler, SchedulerStats
+from goodput.api.disagg import KV_LAYOUT, KvLayout
 from goodput.api.states import FinishReason, RejectReason
 from goodput.worker.metrics import WorkerMetrics
 
@@ -119,15 +120,22 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None,
-                    forks: Sequence[tuple[str, SamplingParams]] = ()) -> Request:
+                    forks: Sequence[tuple[str, SamplingParams]] = (), hold_kv: bool = False,
+                    kv_import: KvImport | None = None) -> Request:
         """Admit a request (or raise :class:`AdmissionError`: never_fits / queue_full / invalid).
 
         forks: (request id, params) of further samples of the same prompt (OpenAI's ``n > 1``):
         admitted or refused together, they share the prompt's KV blocks once it is computed
         (``Scheduler.add_request``) and produce deltas under their own ids. Their params must
-        have the same ``max_tokens``; prompt log-probabilities come only with the first."""
+        have the same ``max_tokens``; prompt log-probabilities come only with the first.
+
+        hold_kv: a remote prefill (its prompt's KV is leased when it finishes, under its id);
+        kv_import: the prompt's KV from a prefill worker (docs/disaggregation.md). Neither goes
+        with forks (ValueError)."""
+        if (hold_kv or kv_import is not None) and forks:
+            raise ValueError("a remote prefill or a KV import carries one choice (n = 1)")
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
-                      priority=priority, cache_salt=cache_salt)
+                      priority=priority, cache_salt=cache_salt, hold_kv=hold_kv, kv_import=kv_import)
         children = [Request(cid, req.prompt_token_ids, cp, arrival_time=arrival_time, priority=priority,
                             cache_salt=cache_salt) for cid, cp in forks]
         with self._lock:
@@ -179,6 +187,8 @@ class LLMEngine:
             deltas.extend(self._apply_aborts())
             sched_out: SchedulerOutput = self.scheduler.schedule()
         try:
+            if sched_out.kv_imports:  # prompts computed by a prefill worker: bytes into blocks
+                self.runner.import_kv(sched_out.kv_imports)
             # an empty step still tells the runner which requests finished (it drops their state)
             runner_out = self.runner.execute(sched_out) \
                 if not sched_out.is_empty or sched_out.finished_ids else RunnerOutput()
@@ -323,6 +333,59 @@ class LLMEngine:
                     log.exception("abort after engine failure")
                 deltas.append(self._finish(t, "abort", "", [], error))
             return deltas
+
+    # ------------------------------------------------------------- disaggregated prefill (leases)
+    def kv_layout(self) -> KvLayout:
+        """What this engine's KV blocks hold (:class:`goodput.api.disagg.KvLayout`): the model
+        revision, the runner's dtype, block size and dimensions."""
+        r = self.runner
+        mc = r.model_config
+        return KvLayout(revision=self.config.revision, dtype=str(r.dtype).removeprefix("torch."),
+                        block_size=self.config.block_size, layout=KV_LAYOUT, num_layers=mc.num_layers,
+                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+    def cached_prompt_blocks(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading blocks of this prompt held by the prefix cache now (a hint: they may be
+        evicted before the request is admitted; the scheduler then computes the prompt)."""
+        probe = Request("kv-probe", list(prompt_token_ids), cache_salt=cache_salt)
+        with self._lock:
+            blocks, _ = self.scheduler.block_manager.get_computed_blocks(probe)
+        return len(blocks)
+
+    def lease_info(self, handle: str) -> tuple[int, int, tuple[int, ...]] | None:
+        """(prompt tokens, first token id, prompt token ids) of the open lease ``handle``, or None."""
+        with self._lock:
+            lease = self.scheduler.lease(handle)
+            if lease is None:
+                return None
+            return lease.num_tokens, lease.first_token_id, tuple(lease.request.prompt_token_ids)
+
+    def read_lease_blocks(self, handle: str, first: int, count: int) -> list[bytes] | None:
+        """The raw K/V bytes of prompt blocks ``first .. first + count - 1`` of lease ``handle``
+        (``KV_LAYOUT``; fewer at the prompt's end), or None when the lease is no longer open.
+        Copied under the engine lock: a lease's blocks are freed (and may be reused) only under
+        it, and nobody writes a leased block. ValueError for a block outside the lease."""
+        with self._lock:
+            lease = self.scheduler.lease(handle)
+            if lease is None:
+                return None
+            bs, n = self.config.block_size, lease.num_tokens
+            nblocks = -(-n // bs)
+            if not 0 <= first < nblocks or count < 1:
+                raise ValueError(f"blocks {first}+{count} outside lease {handle!r} ({nblocks} blocks)")
+            blocks = range(first, min(first + count, nblocks))
+            return self.runner.export_kv_blocks([lease.request.block_ids[b] for b in blocks],
+                                                [min(bs, n - b * bs) for b in blocks])
+
+    def release_lease(self, handle: str) -> bool:
+        """Free a lease's blocks now (pulled or cancelled); whether it was open."""
+        with self._lock:
+            return self.scheduler.release_lease(handle)
+
+    def expire_leases(self) -> int:
+        """Free the leases past their time (the loop calls it while idle, ``schedule`` each step)."""
+        with self._lock:
+            return self.scheduler.expire_leases()
 
     # ------------------------------------------------------------------------------ introspection
     def stats(self) -> SchedulerStats:

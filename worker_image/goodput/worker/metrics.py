@@ -45,6 +45,14 @@ from goodput.api.worker_metrics import (
     ITERATION_TOKENS,
     KV_CACHE_BLOCKS,
     KV_CACHE_USAGE_RATIO,
+    KV_DIRECTIONS,
+    KV_FALLBACK_REASONS,
+    KV_LEASED_BLOCKS,
+    KV_LEASES,
+    KV_TRANSFER_BUCKETS,
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_FALLBACKS,
+    KV_TRANSFER_SECONDS,
     KV_EVENT_KEYS,
     KV_EVENT_KINDS,
     KV_EVENTS,
@@ -160,6 +168,9 @@ class _StatsCollector(Collector):
         yield from self._gauge(ADMISSION_MAX_WAITING, "Current admission limit on waiting requests.",
                                s.max_waiting)
         yield from self._cache_config(s)
+        yield from self._gauge(KV_LEASES, "Remote prefills whose prompt KV is leased for a decode worker now.",
+                               s.num_leases)
+        yield from self._gauge(KV_LEASED_BLOCKS, "KV blocks those leases hold.", s.num_leased_blocks)
         for field_name, (name, label, doc) in SCHEDULER_COUNTERS.items():
             value = getattr(s, field_name)
             if label is None:
@@ -275,6 +286,30 @@ class WorkerMetrics:
         self.iteration_tokens = h(ITERATION_TOKENS,
                                   "Per engine step: prompt tokens computed + tokens generated.",
                                   (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+        self._kv_bytes = Counter(KV_TRANSFER_BYTES, "KV payload bytes moved between prefill and decode "
+                                 "workers (2·L·n_kv·d_head·bytes per token), by direction.",
+                                 ["model_name", "direction"], registry=self.registry)
+        self._kv_fallbacks = Counter(KV_TRANSFER_FALLBACKS, "Requests handed a KV transfer that prefilled "
+                                     "locally instead, by reason.", ["model_name", "reason"], registry=self.registry)
+        for d in KV_DIRECTIONS:
+            self._kv_bytes.labels(model_name, d)
+        for r in KV_FALLBACK_REASONS:
+            self._kv_fallbacks.labels(model_name, r)
+        self.kv_transfer_seconds = h(KV_TRANSFER_SECONDS, "Per KV pull: request sent to last byte received.",
+                                     KV_TRANSFER_BUCKETS)
+
+    def observe_kv_sent(self, nbytes: int) -> None:
+        """KV payload bytes streamed to a decode worker (frame and header bytes excluded)."""
+        self._kv_bytes.labels(self.model_name, "sent").inc(nbytes)
+
+    def observe_kv_received(self, nbytes: int, seconds: float) -> None:
+        """One completed KV pull: its payload bytes and its time (request sent -> last byte)."""
+        self._kv_bytes.labels(self.model_name, "received").inc(nbytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def observe_kv_fallback(self, reason: str) -> None:
+        """A decode worker prefilled locally although handed a transfer (``KV_FALLBACK_REASONS``)."""
+        self._kv_fallbacks.labels(self.model_name, reason).inc()
 
     def assign_class(self, request_ids: Iterable[str], name: str | None) -> str:
         """Judge these requests (an OpenAI request's engine requests) by the SLO class ``name`` (the

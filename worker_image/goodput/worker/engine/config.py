@@ -187,6 +187,14 @@ class EngineArgs(SchedulerSettings):
     max_request_body_bytes: int = setting(
         8 << 20, "largest HTTP request body in bytes (413 beyond); units as --kv-cache-memory",
         ge=1, parse=parse_bytes, crd="engine")
+    # Disaggregated prefill and decode (docs/disaggregation.md; --role above). Not in spec.engine:
+    # worker-level transfer settings, their defaults hold for every pool.
+    kv_lease_seconds: float = setting(
+        30.0, "how long a remote prefill's prompt KV stays allocated for a decode worker to pull "
+              "(freed at once when pulled or deleted)", gt=0, le=3600, crd=None)
+    kv_transfer_timeout_seconds: float = setting(
+        10.0, "longest KV pull from a prefill worker (connect + whole stream); past it, or on any "
+              "transfer error, the prompt is prefilled locally", gt=0, le=600, crd=None)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -237,6 +245,8 @@ class EngineConfig(SchedulerSettings):
         rejection (HTTP Retry-After).
     rejecting_window_s: how long after a ``queue_full`` rejection the engine reports the state
         "rejecting" (seconds).
+    kv_lease_s: how long a remote prefill's prompt KV stays leased for a decode worker to pull
+        (seconds; ``EngineArgs.kv_lease_seconds``).
     """
 
     num_blocks: int
@@ -247,6 +257,7 @@ class EngineConfig(SchedulerSettings):
     vocab_size: int | None = None
     queue_full_retry_after_s: float = 1.0
     rejecting_window_s: float = 5.0
+    kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -262,7 +273,7 @@ class EngineConfig(SchedulerSettings):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"eos_token_ids must be non-negative integers, got {eos!r}")
         object.__setattr__(self, "eos_token_ids", eos)
-        for name in ("queue_full_retry_after_s", "rejecting_window_s"):
+        for name in ("queue_full_retry_after_s", "rejecting_window_s", "kv_lease_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -85,6 +85,41 @@ class ScheduledChunk:
                 and len(self.token_ids) == 1 + len(self.draft_token_ids))
 
 
+@dataclass(frozen=True)
+class KvImport:
+    """A prompt's KV computed by another worker (disaggregated prefill), staged in host memory
+    until the scheduler admits its request (``docs/disaggregation.md``).
+
+    num_tokens: the prompt's length; its KV fills positions ``[0, num_tokens)``.
+    first_block: the first prompt block the payload covers (the blocks before it were in this
+        worker's prefix cache when the KV was pulled).
+    blocks: one payload per block from ``first_block`` on, each the block's raw K/V bytes in
+        ``goodput.api.disagg.KV_LAYOUT`` order (opaque here: the runner writes them).
+    first_token_id: the token the prefill worker sampled after the prompt (output token 0).
+    """
+
+    num_tokens: int
+    first_block: int
+    blocks: tuple[bytes, ...]
+    first_token_id: int
+
+
+@dataclass(frozen=True)
+class KvImportChunk:
+    """One imported prompt's blocks to write this step (``SchedulerOutput.kv_imports``).
+
+    block_ids: physical blocks of prompt blocks ``first_block ..`` (one per payload).
+    payloads: the :class:`KvImport` payloads for those blocks. num_tokens: the prompt's length
+        (the last block holds ``num_tokens - block * block_size`` tokens when that is fewer).
+    """
+
+    request_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    payloads: tuple[bytes, ...]
+    num_tokens: int
+
+
 @dataclass
 class SchedulerOutput:
     """Everything one engine step runs. ``chunks`` holds decodes first, then prefill chunks.
@@ -92,12 +127,15 @@ class SchedulerOutput:
     num_batched_tokens: sum of chunk lengths (<= max_num_batched_tokens).
     preempted_ids: requests preempted (by recompute) while scheduling this step.
     finished_ids: requests retired at the start of this step (their blocks were freed).
+    kv_imports: prompts whose KV another worker computed: the runner writes their bytes into
+        the listed blocks before the step's forward pass; nothing is computed for them.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    kv_imports: list[KvImportChunk] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -19,6 +19,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from goodput.worker.engine.outputs import KvImport
 from goodput.worker.engine.sampling_params import SamplingParams
 from goodput.api.states import FinishReason
 
@@ -49,6 +50,10 @@ class Request:
         with the largest value, then the newest.
     cache_salt: optional per-tenant salt; prefix-cache blocks are shared only between requests
         with the same salt (and the same model identity).
+    hold_kv: a remote prefill: when it finishes (not aborted) its blocks stay allocated under a
+        lease (``Scheduler.leases``) until pulled, deleted or expired.
+    kv_import: a :class:`KvImport` (the prompt's KV from a prefill worker): admission writes it
+        into the request's blocks instead of computing the prompt.
 
     State kept by the scheduler and block manager (do not set by hand):
     output_token_ids: generated tokens (EOS included when it was sampled).
@@ -69,6 +74,11 @@ class Request:
     arrival_time: float | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # Disaggregated prefill (docs/disaggregation.md): hold_kv = keep the prompt's blocks under a
+    # lease when the request finishes (a remote prefill); kv_import = the prompt's KV computed
+    # elsewhere, written into this worker's blocks at admission (cleared once used or dropped).
+    hold_kv: bool = False
+    kv_import: "KvImport | None" = field(default=None, repr=False)
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)

@@ -28,10 +28,16 @@ from typing import Any, Callable, Sequence
 
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
-from goodput.worker.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput
+from goodput.worker.engine.outputs import (
+    KvImportChunk,
+    RequestOutput,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from goodput.worker.engine.request import Request, RequestStatus
 from goodput.worker.engine.speculative import draft_budget, next_skip, propose_ngram
-from goodput.api.states import EngineState, FinishReason, RejectReason
+from goodput.api.states import EngineState, FinishReason, PrefillWhere, RejectReason
 
 
 class AdmissionError(Exception):
@@ -55,6 +61,9 @@ class AdmissionError(Exception):
         self.param = param
 
 
+PREFILL_WHERE = tuple(w.value for w in PrefillWhere)
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A consistent snapshot of the engine core: what ``/metrics`` and ``/admin/state`` export.
@@ -69,6 +78,11 @@ class SchedulerStats:
     ``batched_tokens_total``: tokens those steps computed (prefill chunks + decode inputs, draft
     tokens included); ``spec_decode_*``: speculative decodes, their draft tokens and the draft
     tokens accepted (mean accepted length = accepted / drafts; tokens per speculative step = that + 1).
+    Disaggregated prefill: ``prefills_total`` by where the prompt's KV was computed (``local``:
+    by this engine, ``remote``: imported from a prefill worker), counted once per request when it
+    first runs; ``kv_lease_expiries_total``: leases freed because nobody pulled them in time, or
+    reclaimed early because KV blocks ran out (before any running request is preempted);
+    gauges ``num_leases`` / ``num_leased_blocks``: leases open now and the blocks they hold.
 
     kv_usage_ratio: num_used_blocks / num_blocks, in [0, 1].
 
@@ -106,6 +120,10 @@ class SchedulerStats:
     spec_decode_drafts_total: int
     spec_decode_draft_tokens_total: int
     spec_decode_accepted_tokens_total: int
+    prefills_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFILL_WHERE, 0))
+    kv_lease_expiries_total: int = 0
+    num_leases: int = 0
+    num_leased_blocks: int = 0
 
     def counters(self) -> dict[str, Any]:
         """The counters by name without ``_total`` (``{"admitted": 3, "rejected": {...}, ...}``)."""
@@ -113,6 +131,27 @@ class SchedulerStats:
 
 
 _COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name.endswith("_total"))
+
+
+@dataclass
+class Lease:
+    """A finished remote prefill's prompt KV, kept for a decode worker to pull.
+
+    request: the finished request (its block table still registered in the block manager).
+    expires_at: scheduler-clock seconds after which the blocks are freed unless released first.
+    """
+
+    request: Request
+    expires_at: float
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens whose KV the lease holds."""
+        return self.request.num_prompt_tokens
+
+    @property
+    def first_token_id(self) -> int:
+        return self.request.output_token_ids[0]
 
 
 @dataclass
@@ -172,6 +211,12 @@ class Scheduler:
         self.spec_decode_drafts_total = 0
         self.spec_decode_draft_tokens_total = 0
         self.spec_decode_accepted_tokens_total = 0
+        # Disaggregated prefill: open leases by handle (the request id), and their counters.
+        self.leases: dict[str, Lease] = {}
+        self.prefills_total = dict.fromkeys(PREFILL_WHERE, 0)
+        self.kv_lease_expiries_total = 0
+        # imports scheduled and not committed yet: request id -> (computed tokens before, first token)
+        self._import_tokens: dict[str, tuple[int, int]] = {}
 
     # ---- admission -----------------------------------------------------------------------------
     def count_rejection(self, reason: RejectReason | str) -> None:
@@ -195,7 +240,8 @@ class Scheduler:
         (``BlockManager.fork``) and join the running set directly (beyond ``max_num_seqs``:
         they are part of an admitted request); each then samples on its own.
 
-        invalid: empty prompt, token id out of range, duplicate id, a request already used.
+        invalid: empty prompt, token id out of range, duplicate id, a request already used, a
+            ``kv_import`` that does not cover the prompt's blocks.
         never_fits: prompt + max_tokens > max_model_len, or its KV (prompt + max_tokens - 1
             tokens) needs more blocks than the whole pool (it could never run even alone).
         queue_full: the waiting queue holds ``max_waiting`` requests (retry_after is set).
@@ -224,6 +270,13 @@ class Scheduler:
             bad = lo if lo < 0 else hi
             raise self._reject(RejectReason.INVALID, f"prompt token id {bad} is outside the vocabulary "
                                f"[0, {cfg.vocab_size if cfg.vocab_size else 'inf'})", param="prompt")
+        imp = req.kv_import
+        if imp is not None and (imp.num_tokens != n or imp.first_block < 0
+                                or imp.first_block + len(imp.blocks) != cfg.blocks_for_tokens(n)
+                                or (forks or req.sampling_params.prompt_logprobs is not None)):
+            raise self._reject(RejectReason.INVALID, f"request {rid!r}: its imported KV covers {imp.num_tokens} "
+                               f"tokens from block {imp.first_block} in {len(imp.blocks)} blocks, not the prompt's "
+                               f"{n} tokens (or it has forks or prompt log-probabilities)")
         max_tokens = req.sampling_params.max_tokens
         # The field at fault: the prompt when it cannot fit even alone, else max_tokens.
         culprit = ("prompt" if n >= cfg.max_model_len or cfg.blocks_for_tokens(n) > cfg.num_blocks
@@ -299,6 +352,7 @@ class Scheduler:
         """
         now = self.clock()
         out = SchedulerOutput()
+        self.expire_leases(now)
         # 1. retire what finished since the last step (blocks were freed when it finished).
         out.finished_ids, self._finished_ids = self._finished_ids, []
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
@@ -318,6 +372,8 @@ class Scheduler:
                 if want_decode and self._schedule_draft(req, plan):
                     continue
                 while not self.block_manager.allocate_slots(req, n):
+                    if self._reclaim_lease():
+                        continue
                     kv_blocked = True
                     victim = self._pick_victim()
                     self._preempt(victim, now, plan)
@@ -335,8 +391,15 @@ class Scheduler:
             # prompt log-probabilities need the logits of every prompt position: no cache hits
             hit_blocks, num_hit = ([], 0) if req.sampling_params.prompt_logprobs is not None \
                 else self.block_manager.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, plan.budget)
+            imp = req.kv_import
+            if imp is not None and len(hit_blocks) < imp.first_block:
+                # blocks this worker held when the KV was pulled were evicted since: the payload
+                # does not cover them, so the prompt is computed here after all
+                req.kv_import = imp = None
+            n = req.num_tokens - num_hit if imp is not None else min(req.num_tokens - num_hit, plan.budget)
             if not self.block_manager.allocate_slots(req, n, hit_blocks):
+                if self._reclaim_lease():
+                    continue  # look the head up again: its hits may be fewer now
                 kv_blocked = True
                 break
             self.waiting.popleft()
@@ -344,7 +407,18 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self.prompt_tokens_total += req.num_prompt_tokens
+                self.prefills_total["remote" if imp is not None else "local"] += 1
             self.running.append(req)
+            if imp is not None:
+                # nothing to compute: the runner writes the payload's blocks after the ones this
+                # worker holds; the commit emits the prefill worker's first token
+                req.kv_import = None
+                skip = len(hit_blocks) - imp.first_block
+                first = len(hit_blocks)
+                out.kv_imports.append(KvImportChunk(
+                    req.request_id, first, tuple(req.block_ids[first:]), imp.blocks[skip:], imp.num_tokens))
+                self._import_tokens[req.request_id] = (first * self.block_manager.block_size, imp.first_token_id)
+                continue
             plan.scheduled[req.request_id] = n
             plan.budget -= n
 
@@ -439,6 +513,7 @@ class Scheduler:
         ``RequestOutput`` per request that got a token (finished ones have their blocks freed).
         Raises RuntimeError (before changing anything) if the runner omitted a sampled token.
         """
+        imported = self._commit_imports(sched_out)
         live: list[tuple[ScheduledChunk, Request]] = []
         for chunk in sched_out.chunks:
             req = self.requests.get(chunk.request_id)
@@ -453,6 +528,11 @@ class Scheduler:
         now = self.clock()
         outputs: list[RequestOutput] = []
         bm = self.block_manager
+        for req, tok in imported:
+            emitted, reason = self._emit(req, [tok], now)
+            if reason is not None:
+                self._finish(req, reason, now)
+            outputs.append(RequestOutput(req.request_id, emitted, reason is not None, reason, req))
         for chunk, req in live:
             draft = chunk.draft_token_ids
             if not draft:
@@ -477,6 +557,59 @@ class Scheduler:
             outputs.append(RequestOutput(req.request_id, emitted, reason is not None, reason, req,
                                          None if lp is None else [lp]))
         return outputs
+
+    def _commit_imports(self, sched_out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """The imported prompts of a step whose KV the runner wrote: their KV is computed now
+        (blocks offered to the prefix cache). Returns (request, first token) to emit. An import
+        whose request ended or was preempted since is skipped; one whose step never commits
+        (the runner raised) is computed here by the next steps, as any prompt."""
+        done = []
+        bm = self.block_manager
+        for imp in sched_out.kv_imports:
+            start_tok = self._import_tokens.pop(imp.request_id, None)
+            req = self.requests.get(imp.request_id)
+            if (start_tok is None or req is None or req.status is not RequestStatus.RUNNING
+                    or req.num_computed_tokens != start_tok[0]):
+                continue
+            req.num_computed_tokens = imp.num_tokens
+            bm.cache_full_blocks(req)
+            done.append((req, start_tok[1]))
+        return done
+
+    # ---- leases (disaggregated prefill) ------------------------------------------------------
+    def lease(self, handle: str) -> Lease | None:
+        """The open lease ``handle`` (None when unknown, released or expired)."""
+        return self.leases.get(handle)
+
+    def release_lease(self, handle: str) -> bool:
+        """Free a lease's blocks now (pulled, or its request cancelled). Returns whether it was
+        open."""
+        lease = self.leases.pop(handle, None)
+        if lease is None:
+            return False
+        self.block_manager.free(lease.request)
+        return True
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """Free every lease whose ``expires_at`` has passed; returns how many (counted in
+        ``kv_lease_expiries_total``). O(open leases)."""
+        now = self.clock() if now is None else now
+        gone = [h for h, lease in self.leases.items() if lease.expires_at <= now]
+        for h in gone:
+            self.block_manager.free(self.leases.pop(h).request)
+        self.kv_lease_expiries_total += len(gone)
+        return len(gone)
+
+    def _reclaim_lease(self) -> bool:
+        """KV pressure: free the lease that would expire first (counted as an expiry) rather
+        than preempt a running request or keep a waiting one out; whether there was one. Its
+        decode worker, if it still pulls, gets a 404 and prefills locally."""
+        if not self.leases:
+            return False
+        h = min(self.leases, key=lambda k: self.leases[k].expires_at)
+        self.block_manager.free(self.leases.pop(h).request)
+        self.kv_lease_expiries_total += 1
+        return True
 
     @staticmethod
     def _check_verified(chunk: ScheduledChunk, runner_out: RunnerOutput) -> None:
@@ -539,7 +672,14 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
-        self.block_manager.free(req)
+        req.kv_import = None
+        self._import_tokens.pop(req.request_id, None)
+        if (req.hold_kv and reason is not FinishReason.ABORT and req.block_ids
+                and req.num_computed_tokens >= req.num_prompt_tokens):
+            # a remote prefill: its prompt's blocks wait for the decode worker's pull
+            self.leases[req.request_id] = Lease(req, now + self.config.kv_lease_s)
+        else:
+            self.block_manager.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finished_time = now
@@ -667,6 +807,8 @@ class Scheduler:
             enable_prefix_caching=bm.enable_prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_waiting=self.max_waiting,
+            num_leases=len(self.leases),
+            num_leased_blocks=sum(len(lease.request.block_ids) for lease in self.leases.values()),
             # Counters: the scheduler's attributes of the same names (copies of the dicts).
             **{name: (dict(v) if isinstance(v, dict) else v)
                for name in _COUNTER_FIELDS for v in (getattr(self, name),)},
@@ -691,6 +833,10 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Block-manager invariants plus queue consistency (tests; O(pool))."""
         self.block_manager.check_invariants(self.running)
+        for h, lease in self.leases.items():
+            r = lease.request
+            assert r.is_finished and r.block_ids and h not in self.requests, f"lease {h} is not a finished request's"
+            assert len(r.block_ids) * self.block_manager.block_size >= r.num_prompt_tokens, f"lease {h} lost blocks"
         assert len(self.running) + len(self.waiting) == len(self.requests)
         assert self.admitted_total == sum(self.finished_total.values()) + len(self.running) \
             + len(self.waiting) + self.num_pending_forks, "admitted != finished + running + waiting"

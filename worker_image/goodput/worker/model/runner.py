@@ -141,6 +141,70 @@ class ModelRunner:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    # -- disaggregated prefill: a block's K/V as raw bytes (goodput.api.disagg.KV_LAYOUT) ------
+    def _kv_pool(self) -> torch.Tensor | None:
+        """The one ``[L, 2, num_blocks, block_size, n_kv, d_head]`` tensor the per-layer caches
+        view (``kv_cache.allocate_kv_caches``), or None when the caches are separate tensors."""
+        base = self.kv_caches[0][0]._base
+        c = self.model_config
+        want = (c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        return base if base is not None and tuple(base.shape) == want else None
+
+    def export_kv_blocks(self, block_ids: list[int], num_tokens: list[int]) -> list[bytes]:
+        """For each physical block, its first ``num_tokens[i]`` slots as the bytes of a
+        ``[L, 2 (k, v), tokens, n_kv, d_head]`` tensor in the cache's dtype (native
+        little-endian): ``2·L·n_kv·d_head·b·tokens`` bytes each. One gather for all of them.
+        ValueError for a bad id or count."""
+        for bid, n in zip(block_ids, num_tokens, strict=True):
+            if not 0 <= bid < self.num_blocks or not 0 < n <= self.block_size:
+                raise ValueError(f"block {bid} / {n} tokens outside the pool "
+                                 f"({self.num_blocks} blocks of {self.block_size})")
+        if not block_ids:
+            return []
+        pool = self._kv_pool()
+        if pool is None:
+            ts = [torch.stack([torch.stack((k[b], v[b])) for k, v in self.kv_caches]) for b in block_ids]
+            blocks = torch.stack(ts)
+        else:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+            blocks = pool.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)  # [nb, L, 2, bs, H, D]
+        blocks = blocks.cpu()
+        out = []
+        for i, n in enumerate(num_tokens):
+            t = blocks[i, :, :, :n].contiguous()
+            out.append(t.view(torch.uint8).numpy().tobytes())
+        return out
+
+    def export_kv_block(self, block_id: int, num_tokens: int) -> bytes:
+        """:meth:`export_kv_blocks` of one block."""
+        return self.export_kv_blocks([block_id], [num_tokens])[0]
+
+    def import_kv(self, imports) -> None:
+        """Write imported prompts' blocks (``engine.outputs.KvImportChunk``: payloads of
+        :meth:`export_kv_blocks`'s format) into the paged cache. ValueError, before anything is
+        written, for a payload whose size is not ``2·L·n_kv·d_head·b·tokens``."""
+        c = self.model_config
+        L, H, D, bs = c.num_layers, c.num_kv_heads, c.head_dim, self.block_size
+        per_token = self.kv_bytes_per_token
+        plan = []
+        for imp in imports:
+            for i, (bid, payload) in enumerate(zip(imp.block_ids, imp.payloads)):
+                ntok = min(bs, imp.num_tokens - (imp.first_block + i) * bs)
+                if len(payload) != ntok * per_token or not 0 <= bid < self.num_blocks:
+                    raise ValueError(f"request {imp.request_id!r}: block {imp.first_block + i} payload of "
+                                     f"{len(payload)} bytes, expected {ntok * per_token} ({ntok} tokens)")
+                plan.append((bid, ntok, payload))
+        pool = self._kv_pool()
+        for bid, ntok, payload in plan:
+            t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(L, 2, ntok, H, D)
+            t = t.to(self.device)
+            if pool is not None:
+                pool[:, :, bid, :ntok].copy_(t)
+                continue
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[bid, :ntok].copy_(t[layer, 0])
+                v[bid, :ntok].copy_(t[layer, 1])
+
     def _build_inputs(self, sched_out: SchedulerOutput):
         bs, V, max_len = self.block_size, self.model_config.vocab_size, self.max_model_len
         input_ids: list[int] = []

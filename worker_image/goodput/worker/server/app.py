@@ -182,8 +182,11 @@ class ServerState:
 
     @property
     def drained(self) -> bool:
-        """SIGTERM-draining and no generate request left in flight: the process may exit."""
-        return self.draining and self.inflight == 0
+        """SIGTERM-draining, no generate request left in flight and no remote prefill's KV lease
+        open (a decode worker may still pull it; a lease ends within --kv-lease-seconds): the
+        process may exit."""
+        leases = getattr(getattr(self.llm, "scheduler", None), "leases", None)
+        return self.draining and self.inflight == 0 and not leases
 
     def require_admitting(self) -> None:
         """Raise 503 (OpenAI error body, code ``draining``) once a drain (SIGTERM or admin) started."""
@@ -308,11 +311,13 @@ def create_app(args: EngineArgs, engine_factory: Callable[[EngineArgs], LLMEngin
     app.add_middleware(_InstanceHeader, state=state)
 
     from goodput.worker.server.admin import router as admin_router
+    from goodput.worker.server.disagg import router as kv_router
     from goodput.worker.server.kv_events import router as kv_events_router
     from goodput.worker.server.openai_routes import router as openai_router
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(kv_events_router)
+    app.include_router(kv_router)
 
     @app.get("/health", response_model=HealthStatus, responses=_PROBE_503)
     async def health() -> JSONResponse:

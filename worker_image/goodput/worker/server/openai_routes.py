@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from goodput.api.policy import SLO_CLASS_HEADER
 from goodput.worker.engine.scheduler import AdmissionError
 from goodput.worker.async_engine import EngineDeadError, RequestStream
 from goodput.worker.llm_engine import RequestDelta
 from goodput.worker.engine.outputs import TokenLogprobs
-from goodput.worker.server import sse
+from goodput.worker.server import disagg, sse
 from goodput.worker.server.logprobs import (
     TokenText,
     chat_logprobs,
@@ -46,6 +47,13 @@ from goodput.worker.server.tool_calls import (
     parameters_schema,
     required_schema,
     template_messages,
+)
+from goodput.api.disagg import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    REMOTE_PREFILL_HEADER,
+    PrefillResult,
+    kv_payload_bytes,
 )
 from goodput.api.errors import ErrorResponse, error_body
 from goodput.worker.server.protocol import (
@@ -224,17 +232,21 @@ def _engine_error(st, e: BaseException, n_prompt_tokens: int) -> APIError:
 
 
 def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: float,
-               n: int, *, slo_class: str | None = None,
+               n: int, pd: _Disagg | None = None, *, slo_class: str | None = None,
                **engine_fields: Any) -> list[tuple[int, int, RequestStream]]:
     """Admit ``n`` choices of every prompt (forks sharing each prompt's KV blocks): all of them
     or none (what was admitted is aborted when a later one is refused). Returns
-    (choice index = prompt_index * n + i, prompt index, stream) in index order. ``slo_class``: the
+    (choice index = prompt_index * n + i, prompt index, stream) in index order. ``pd``: the
+    request's part in disaggregated serving (one prompt, n = 1): a remote prefill (its first
+    token only, its KV leased) or an imported prompt. ``slo_class``: the
     ``x-goodput-slo-class`` header (the metrics judge each request by its class; an unknown one
     is the default class)."""
     engine = st.require_engine()
     try:
         params = [body.to_sampling_params(max_tokens, i, **(engine_fields if i == 0 else {
             k: v for k, v in engine_fields.items() if k != "prompt_logprobs"})) for i in range(n)]
+        if pd is not None and pd.hold_kv:  # the prefill worker samples the first token only
+            params[0] = dataclasses.replace(params[0], max_tokens=1, min_tokens=min(params[0].min_tokens, 1))
     except UnsupportedParameter as e:
         raise _invalid(st, APIError.unsupported(e))
     except ValueError as e:
@@ -248,12 +260,15 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
             engine.check_room(len(prompts))
         for pi, ids in enumerate(prompts):
             rid = f"{prefix}-{pi}" if len(prompts) > 1 else prefix
+            if pd is not None and pd.handle is not None:
+                rid = pd.handle
             if metrics is not None:
                 classed += [rid] + [f"{rid}-n{i}" for i in range(1, n)]
                 metrics.assign_class(classed[-n:], slo_class)
             streams = engine.add_request_group(
                 rid, ids, params[0], arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt,
-                forks=[(f"{rid}-n{i}", params[i]) for i in range(1, n)])
+                forks=[(f"{rid}-n{i}", params[i]) for i in range(1, n)],
+                hold_kv=pd is not None and pd.hold_kv, kv_import=pd.kv if pd is not None else None)
             admitted += [(pi * n + i, pi, s) for i, s in enumerate(streams)]
     except (AdmissionError, EngineDeadError, ValueError, TypeError) as e:
         for _, _, s in admitted:
@@ -262,6 +277,72 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
             metrics.forget(classed[len(admitted):])
         raise _engine_error(st, e, 0)
     return admitted
+
+
+@dataclass
+class _Disagg:
+    """A request's part in disaggregated serving: ``hold_kv`` (a remote prefill, admitted under
+    ``handle``) or ``kv`` (the prompt's KV pulled from a prefill worker)."""
+
+    hold_kv: bool = False
+    handle: str | None = None
+    kv: Any = None
+
+
+async def _disaggregation(st, request: Request, body, prompts: list[list[int]], n: int,
+                          fields: dict[str, Any]) -> _Disagg | None:
+    """Read the router's disaggregation headers (``goodput.api.disagg``; docs/disaggregation.md).
+
+    :data:`REMOTE_PREFILL_HEADER`: this worker computes the prompt and leases its KV (400 on a
+    ``decode`` worker, or for a request of several prompts, ``n > 1``, log-probabilities, echo
+    or a grammar: those are served colocated). A KV handle and source: the KV is pulled now (off
+    the engine loop); when it cannot be used (role, request kind, mismatch, timeout, error) the
+    prompt is prefilled here. None for a plain request."""
+    role = st.args.role
+    if request.headers.get(REMOTE_PREFILL_HEADER) is not None:
+        if role not in PREFILL_ROLES:
+            raise _invalid(st, APIError(400, f"this worker's role is {role!r}: it does not compute prompts "
+                                             f"for others ({REMOTE_PREFILL_HEADER})", param=REMOTE_PREFILL_HEADER))
+        why = _single_choice_only(body, prompts, n, fields)
+        if why:
+            raise _invalid(st, APIError(400, f"a remote prefill carries one prompt and one plain choice; "
+                                             f"{why}", param=REMOTE_PREFILL_HEADER))
+        return _Disagg(hold_kv=True, handle=new_id("kv"))
+    transfer = disagg.transfer_headers(request)
+    if transfer is None:
+        return None
+    source, handle = transfer
+    why = f"this worker's role is {role!r}" if role not in DECODE_ROLES \
+        else _single_choice_only(body, prompts, n, fields)
+    if why:
+        disagg.fallback(st, source, handle, "unsupported", why)
+        return None
+    res = await disagg.pull_kv(st, source, handle, prompts[0], body.cache_salt)
+    return _Disagg(kv=res.kv) if res.kv is not None else None
+
+
+def _single_choice_only(body, prompts: list[list[int]], n: int, fields: dict[str, Any]) -> str | None:
+    """Why a request cannot take part in a KV transfer, or None."""
+    if len(prompts) != 1 or n != 1:
+        return f"this request has {len(prompts)} prompt(s) x {n} choice(s)"
+    if fields:
+        return f"it asks for {', '.join(sorted(fields))}"
+    if getattr(body, "echo", False):
+        return "it asks for echo"
+    return None
+
+
+async def _remote_prefill_answer(st, request: Request, entries, pd: _Disagg, n_prompt: int) -> Response:
+    """The prefill worker's answer: the first token and the lease's handle (:class:`PrefillResult`)."""
+    results = await _collect(request, [s for _, _, s in entries])
+    toks = results[0].token_ids
+    info = st.llm.lease_info(pd.handle)
+    if not toks or info is None:  # the engine failed the request (its blocks are freed)
+        raise APIError(500, "the remote prefill ended without leasing its KV")
+    kv = st.llm.kv_layout()
+    return JSONResponse(PrefillResult(handle=pd.handle, prompt_tokens=n_prompt, first_token_id=toks[0],
+                                      expires_in_s=st.args.kv_lease_seconds, kv=kv,
+                                      kv_bytes=kv_payload_bytes(kv, n_prompt)).model_dump())
 
 
 @dataclass
@@ -488,9 +569,12 @@ async def create_completion(body: CompletionRequest, request: Request):
         fields["prompt_logprobs"] = body.logprobs
     if schema is not None:
         fields["json_schema"] = schema
-    entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n,
+    pd = await _disaggregation(st, request, body, prompt_ids, n, fields)
+    entries = _admit_all(st, body, prompt_ids, max_tokens, arrival, n, pd,
                          slo_class=request.headers.get(SLO_CLASS_HEADER), **fields)
     await tie_later(st, request, body, prompt_ids)  # KV events: its chunk keys -> its blocks
+    if pd is not None and pd.hold_kv:
+        return await _remote_prefill_answer(st, request, entries, pd, len(prompt_ids[0]))
     created, model = now_s(), st.model_name
     n_prompt = sum(len(p) for p in prompt_ids)
     text_of = TokenText(tok)
@@ -588,9 +672,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         fields["logprobs"] = body.top_logprobs or 0
     if schema is not None:
         fields["json_schema"] = schema
-    entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n,
+    pd = await _disaggregation(st, request, body, [prompt_ids], body.n, fields)
+    entries = _admit_all(st, body, [prompt_ids], max_tokens, arrival, body.n, pd,
                          slo_class=request.headers.get(SLO_CLASS_HEADER), **fields)
     await tie_later(st, request, body, [prompt_ids])  # KV events: its chunk keys -> its blocks
+    if pd is not None and pd.hold_kv:
+        return await _remote_prefill_answer(st, request, entries, pd, len(prompt_ids))
     rid, created, model, n_prompt = new_id("chatcmpl"), now_s(), st.model_name, len(prompt_ids)
     want_ids = body.return_token_ids
     text_of = TokenText(st.llm.tokenizer)
