@@ -423,3 +423,87 @@ def test_a_request_at_zero_replicas_is_held_and_served(kubectl: Kubectl, fleet: 
     reasons = [d.get("reason") for d in ((status.get("status") or {}).get("autoscaler") or {}).get("decisions", [])]
     assert "ScaleFromZero" in reasons, reasons
     assert status["spec"]["replicas"] == 1
+
+
+# ------------------------------------------------------------------------- disaggregated prefill/decode
+PD_NAME, PD_MODEL = "pd", "smollm2-pd"
+
+
+def pd_prompt(i: int, words: int) -> str:
+    """Prompt ``i``: ``words`` numbered words (about 4.7 SmolLM2 tokens each), then a question."""
+    return " ".join(f"{WORDS[(i + k) % len(WORDS)]} {k}" for k in range(words)) + f". Which word came {i + 3}rd?"
+
+
+# 8 prompts past the threshold: 98 to 2,000 tokens (SmolLM2 tokenizes every digit alone)
+PD_PROMPTS = [pd_prompt(i, n) for i, n in enumerate((25, 40, 60, 90, 130, 200, 300, 420))]
+
+
+def metric_sum(ip_port: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` (``*_total`` of a counter) whose labels include ``labels``."""
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"http://{ip_port}/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+@pytest.mark.timeout(2 * POD_READY_S + 900)
+def test_long_prompts_are_prefilled_by_the_prefill_pool_and_decoded_the_same(kubectl: Kubectl, release: str,
+                                                                             ns: str, diag):
+    """spec.disaggregation on the cluster, one prefill and one decode pod: the router sends every
+    prompt longer than remotePrefillMinTokens to the prefill pod, the decode pod pulls its KV and
+    streams; for 8 prompts (~100 to ~2,000 tokens) the greedy text equals the decode pod's own local
+    prefill of the same prompt; the KV bytes received equal those sent and are a whole number of
+    2*L*n_kv*d_head*4 (float32) per token; afterwards neither pod holds a lease or a request."""
+    spec = {**SPEC, "replicas": 1, "model": {"name": MODEL, "servedModelName": PD_MODEL},
+            "engine": {**SPEC["engine"], "maxModelLen": 4096, "kvCacheMemory": "256Mi"},
+            "disaggregation": {"enabled": True, "remotePrefillMinTokens": 16, "prefill": {"replicas": 1}}}
+    kubectl.run("apply", "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "serving.goodput.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": PD_NAME, "namespace": ns}, "spec": spec}))
+    try:
+        def pool(component: str) -> list[dict[str, Any]]:
+            pods = kubectl.json("-n", ns, "get", "pods", "-l", f"serving.goodput.dev/inferenceservice={PD_NAME},"
+                                f"app.kubernetes.io/component={component}")["items"]
+            return [p for p in pods if ready(p)]
+
+        [decode] = wait_for(lambda: pool("worker"), 2 * POD_READY_S, "a Ready decode pod", interval=2,
+                            on_timeout=diag)
+        [prefill] = wait_for(lambda: pool("prefill-worker"), 2 * POD_READY_S, "a Ready prefill pod", interval=2,
+                             on_timeout=diag)
+        d, p = f"{pod_ip(decode)}:8000", f"{pod_ip(prefill)}:8000"
+        router = f"http://{pod_ip(router_pods(kubectl)[0])}:{ROUTER_PORT}"
+        wait_for(lambda: PD_MODEL in [m["id"] for m in httpx.get(f"{router}/v1/models", timeout=30).json()["data"]],
+                 120, "the router serving the P/D service", on_timeout=diag)
+
+        def remote() -> float:
+            return metric_sum(d, W.PREFILLS + "_total", where="remote")
+
+        def complete(base: str, prompt: str) -> dict[str, Any]:
+            r = httpx.post(f"{base}/v1/completions", timeout=POD_READY_S, json={
+                "model": PD_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        # the router may not have seen the prefill pod Ready yet: the first prompt until one is pulled
+        first = wait_for(lambda: (out := complete(router, PD_PROMPTS[0])) and remote() >= 1 and out, 180,
+                         "a remote prefill through the router", interval=5, on_timeout=diag)
+        via_router = [first] + [complete(router, q) for q in PD_PROMPTS[1:]]
+        pulled = remote()
+        assert pulled >= len(PD_PROMPTS), pulled
+        received = metric_sum(d, W.KV_TRANSFER_BYTES + "_total", direction="received")
+        sent = metric_sum(p, W.KV_TRANSFER_BYTES + "_total", direction="sent")
+        per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: L=30, n_kv=3, d_head=64, float32
+        assert received > 0 and received == sent and received % per_token == 0, (received, sent)
+        assert max(r["usage"]["prompt_tokens"] for r in via_router) >= 1900  # the ~2,000-token prompt
+        for q, got in zip(PD_PROMPTS, via_router):
+            local = complete(f"http://{d}", q)  # no transfer: the decode pod prefills it itself
+            assert got["choices"][0]["text"] == local["choices"][0]["text"], q[:40]
+            assert got["usage"] == local["usage"]
+        # nothing left behind: no lease on the prefill pod, no request on either
+        for pod in (p, d):
+            assert metric_sum(pod, W.KV_LEASES) == 0 and metric_sum(pod, W.KV_LEASED_BLOCKS) == 0, pod
+            assert metric_sum(pod, W.REQUESTS_RUNNING) == 0, pod
+    finally:
+        kubectl.run("-n", ns, "delete", "gisvc", PD_NAME, "--wait=false", check=False)
