@@ -39,6 +39,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--profile-batches", default="",
                    help="also profile these batch sizes (torch.profiler, first context): top ops per step")
+    p.add_argument("--native", default="on", choices=["on", "off", "both"],
+                   help="the native decode step (one C++ call per step where eligible): on, off (the "
+                        "per-operator path), or both, one after the other at every point")
+    p.add_argument("--small-rows", type=int, default=None,
+                   help="set every layer linear's block-kernel row limit to this instead of the one "
+                        "measured at load (which moves with the machine's load)")
+    p.add_argument("--breakdown-batches", default="",
+                   help="per-step breakdown at these batch sizes (first context): linears, attention, "
+                        "layer ops, everything else")
     p.add_argument("--out", default=None, help="JSON result path")
 
 
@@ -131,9 +140,14 @@ class _Traced:
 
 
 def _trace_kernels(runner) -> list[tuple[object, str, object]]:
-    """Swap the runner's C++ kernel module for a :class:`_Traced` one; returns what to restore."""
+    """Swap the runner's C++ kernel module for a :class:`_Traced` one (and a built native decode
+    step's stack: ``goodput::step``); returns what to restore."""
     swapped = []
     model = getattr(runner, "model", None)
+    native = getattr(model, "_native", None)
+    if native is not None:
+        swapped.append((model, "_native", native))
+        model._native = (_Traced(native[0]), native[1])
     linears = [getattr(ly, n, None) for ly in getattr(model, "layers", []) for n in ("qkv", "o", "gate_up", "down")]
     linears.append(getattr(model, "lm_head", None))
     blocks = [(lin.small, "_mod") for lin in linears if getattr(lin, "small", None) is not None]  # block_linear.py
@@ -171,6 +185,51 @@ def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -
     return {"batch": batch, "ctx": ctx, "steps": steps, "wall_ms": wall * 1e3, "ops_self_ms": total, "top": ops}
 
 
+# profiler op names by breakdown category (the rest of a step is "other": Python, dispatch, the
+# runner's inputs, sampling)
+CATEGORIES = {
+    "linears": ("goodput::block_linear", "mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm",
+                "aten::matmul"),
+    "attention": ("goodput::paged_decode_attention",),
+    "layer_ops": ("goodput::rms_norm", "goodput::add_rms_norm_", "goodput::rope_", "goodput::write_kv",
+                  "goodput::silu_mul"),
+}
+PHASES = ("linears", "attention", "layer_ops")  # the native step's phase_ns order (csrc/decode_step.h)
+
+
+def step_breakdown(runner, batch: int, ctx: int, wall_s: float, steps: int = 10) -> dict:
+    """Where a decode step's time goes, ms per step: the kernels' self times from torch.profiler by
+    :data:`CATEGORIES`; a native step (``goodput::step``) split by the phases its calling thread
+    timed (``native_phase_ns``: barrier waits count in the phase they end). ``other`` = ``wall_s``
+    (an unprofiled median) minus those: Python, dispatch, the LM head's row gather, sampling."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sched = decode_batch(batch, ctx, runner.block_size)
+    model = runner.model
+    runner.execute(sched)
+    phases = torch.zeros(3, dtype=torch.float64)
+    swapped = _trace_kernels(runner)
+    model.native_phase_ns = phases
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.execute(sched)
+    finally:
+        model.native_phase_ns = None
+        for obj, attr, mod in swapped:
+            setattr(obj, attr, mod)
+    self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    out = {c: sum(self_ms.get(k, 0.0) for k in keys) for c, keys in CATEGORIES.items()}
+    native_ms = self_ms.get("goodput::step", 0.0)
+    if native_ms:
+        timed = phases.sum().item()
+        for c, ns in zip(PHASES, phases.tolist()):
+            out[c] += native_ms * ns / timed if timed else 0.0
+    out["other"] = wall_s * 1e3 - sum(out.values())
+    return {"batch": batch, "ctx": ctx, "wall_ms": wall_s * 1e3, "native_ms": native_ms,
+            **{f"{k}_ms": v for k, v in out.items()}}
+
+
 def run(a: argparse.Namespace) -> dict:
     import torch
     batches = [int(x) for x in a.batches.split(",") if x]
@@ -187,17 +246,40 @@ def run(a: argparse.Namespace) -> dict:
         v.uniform_(-1.0, 1.0, generator=g)
     c = runner.model_config
     dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
-    points = []
+    model = runner.model
+    if a.small_rows is not None:
+        for lin in getattr(model, "_native_linears", []):
+            lin.small_rows = a.small_rows if getattr(lin, "small", None) is not None else lin.small_rows
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.native]
+    points, breakdowns, walls = [], [], {}
     for b in batches:
         for t in contexts:
-            s = time_steps(runner, b, t, a.repeats, a.warmup)
-            med = statistics.median(s)
-            points.append({"batch": b, "ctx": t, "step_s_median": med, "step_s_min": min(s), "steps_s": s,
-                           "tok_s": b / med})
-            print(f"decode B={b:3d} T={t:5d}: {med * 1e3:8.2f} ms/step (min {min(s) * 1e3:.2f}), "
-                  f"{b / med:7.1f} tok/s", file=sys.stderr, flush=True)
+            for native in modes:
+                if hasattr(model, "native_step"):
+                    model.native_step = native
+                s = time_steps(runner, b, t, a.repeats, a.warmup)
+                med = statistics.median(s)
+                walls[b, t, native] = med
+                used = bool(getattr(model, "native_eligible", lambda _: False)(b)) and native
+                points.append({"batch": b, "ctx": t, "native": used, "step_s_median": med, "step_s_min": min(s),
+                               "steps_s": s, "tok_s": b / med})
+                print(f"decode B={b:3d} T={t:5d} {'native' if used else 'per-op'}: {med * 1e3:8.2f} ms/step "
+                      f"(min {min(s) * 1e3:.2f}), {b / med:7.1f} tok/s", file=sys.stderr, flush=True)
+    for b in [int(x) for x in a.breakdown_batches.split(",") if x]:
+        for native in modes:
+            if hasattr(model, "native_step"):
+                model.native_step = native
+            wall = walls.get((b, contexts[0], native)) or statistics.median(
+                time_steps(runner, b, contexts[0], a.repeats, a.warmup))
+            bd = step_breakdown(runner, b, contexts[0], wall)
+            breakdowns.append(bd)
+            print("breakdown B={batch} T={ctx} (native step {native_ms:.2f} ms): wall {wall_ms:.2f} = linears "
+                  "{linears_ms:.2f} + attention {attention_ms:.2f} + layer ops {layer_ops_ms:.2f} + other "
+                  "{other_ms:.2f} ms".format(**bd), file=sys.stderr, flush=True)
     profiles = [profile_steps(runner, int(b), contexts[0]) for b in a.profile_batches.split(",") if b]
     return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "profiles": profiles,
+            "breakdowns": breakdowns, "native": a.native, "small_rows": getattr(model, "small_rows", None),
+            "small_rows_forced": a.small_rows,
             "threads": torch.get_num_threads(), "block_size": a.block_size, "load_s": load_s,
             "attention_backend": type(runner.attention_backend).__name__,
             "shape": {"layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
