@@ -128,14 +128,16 @@ def step_inputs(t: Tiny, pos: list[int], seed: int = 1):
             torch.tensor([p + 1 for p in pos], dtype=torch.int32), tables)
 
 
+@pytest.mark.parametrize("one_row", [True, False])  # RoPE + KV write inside the attention units, or apart
 @pytest.mark.parametrize("pos,splits", [([5], 1), ([9, 0, 13], 1), ([13, 6], 3), ([3, 11, 7, 12], 2)])
-def test_each_layer_equals_a_float64_reference(mod, pos, splits):
+def test_each_layer_equals_a_float64_reference(mod, pos, splits, one_row):
     t = Tiny(mod)
     x0, cs, slots, tables, lens, table_list = step_inputs(t, pos)
     for layers in range(1, t.L + 1):
         k, v = [c.clone() for c in t.k], [c.clone() for c in t.v]
         x, h = x0.clone(), torch.empty_like(x0)
-        t.stack(mod, layers, k, v).step(x, cs, slots, tables, lens, splits, h, torch.empty(0, dtype=torch.float64))
+        t.stack(mod, layers, k, v).step(x, cs, slots, tables, lens, splits, one_row, h,
+                                        torch.empty(0, dtype=torch.float64))
         ref_x, ref_h = t.reference(x0, torch.tensor(pos), table_list, layers)
         assert (x.double() - ref_x).abs().max().item() < 1e-4, f"residual after layer {layers}"
         assert (h.double() - ref_h).abs().max().item() < 1e-4, f"normed output after layer {layers}"
@@ -144,7 +146,8 @@ def test_each_layer_equals_a_float64_reference(mod, pos, splits):
             assert changed == sorted([int(s) // t.bs, int(s) % t.bs] for s in slots)
 
 
-def test_threads_do_not_change_a_bit(mod):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_threads_do_not_change_a_bit(mod, splits):
     t = Tiny(mod, seed=3)
     x0, cs, slots, tables, lens, _ = step_inputs(t, [14, 2, 9], seed=4)
     outs, threads = [], torch.get_num_threads()
@@ -154,7 +157,7 @@ def test_threads_do_not_change_a_bit(mod):
             k, v = [c.clone() for c in t.k], [c.clone() for c in t.v]
             x, h = x0.clone(), torch.empty_like(x0)
             phases = torch.zeros(3, dtype=torch.float64)
-            t.stack(mod, t.L, k, v).step(x, cs, slots, tables, lens, 2, h, phases)
+            t.stack(mod, t.L, k, v).step(x, cs, slots, tables, lens, splits, True, h, phases)
             assert (phases > 0).all()  # linears, attention, layer ops each timed
             outs.append((x, h, k, v))
     finally:
@@ -170,11 +173,12 @@ def test_bad_inputs_raise(mod):
     stack = t.stack(mod, 1, [c.clone() for c in t.k], [c.clone() for c in t.v])
     none = torch.empty(0, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        stack.step(x, cs, torch.tensor([0, t.nblocks * t.bs]), tables, lens, 1, torch.empty_like(x), none)
+        stack.step(x, cs, torch.tensor([0, t.nblocks * t.bs]), tables, lens, 1, True, torch.empty_like(x), none)
     with pytest.raises(RuntimeError, match="outside the block table"):
-        stack.step(x, cs, slots, tables, torch.tensor([5, 99], dtype=torch.int32), 1, torch.empty_like(x), none)
+        stack.step(x, cs, slots, tables, torch.tensor([5, 99], dtype=torch.int32), 1, True, torch.empty_like(x),
+                   none)
     with pytest.raises(RuntimeError, match="model's dtype"):
-        stack.step(x.double(), cs, slots, tables, lens, 1, torch.empty_like(x), none)
+        stack.step(x.double(), cs, slots, tables, lens, 1, True, torch.empty_like(x), none)
     with pytest.raises(RuntimeError, match="4 linears per layer"):
         mod.DecodeStack(t.norms[:3], [], [], [], [], t.k[:1], t.v[:1], t.H, t.KV, t.d, t.eps, 0.25)
 

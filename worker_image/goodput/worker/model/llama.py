@@ -355,7 +355,8 @@ class LlamaModel:
         tables, lens, splits = args
         h = torch.empty_like(x)
         phase = self.native_phase_ns if self.native_phase_ns is not None else _NO_PHASES
-        self._native_stack(kv_caches).step(x, cs, meta.slot_mapping, tables, lens, splits, h, phase)
+        self._native_stack(kv_caches).step(x, cs, meta.slot_mapping, tables, lens, splits, meta.draft_rows == 0, h,
+                                           phase)
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)
         return self.lm_head(h)

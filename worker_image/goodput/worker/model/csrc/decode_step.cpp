@@ -12,9 +12,12 @@
 //
 // Work split per phase (nt threads, thread t): a linear's output rows in nt contiguous ranges; the
 // attention units (sequence, KV head, split) in nt ranges, and with one split each unit's thread
-// also combines its heads' output rows (no barrier between); RoPE and KV writes by sequence; the
-// residual adds and norms (B rows of D) on thread 0; SiLU·up by every thread for its own copy of the
-// activations (B·I elements: cheaper than a barrier), which it then multiplies by its down rows.
+// also combines its heads' output rows (no barrier between); RoPE and the KV write by sequence in a
+// phase of their own, or, when every row is its own sequence and one unit holds each (sequence, KV
+// head), inside that unit (its query heads, its key head); the residual adds, norms and SiLU·up
+// (B rows: a few µs) by every thread on its own copy of the residual stream and activations,
+// cheaper than a barrier. Barriers per layer: after QKV, [RoPE + KV write,] attention, [the splits'
+// combine,] the output projection, gate-up and down: 5 for one-row decodes.
 #include "decode_step.h"
 
 #include "kernel_api.h"
@@ -63,7 +66,7 @@ inline void share(int64_t n, int64_t align, int t, int nt, int64_t& a, int64_t& 
 struct DecodeStack::State {
   template <typename T>
   void run(T* x, const T* cs, const int64_t* slots, const int32_t* tables, int64_t nbt, const int32_t* lens,
-           int64_t B, int64_t splits, T* h, double* phase_ns);
+           int64_t B, int64_t splits, bool one_row_per_seq, T* h, double* phase_ns);
 
   std::vector<torch::Tensor> keep_;  // every tensor whose memory the pointers below read
   std::vector<BlockRows> lin_;       // 4·L linears
@@ -128,7 +131,8 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Te
 }
 
 void DecodeStack::step(torch::Tensor x, torch::Tensor cs, torch::Tensor slots, torch::Tensor tables,
-                       torch::Tensor lens, int64_t splits, torch::Tensor h_out, torch::Tensor phase_ns) {
+                       torch::Tensor lens, int64_t splits, bool one_row_per_seq, torch::Tensor h_out,
+                       torch::Tensor phase_ns) {
   State& S = *s_;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == S.D_ && x.scalar_type() == S.dtype_,
               "x must be contiguous [B, D] in the model's dtype");
@@ -158,21 +162,24 @@ void DecodeStack::step(torch::Tensor x, torch::Tensor cs, torch::Tensor slots, t
   double* pn = phase_ns.defined() && phase_ns.numel() == 3 ? phase_ns.data_ptr<double>() : nullptr;
   if (S.dtype_ == torch::kFloat32) {
     S.run<float>(x.data_ptr<float>(), cs.data_ptr<float>(), sl, tables.data_ptr<int32_t>(), tables.size(1), ln, B, splits,
-               h_out.data_ptr<float>(), pn);
+                 one_row_per_seq, h_out.data_ptr<float>(), pn);
   } else {
     S.run<at::BFloat16>(x.data_ptr<at::BFloat16>(), cs.data_ptr<at::BFloat16>(), sl, tables.data_ptr<int32_t>(),
-                      tables.size(1), ln, B, splits, h_out.data_ptr<at::BFloat16>(), pn);
+                      tables.size(1), ln, B, splits, one_row_per_seq, h_out.data_ptr<at::BFloat16>(), pn);
   }
 }
 
 template <typename T>
 void DecodeStack::State::run(T* x, const T* cs, const int64_t* slots, const int32_t* tables, int64_t nbt, const int32_t* lens,
-                      int64_t B, int64_t splits, T* h, double* phase_ns) {
+                             int64_t B, int64_t splits, bool one_row_per_seq, T* h, double* phase_ns) {
   const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
   const int64_t D = D_, H = H_, KV = KV_, d = d_, I = I_, g = H / KV, Hd = H * d, QN = qkv_n_;
   const int64_t units = B * KV * splits, nbmax = max_k_ / 32;
-  // scratch, grown once to the largest step seen: shared activations, then per-thread inputs
-  const int64_t t_shared = B * (QN + Hd + D + 2 * I + D), t_thread = B * max_k_ + B * I;
+  // RoPE and the KV write inside each attention unit (no phase of their own) when a unit's
+  // sequence has no other row in the step and one unit holds each (sequence, KV head)
+  const bool rope_in_unit = one_row_per_seq && splits == 1;
+  // scratch, grown once to the largest step seen: shared activations, then per-thread ones
+  const int64_t t_shared = B * (QN + Hd + D + 2 * I), t_thread = B * (max_k_ + I + 2 * D);
   const int64_t f_shared = units * g * (d + 2), f_thread = B * nbmax + g * d + 2 * d;
   if (static_cast<int64_t>(tbuf_.size()) < (t_shared + nt * t_thread) * static_cast<int64_t>(sizeof(T)))
     tbuf_.resize((t_shared + nt * t_thread) * sizeof(T));
@@ -190,8 +197,13 @@ void DecodeStack::State::run(T* x, const T* cs, const int64_t* slots, const int3
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    T* xp = reinterpret_cast<T*>(tbuf_.data()) + t_shared + t * t_thread;  // this thread's permuted input
-    T* act = xp + B * max_k_;                                            // its copy of silu(gate)·up
+    // this thread's own: permuted linear input, silu(gate)·up, residual stream and normed rows —
+    // every thread computes the element-wise rows itself (B·D each: cheaper than a barrier), so
+    // the values are the same in every thread and only the shared buffers above need barriers
+    T* xp = reinterpret_cast<T*>(tbuf_.data()) + t_shared + t * t_thread;
+    T* act = xp + B * max_k_;
+    T* xs = act + B * I;
+    T* hs = xs + B * D;
     float* sx = fbuf_.data() + f_shared + t * f_thread;
     float* qf = sx + B * nbmax;
     float* orow = qf + g * d;
@@ -212,32 +224,42 @@ void DecodeStack::State::run(T* x, const T* cs, const int64_t* slots, const int3
       share(w.N, 16, t, n, n0, n1);
       if (n0 < n1) block_rows(in, w.K, static_cast<const T*>(xp), B, static_cast<const float*>(sx), w, n0, n1, y);
     };
+    // RoPE on `heads` heads from head h0 of row r, in place in qkv
+    auto rope = [&](int64_t r, int64_t h0, int64_t heads) { rope_row_(qkv + r * QN + h0 * d, cs + r * 2 * d, heads, d, tmp); };
+    auto write_kv = [&](int64_t l, int64_t r, int64_t kh, int64_t heads) {  // heads kh.. of row r's new K, V
+      if (slots[r] < 0) return;
+      const int64_t at = slots[r] * kv_row + kh * d;
+      std::memcpy(static_cast<T*>(kc_[l]) + at, qkv + r * QN + Hd + kh * d, heads * d * sizeof(T));
+      std::memcpy(static_cast<T*>(vc_[l]) + at, qkv + r * QN + Hd + kv_row + kh * d, heads * d * sizeof(T));
+    };
 
-    if (t == 0)
-      for (int64_t r = 0; r < B; ++r) rms_norm_row(x + r * D, norms[0], h + r * D, D, eps_);
-#pragma omp barrier
+    std::memcpy(xs, x, B * D * sizeof(T));
+    for (int64_t r = 0; r < B; ++r) rms_norm_row(xs + r * D, norms[0], hs + r * D, D, eps_);
     lap(2);
     for (int64_t l = 0; l < L_; ++l) {
       const BlockRows* w = lin_.data() + 4 * l;
-      linear(w[0], h, qkv);
+      linear(w[0], hs, qkv);
 #pragma omp barrier
       lap(0);
-      // RoPE on the query and key heads, then the new key and value rows into the cache
-      for (int64_t r = t; r < B; r += n) {
-        T* row = qkv + r * QN;
-        rope_row_(row, cs + r * 2 * d, H + KV, d, tmp);
-        if (slots[r] >= 0) {
-          std::memcpy(static_cast<T*>(kc_[l]) + slots[r] * kv_row, row + Hd, kv_row * sizeof(T));
-          std::memcpy(static_cast<T*>(vc_[l]) + slots[r] * kv_row, row + Hd + kv_row, kv_row * sizeof(T));
+      if (!rope_in_unit) {  // RoPE on the query and key heads, then the new K and V rows into the cache
+        for (int64_t r = t; r < B; r += n) {
+          rope(r, 0, H + KV);
+          write_kv(l, r, 0, KV);
         }
-      }
 #pragma omp barrier
-      lap(2);
+        lap(2);
+      }
       const AttnArgs<T> a{qkv, QN, d, static_cast<const T*>(kc_[l]), static_cast<const T*>(vc_[l]), tables, nbt, lens,
                           B, H, d, block_size_, KV, g, splits, scale_, pacc, pm, pl};
       int64_t u0, u1;
       share(units, 1, t, n, u0, u1);
       for (int64_t u = u0; u < u1; ++u) {
+        if (rope_in_unit) {  // unit u = (row b, KV head kh): its g query heads, its key head, its K and V
+          const int64_t b = u / KV, kh = u % KV;
+          rope(b, kh * g, g);
+          rope(b, H + kh, 1);
+          write_kv(l, b, kh, 1);
+        }
         attention_unit(a, u, qf);
         if (splits == 1)  // unit u = (b, kh): its g heads' rows need no other unit
           for (int64_t j = 0; j < g; ++j) attention_combine(a, (u / KV) * H + (u % KV) * g + j, orow, attn);
@@ -253,14 +275,12 @@ void DecodeStack::State::run(T* x, const T* cs, const int64_t* slots, const int3
       linear(w[1], attn, proj);
 #pragma omp barrier
       lap(0);
-      if (t == 0)
-        for (int64_t r = 0; r < B; ++r) {
-          add_row_(x + r * D, proj + r * D, D);
-          rms_norm_row(x + r * D, norms[2 * l + 1], h + r * D, D, eps_);
-        }
-#pragma omp barrier
+      for (int64_t r = 0; r < B; ++r) {
+        add_row_(xs + r * D, proj + r * D, D);
+        rms_norm_row(xs + r * D, norms[2 * l + 1], hs + r * D, D, eps_);
+      }
       lap(2);
-      linear(w[2], h, gu);
+      linear(w[2], hs, gu);
 #pragma omp barrier
       lap(0);
       for (int64_t r = 0; r < B; ++r) silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
@@ -268,20 +288,23 @@ void DecodeStack::State::run(T* x, const T* cs, const int64_t* slots, const int3
       linear(w[3], act, proj);
 #pragma omp barrier
       lap(0);
-      if (t == 0)
-        for (int64_t r = 0; r < B; ++r) {
-          add_row_(x + r * D, proj + r * D, D);
-          rms_norm_row(x + r * D, norms[2 * l + 2], h + r * D, D, eps_);  // the next layer's attn_norm, or the final
-        }
-#pragma omp barrier
+      for (int64_t r = 0; r < B; ++r) {
+        add_row_(xs + r * D, proj + r * D, D);
+        rms_norm_row(xs + r * D, norms[2 * l + 2], hs + r * D, D, eps_);  // the next layer's attn_norm, or the final
+      }
       lap(2);
+    }
+    if (t == 0) {
+      std::memcpy(x, xs, B * D * sizeof(T));
+      std::memcpy(h, hs, B * D * sizeof(T));
     }
   }
 }
 
-template void DecodeStack::State::run<float>(float*, const float*, const int64_t*, const int32_t*, int64_t, const int32_t*,
-                                      int64_t, int64_t, float*, double*);
+template void DecodeStack::State::run<float>(float*, const float*, const int64_t*, const int32_t*, int64_t,
+                                             const int32_t*, int64_t, int64_t, bool, float*, double*);
 template void DecodeStack::State::run<at::BFloat16>(at::BFloat16*, const at::BFloat16*, const int64_t*, const int32_t*,
-                                             int64_t, const int32_t*, int64_t, int64_t, at::BFloat16*, double*);
+                                                    int64_t, const int32_t*, int64_t, int64_t, bool, at::BFloat16*,
+                                                    double*);
 
 }  // namespace goodput

@@ -26,11 +26,13 @@ class DecodeStack {
 
   // One decode step of B rows (see decode_step.cpp): x [B, D] the embedded tokens (the residual
   // stream, updated in place), cs [B, 2, head_dim] RoPE rows, slots int64 [B] (< 0: not written),
-  // tables int32 [B, nbt] and lens int32 [B] (block ids checked by the caller), splits >= 1; writes
+  // tables int32 [B, nbt] and lens int32 [B] (block ids checked by the caller), splits >= 1;
+  // one_row_per_seq: no two rows are positions of one sequence (no drafted rows: a row then reads
+  // no other row's new K/V, and RoPE and the KV write can run inside its attention units); writes
   // h_out [B, D] = RMSNorm(final x)·final norm. phase_ns: empty, or float64 [3] to which the
   // calling thread adds its nanoseconds in linears, attention and layer ops (barrier waits included).
   void step(at::Tensor x, at::Tensor cs, at::Tensor slots, at::Tensor tables, at::Tensor lens,
-            int64_t splits, at::Tensor h_out, at::Tensor phase_ns);
+            int64_t splits, bool one_row_per_seq, at::Tensor h_out, at::Tensor phase_ns);
 
   ~DecodeStack();
   DecodeStack(const DecodeStack&) = delete;
