@@ -197,37 +197,45 @@ CATEGORIES = {
 PHASES = ("linears", "attention", "layer_ops")  # the native step's phase_ns order (csrc/decode_step.h)
 
 
-def step_breakdown(runner, batch: int, ctx: int, wall_s: float, steps: int = 10) -> dict:
-    """Where a decode step's time goes, ms per step: the kernels' self times from torch.profiler by
-    :data:`CATEGORIES`; a native step (``goodput::step``) split by the phases its calling thread
-    timed (``native_phase_ns``: barrier waits count in the phase they end). ``other`` = ``wall_s``
-    (an unprofiled median) minus those: Python, dispatch, the LM head's row gather, sampling."""
+def step_breakdown(runner, batch: int, ctx: int, wall_s: float, steps: int = 10, rounds: int = 5) -> dict:
+    """Where a decode step's time goes, ms per step, the median of ``rounds`` profiled runs of
+    ``steps`` steps: the kernels' self times from torch.profiler by :data:`CATEGORIES`; a native
+    step (``goodput::step``) split by the phases its calling thread timed (``native_phase_ns``:
+    barrier waits count in the phase they end). ``other`` = the profiled wall time minus those
+    (Python, dispatch, the runner's inputs, the row gather, sampling; inflated by the profiler's own
+    per-op cost, so an upper bound); ``wall_ms`` is ``wall_s``, an unprofiled median, for scale."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     sched = decode_batch(batch, ctx, runner.block_size)
     model = runner.model
     runner.execute(sched)
-    phases = torch.zeros(3, dtype=torch.float64)
-    swapped = _trace_kernels(runner)
-    model.native_phase_ns = phases
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                runner.execute(sched)
-    finally:
-        model.native_phase_ns = None
-        for obj, attr, mod in swapped:
-            setattr(obj, attr, mod)
-    self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
-    out = {c: sum(self_ms.get(k, 0.0) for k in keys) for c, keys in CATEGORIES.items()}
-    native_ms = self_ms.get("goodput::step", 0.0)
-    if native_ms:
+    per_round = []
+    for _ in range(rounds):
+        phases = torch.zeros(3, dtype=torch.float64)
+        swapped = _trace_kernels(runner)
+        model.native_phase_ns = phases
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    runner.execute(sched)
+                wall = (time.perf_counter() - t0) / steps
+        finally:
+            model.native_phase_ns = None
+            for obj, attr, mod in swapped:
+                setattr(obj, attr, mod)
+        self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+        out = {c: sum(self_ms.get(k, 0.0) for k in keys) for c, keys in CATEGORIES.items()}
+        out["native"] = self_ms.get("goodput::step", 0.0)
         timed = phases.sum().item()
         for c, ns in zip(PHASES, phases.tolist()):
-            out[c] += native_ms * ns / timed if timed else 0.0
-    out["other"] = wall_s * 1e3 - sum(out.values())
-    return {"batch": batch, "ctx": ctx, "wall_ms": wall_s * 1e3, "native_ms": native_ms,
-            **{f"{k}_ms": v for k, v in out.items()}}
+            out[c] += out["native"] * ns / timed if timed else 0.0
+        out["other"] = wall * 1e3 - sum(out[c] for c in CATEGORIES)
+        out["profiled_wall"] = wall * 1e3
+        per_round.append(out)
+    med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    return {"batch": batch, "ctx": ctx, "wall_ms": wall_s * 1e3, "rounds": rounds, "steps": steps,
+            **{f"{k}_ms": v for k, v in med.items()}}
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -273,9 +281,9 @@ def run(a: argparse.Namespace) -> dict:
                 time_steps(runner, b, contexts[0], a.repeats, a.warmup))
             bd = step_breakdown(runner, b, contexts[0], wall)
             breakdowns.append(bd)
-            print("breakdown B={batch} T={ctx} (native step {native_ms:.2f} ms): wall {wall_ms:.2f} = linears "
-                  "{linears_ms:.2f} + attention {attention_ms:.2f} + layer ops {layer_ops_ms:.2f} + other "
-                  "{other_ms:.2f} ms".format(**bd), file=sys.stderr, flush=True)
+            print("breakdown B={batch} T={ctx} (native step {native_ms:.2f} ms): profiled {profiled_wall_ms:.2f} = "
+                  "linears {linears_ms:.2f} + attention {attention_ms:.2f} + layer ops {layer_ops_ms:.2f} + other "
+                  "{other_ms:.2f} ms (unprofiled {wall_ms:.2f})".format(**bd), file=sys.stderr, flush=True)
     profiles = [profile_steps(runner, int(b), contexts[0]) for b in a.profile_batches.split(",") if b]
     return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "profiles": profiles,
             "breakdowns": breakdowns, "native": a.native, "small_rows": getattr(model, "small_rows", None),
