@@ -140,14 +140,9 @@ class _Traced:
 
 
 def _trace_kernels(runner) -> list[tuple[object, str, object]]:
-    """Swap the runner's C++ kernel module for a :class:`_Traced` one (and a built native decode
-    step's stack: ``goodput::step``); returns what to restore."""
+    """Swap the runner's C++ kernel module for a :class:`_Traced` one; returns what to restore."""
     swapped = []
     model = getattr(runner, "model", None)
-    native = getattr(model, "_native", None)
-    if native is not None:
-        swapped.append((model, "_native", native))
-        model._native = (_Traced(native[0]), native[1])
     linears = [getattr(ly, n, None) for ly in getattr(model, "layers", []) for n in ("qkv", "o", "gate_up", "down")]
     linears.append(getattr(model, "lm_head", None))
     blocks = [(lin.small, "_mod") for lin in linears if getattr(lin, "small", None) is not None]  # block_linear.py
@@ -185,57 +180,97 @@ def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -
     return {"batch": batch, "ctx": ctx, "steps": steps, "wall_ms": wall * 1e3, "ops_self_ms": total, "top": ops}
 
 
-# profiler op names by breakdown category (the rest of a step is "other": Python, dispatch, the
-# runner's inputs, sampling)
-CATEGORIES = {
-    "linears": ("goodput::block_linear", "mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm",
-                "aten::matmul"),
-    "attention": ("goodput::paged_decode_attention",),
-    "layer_ops": ("goodput::rms_norm", "goodput::add_rms_norm_", "goodput::rope_", "goodput::write_kv",
-                  "goodput::silu_mul"),
-}
+# the kernel modules' functions by breakdown category (None: not timed; the rest of a step is
+# "other": Python, dispatch, the runner's inputs, the row gather, sampling)
+KERNEL_CATEGORIES = {"rms_norm": "layer_ops", "add_rms_norm_": "layer_ops", "rope_": "layer_ops",
+                     "silu_mul": "layer_ops", "write_kv": "layer_ops", "paged_decode_attention": "attention"}
 PHASES = ("linears", "attention", "layer_ops")  # the native step's phase_ns order (csrc/decode_step.h)
 
 
-def step_breakdown(runner, batch: int, ctx: int, wall_s: float, steps: int = 10, rounds: int = 5) -> dict:
-    """Where a decode step's time goes, ms per step, the median of ``rounds`` profiled runs of
-    ``steps`` steps: the kernels' self times from torch.profiler by :data:`CATEGORIES`; a native
-    step (``goodput::step``) split by the phases its calling thread timed (``native_phase_ns``:
-    barrier waits count in the phase they end). ``other`` = the profiled wall time minus those
-    (Python, dispatch, the runner's inputs, the row gather, sampling; inflated by the profiler's own
-    per-op cost, so an upper bound); ``wall_ms`` is ``wall_s``, an unprofiled median, for scale."""
+class _Timed:
+    """Stands in for a kernel module, a linear or the native decode step's stack while a breakdown
+    runs: adds the seconds of each call (of the object, or of its methods) to ``acc[category]``;
+    ``categories`` maps method names to a category (None: passed through untimed)."""
+
+    def __init__(self, obj, acc: dict, category: str | None, categories: dict | None = None):
+        self._obj, self._acc, self._cat, self._cats = obj, acc, category, categories
+
+    def _timed(self, fn, cat):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._acc[cat] = self._acc.get(cat, 0.0) + time.perf_counter() - t0
+        return call
+
+    def __call__(self, *args, **kw):
+        return self._timed(self._obj, self._cat)(*args, **kw)
+
+    def __getattr__(self, name):
+        attr = getattr(self._obj, name)
+        cat = self._cats.get(name) if self._cats is not None else None
+        return self._timed(attr, cat) if cat is not None and callable(attr) else attr
+
+
+def _time_kernels(runner, acc: dict) -> list[tuple[object, str, object]]:
+    """Swap in :class:`_Timed` stand-ins: every layer linear and the LM head (``linears``), the
+    layer-op and attention kernels (:data:`KERNEL_CATEGORIES`) and a built native step's stack
+    (``native``); returns what to restore."""
+    model, backend = runner.model, runner.attention_backend
+    swaps = [(ly, n, "linears", None) for ly in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    swaps += [(model, "lm_head", "linears", None), (model, "fused_ops", None, KERNEL_CATEGORIES),
+              (backend, "_mod", None, KERNEL_CATEGORIES)]
+    swapped = []
+    for obj, attr, cat, cats in swaps:
+        cur = getattr(obj, attr, None)
+        if cur is not None:
+            setattr(obj, attr, _Timed(cur, acc, cat, cats))
+            swapped.append((obj, attr, cur))
+    native = getattr(model, "_native", None)
+    if native is not None:
+        swapped.append((model, "_native", native))
+        model._native = (_Timed(native[0], acc, None, {"step": "native"}), native[1])
+    return swapped
+
+
+def step_breakdown(runner, batch: int, ctx: int, steps: int = 10, rounds: int = 5) -> dict:
+    """Where a decode step's time goes, ms per step, the median of ``rounds`` runs of ``steps``
+    steps with every kernel call timed (:func:`_time_kernels`: ~1 µs per call): linears (layer
+    linears and the LM head), attention, layer ops (norms, RoPE, KV write, SiLU·up), and ``other``
+    = the step's wall time minus those (Python, dispatch, the runner's inputs, the row gather,
+    sampling). A native step's call is split by the phases its calling thread timed
+    (``native_phase_ns``; barrier waits count in the phase they end)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
     sched = decode_batch(batch, ctx, runner.block_size)
     model = runner.model
     runner.execute(sched)
+    runner.execute(sched)  # builds the native stack, if any, before it is swapped
     per_round = []
     for _ in range(rounds):
+        acc: dict = {}
         phases = torch.zeros(3, dtype=torch.float64)
-        swapped = _trace_kernels(runner)
+        swapped = _time_kernels(runner, acc)
         model.native_phase_ns = phases
         try:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    runner.execute(sched)
-                wall = (time.perf_counter() - t0) / steps
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                runner.execute(sched)
+            wall = time.perf_counter() - t0
         finally:
             model.native_phase_ns = None
-            for obj, attr, mod in swapped:
-                setattr(obj, attr, mod)
-        self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
-        out = {c: sum(self_ms.get(k, 0.0) for k in keys) for c, keys in CATEGORIES.items()}
-        out["native"] = self_ms.get("goodput::step", 0.0)
+            for obj, attr, cur in reversed(swapped):
+                setattr(obj, attr, cur)
+        out = {c: acc.get(c, 0.0) * 1e3 / steps for c in PHASES}
+        out["native"] = acc.get("native", 0.0) * 1e3 / steps
         timed = phases.sum().item()
         for c, ns in zip(PHASES, phases.tolist()):
             out[c] += out["native"] * ns / timed if timed else 0.0
-        out["other"] = wall * 1e3 - sum(out[c] for c in CATEGORIES)
-        out["profiled_wall"] = wall * 1e3
+        out["wall"] = wall * 1e3 / steps
+        out["other"] = out["wall"] - sum(out[c] for c in PHASES)
         per_round.append(out)
     med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
-    return {"batch": batch, "ctx": ctx, "wall_ms": wall_s * 1e3, "rounds": rounds, "steps": steps,
-            **{f"{k}_ms": v for k, v in med.items()}}
+    return {"batch": batch, "ctx": ctx, "rounds": rounds, "steps": steps, **{f"{k}_ms": v for k, v in med.items()}}
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -259,7 +294,7 @@ def run(a: argparse.Namespace) -> dict:
         for lin in getattr(model, "_native_linears", []):
             lin.small_rows = a.small_rows if getattr(lin, "small", None) is not None else lin.small_rows
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.native]
-    points, breakdowns, walls = [], [], {}
+    points, breakdowns = [], []
     for b in batches:
         for t in contexts:
             for native in modes:
@@ -267,7 +302,6 @@ def run(a: argparse.Namespace) -> dict:
                     model.native_step = native
                 s = time_steps(runner, b, t, a.repeats, a.warmup)
                 med = statistics.median(s)
-                walls[b, t, native] = med
                 used = bool(getattr(model, "native_eligible", lambda _: False)(b)) and native
                 points.append({"batch": b, "ctx": t, "native": used, "step_s_median": med, "step_s_min": min(s),
                                "steps_s": s, "tok_s": b / med})
@@ -277,13 +311,12 @@ def run(a: argparse.Namespace) -> dict:
         for native in modes:
             if hasattr(model, "native_step"):
                 model.native_step = native
-            wall = walls.get((b, contexts[0], native)) or statistics.median(
-                time_steps(runner, b, contexts[0], a.repeats, a.warmup))
-            bd = step_breakdown(runner, b, contexts[0], wall)
+            bd = step_breakdown(runner, b, contexts[0])
+            bd["native_step"] = native
             breakdowns.append(bd)
-            print("breakdown B={batch} T={ctx} (native step {native_ms:.2f} ms): profiled {profiled_wall_ms:.2f} = "
-                  "linears {linears_ms:.2f} + attention {attention_ms:.2f} + layer ops {layer_ops_ms:.2f} + other "
-                  "{other_ms:.2f} ms (unprofiled {wall_ms:.2f})".format(**bd), file=sys.stderr, flush=True)
+            print("breakdown B={batch} T={ctx} (native call {native_ms:.2f} ms): wall {wall_ms:.2f} = linears "
+                  "{linears_ms:.2f} + attention {attention_ms:.2f} + layer ops {layer_ops_ms:.2f} + other "
+                  "{other_ms:.2f} ms".format(**bd), file=sys.stderr, flush=True)
     profiles = [profile_steps(runner, int(b), contexts[0]) for b in a.profile_batches.split(",") if b]
     return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "profiles": profiles,
             "breakdowns": breakdowns, "native": a.native, "small_rows": getattr(model, "small_rows", None),
