@@ -147,6 +147,25 @@ def test_each_layer_equals_a_float64_reference(mod, pos, splits, one_row):
 
 
 @pytest.mark.parametrize("splits", [1, 2])
+def test_drafted_rows_of_one_sequence_read_each_others_new_kv(mod, splits):
+    """Speculative decoding's layout: rows at positions 6, 7, 8 of one sequence (one block table)
+    and a row of another; each row attends to the keys and values the earlier rows write in the
+    same step (so RoPE and the KV write run before attention: one_row_per_seq False)."""
+    t = Tiny(mod, seed=5)
+    pos = [6, 7, 8, 4]
+    x0, cs, _, _, _, table_list = step_inputs(t, pos, seed=6)
+    table_list = [table_list[0]] * 3 + [table_list[3]]
+    tables = torch.tensor(table_list, dtype=torch.int32)
+    slots = torch.tensor([table_list[b][p // t.bs] * t.bs + p % t.bs for b, p in enumerate(pos)], dtype=torch.int64)
+    lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
+    k, v = [c.clone() for c in t.k], [c.clone() for c in t.v]
+    x, h = x0.clone(), torch.empty_like(x0)
+    t.stack(mod, t.L, k, v).step(x, cs, slots, tables, lens, splits, False, h, torch.empty(0, dtype=torch.float64))
+    ref_x, _ = t.reference(x0, torch.tensor(pos), table_list, t.L)
+    assert (x.double() - ref_x).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("splits", [1, 2])
 def test_threads_do_not_change_a_bit(mod, splits):
     t = Tiny(mod, seed=3)
     x0, cs, slots, tables, lens, _ = step_inputs(t, [14, 2, 9], seed=4)
@@ -254,3 +273,23 @@ def test_model_native_step_only_where_eligible():
     assert not model.native_eligible(2)
     greedy_batch(runner, PROMPTS[:1], 2)
     assert model._native is None  # the torch backend has no decode-only plan: per-operator path
+
+
+@pytest.mark.slow
+def test_two_builds_in_one_process_each_run_their_own_step(mod):
+    """`cpu_kernels --levels` imports several builds into one process (the worker image's build):
+    each registers its own DecodeStack (module-local), and the portable build's step (the avx2
+    level's loops) agrees with this CPU's."""
+    other = cpu_kernels.build(level="avx2")  # cached after the first build
+    if other is None:
+        pytest.skip("this CPU cannot run the avx2 level")
+    assert other.DecodeStack is not mod.DecodeStack
+    t = Tiny(mod, seed=7)
+    x0, cs, slots, tables, lens, _ = step_inputs(t, [10, 3], seed=8)
+    outs = []
+    for m in (mod, other):
+        x, h = x0.clone(), torch.empty_like(x0)
+        t.stack(m, t.L, [c.clone() for c in t.k], [c.clone() for c in t.v]).step(
+            x, cs, slots, tables, lens, 1, True, h, torch.empty(0, dtype=torch.float64))
+        outs.append(x)
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-4  # float32 sums in another order (bound above)

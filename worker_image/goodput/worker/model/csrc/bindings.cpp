@@ -26,7 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gu = gate || up");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, torch.max's rule (first index; NaN counts as the maximum)");
   m.def("block_linear", &block_linear, "x @ W.T with W as a GGUF file's 4-bit (kind 0) / 8-bit (kind 1) blocks of 32 (block_linear.cpp layout)");
-  pybind11::class_<goodput::DecodeStack>(m, "DecodeStack",
+  // module_local: each instruction-set level's build is its own module with its own DecodeStack; a
+  // process that imports two of them (cpu_kernels --levels) must not register the type twice
+  pybind11::class_<goodput::DecodeStack>(m, "DecodeStack", pybind11::module_local(),
                                           "a Llama layer stack for decode rows in one call (decode_step.cpp)")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
