@@ -2,6 +2,8 @@
 
     python -m goodput.bench decode-steps --batches 1,16 --contexts 512,2048,8192 --out x.json
     python -m goodput.bench decode-steps --quantization int4 --batches 1,32 --contexts 107
+    python -m goodput.bench decode-steps --batches 1,4 --contexts 128 --native both --small-rows 4 \
+        --breakdown-batches 1,4      # native decode step vs per-operator path, and where a step goes
 
 A real ``ModelRunner`` (the worker's model, attention backend and sampler) executes decode steps
 of B sequences whose KV cache already holds T - 1 tokens each: the cache is filled with random
