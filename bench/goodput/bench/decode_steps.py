@@ -2,6 +2,8 @@
 
     python -m goodput.bench decode-steps --batches 1,16 --contexts 512,2048,8192 --out x.json
     python -m goodput.bench decode-steps --quantization int4 --batches 1,32 --contexts 107
+    python -m goodput.bench decode-steps --batches 1,4 --contexts 128 --native both --small-rows 4 \
+        --breakdown-batches 1,4      # native decode step vs per-operator path, and where a step goes
 
 A real ``ModelRunner`` (the worker's model, attention backend and sampler) executes decode steps
 of B sequences whose KV cache already holds T - 1 tokens each: the cache is filled with random
@@ -39,6 +41,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--profile-batches", default="",
                    help="also profile these batch sizes (torch.profiler, first context): top ops per step")
+    p.add_argument("--native", default="on", choices=["on", "off", "both"],
+                   help="the native decode step (one C++ call per step where eligible): on, off (the "
+                        "per-operator path), or both, one after the other at every point")
+    p.add_argument("--small-rows", type=int, default=None,
+                   help="set every layer linear's block-kernel row limit to this instead of the one "
+                        "measured at load (which moves with the machine's load)")
+    p.add_argument("--breakdown-batches", default="",
+                   help="per-step breakdown at these batch sizes (first context): linears, attention, "
+                        "layer ops, everything else")
     p.add_argument("--out", default=None, help="JSON result path")
 
 
@@ -171,6 +182,99 @@ def profile_steps(runner, batch: int, ctx: int, steps: int = 5, top: int = 12) -
     return {"batch": batch, "ctx": ctx, "steps": steps, "wall_ms": wall * 1e3, "ops_self_ms": total, "top": ops}
 
 
+# the kernel modules' functions by breakdown category (None: not timed; the rest of a step is
+# "other": Python, dispatch, the runner's inputs, the row gather, sampling)
+KERNEL_CATEGORIES = {"rms_norm": "layer_ops", "add_rms_norm_": "layer_ops", "rope_": "layer_ops",
+                     "silu_mul": "layer_ops", "write_kv": "layer_ops", "paged_decode_attention": "attention"}
+PHASES = ("linears", "attention", "layer_ops")  # the native step's phase_ns order (csrc/decode_step.h)
+
+
+class _Timed:
+    """Stands in for a kernel module, a linear or the native decode step's stack while a breakdown
+    runs: adds the seconds of each call (of the object, or of its methods) to ``acc[category]``;
+    ``categories`` maps method names to a category (None: passed through untimed)."""
+
+    def __init__(self, obj, acc: dict, category: str | None, categories: dict | None = None):
+        self._obj, self._acc, self._cat, self._cats = obj, acc, category, categories
+
+    def _timed(self, fn, cat):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._acc[cat] = self._acc.get(cat, 0.0) + time.perf_counter() - t0
+        return call
+
+    def __call__(self, *args, **kw):
+        return self._timed(self._obj, self._cat)(*args, **kw)
+
+    def __getattr__(self, name):
+        attr = getattr(self._obj, name)
+        cat = self._cats.get(name) if self._cats is not None else None
+        return self._timed(attr, cat) if cat is not None and callable(attr) else attr
+
+
+def _time_kernels(runner, acc: dict) -> list[tuple[object, str, object]]:
+    """Swap in :class:`_Timed` stand-ins: every layer linear and the LM head (``linears``), the
+    layer-op and attention kernels (:data:`KERNEL_CATEGORIES`) and a built native step's stack
+    (``native``); returns what to restore."""
+    model, backend = runner.model, runner.attention_backend
+    swaps = [(ly, n, "linears", None) for ly in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    swaps += [(model, "lm_head", "linears", None), (model, "fused_ops", None, KERNEL_CATEGORIES),
+              (backend, "_mod", None, KERNEL_CATEGORIES)]
+    swapped = []
+    for obj, attr, cat, cats in swaps:
+        cur = getattr(obj, attr, None)
+        if cur is not None:
+            setattr(obj, attr, _Timed(cur, acc, cat, cats))
+            swapped.append((obj, attr, cur))
+    native = getattr(model, "_native", None)
+    if native is not None:
+        swapped.append((model, "_native", native))
+        model._native = (_Timed(native[0], acc, None, {"step": "native"}), native[1])
+    return swapped
+
+
+def step_breakdown(runner, batch: int, ctx: int, steps: int = 10, rounds: int = 5) -> dict:
+    """Where a decode step's time goes, ms per step, the median of ``rounds`` runs of ``steps``
+    steps with every kernel call timed (:func:`_time_kernels`: ~1 µs per call): linears (layer
+    linears and the LM head), attention, layer ops (norms, RoPE, KV write, SiLU·up), and ``other``
+    = the step's wall time minus those (Python, dispatch, the runner's inputs, the row gather,
+    sampling). A native step's call is split by the phases its calling thread timed
+    (``native_phase_ns``; barrier waits count in the phase they end)."""
+    import torch
+    sched = decode_batch(batch, ctx, runner.block_size)
+    model = runner.model
+    runner.execute(sched)
+    runner.execute(sched)  # builds the native stack, if any, before it is swapped
+    per_round = []
+    for _ in range(rounds):
+        acc: dict = {}
+        phases = torch.zeros(3, dtype=torch.float64)
+        swapped = _time_kernels(runner, acc)
+        model.native_phase_ns = phases
+        try:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                runner.execute(sched)
+            wall = time.perf_counter() - t0
+        finally:
+            model.native_phase_ns = None
+            for obj, attr, cur in reversed(swapped):
+                setattr(obj, attr, cur)
+        out = {c: acc.get(c, 0.0) * 1e3 / steps for c in PHASES}
+        out["native"] = acc.get("native", 0.0) * 1e3 / steps
+        timed = phases.sum().item()
+        for c, ns in zip(PHASES, phases.tolist()):
+            out[c] += out["native"] * ns / timed if timed else 0.0
+        out["wall"] = wall * 1e3 / steps
+        out["other"] = out["wall"] - sum(out[c] for c in PHASES)
+        per_round.append(out)
+    med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    return {"batch": batch, "ctx": ctx, "rounds": rounds, "steps": steps, **{f"{k}_ms": v for k, v in med.items()}}
+
+
 def run(a: argparse.Namespace) -> dict:
     import torch
     batches = [int(x) for x in a.batches.split(",") if x]
@@ -187,17 +291,38 @@ def run(a: argparse.Namespace) -> dict:
         v.uniform_(-1.0, 1.0, generator=g)
     c = runner.model_config
     dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
-    points = []
+    model = runner.model
+    if a.small_rows is not None:
+        for lin in getattr(model, "_native_linears", []):
+            lin.small_rows = a.small_rows if getattr(lin, "small", None) is not None else lin.small_rows
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.native]
+    points, breakdowns = [], []
     for b in batches:
         for t in contexts:
-            s = time_steps(runner, b, t, a.repeats, a.warmup)
-            med = statistics.median(s)
-            points.append({"batch": b, "ctx": t, "step_s_median": med, "step_s_min": min(s), "steps_s": s,
-                           "tok_s": b / med})
-            print(f"decode B={b:3d} T={t:5d}: {med * 1e3:8.2f} ms/step (min {min(s) * 1e3:.2f}), "
-                  f"{b / med:7.1f} tok/s", file=sys.stderr, flush=True)
+            for native in modes:
+                if hasattr(model, "native_step"):
+                    model.native_step = native
+                s = time_steps(runner, b, t, a.repeats, a.warmup)
+                med = statistics.median(s)
+                used = bool(getattr(model, "native_eligible", lambda _: False)(b)) and native
+                points.append({"batch": b, "ctx": t, "native": used, "step_s_median": med, "step_s_min": min(s),
+                               "steps_s": s, "tok_s": b / med})
+                print(f"decode B={b:3d} T={t:5d} {'native' if used else 'per-op'}: {med * 1e3:8.2f} ms/step "
+                      f"(min {min(s) * 1e3:.2f}), {b / med:7.1f} tok/s", file=sys.stderr, flush=True)
+    for b in [int(x) for x in a.breakdown_batches.split(",") if x]:
+        for native in modes:
+            if hasattr(model, "native_step"):
+                model.native_step = native
+            bd = step_breakdown(runner, b, contexts[0])
+            bd["native_step"] = native
+            breakdowns.append(bd)
+            print("breakdown B={batch} T={ctx} (native call {native_ms:.2f} ms): wall {wall_ms:.2f} = linears "
+                  "{linears_ms:.2f} + attention {attention_ms:.2f} + layer ops {layer_ops_ms:.2f} + other "
+                  "{other_ms:.2f} ms".format(**bd), file=sys.stderr, flush=True)
     profiles = [profile_steps(runner, int(b), contexts[0]) for b in a.profile_batches.split(",") if b]
     return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "profiles": profiles,
+            "breakdowns": breakdowns, "native": a.native, "small_rows": getattr(model, "small_rows", None),
+            "small_rows_forced": a.small_rows,
             "threads": torch.get_num_threads(), "block_size": a.block_size, "load_s": load_s,
             "attention_backend": type(runner.attention_backend).__name__,
             "shape": {"layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,

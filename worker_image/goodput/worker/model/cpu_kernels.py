@@ -54,8 +54,8 @@ from goodput.worker.model import cpu_isa
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f
-           for f in ("paged_attention.cpp", "layer_ops.cpp", "block_linear.cpp", "bindings.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "kernel_api.h"]  # part of the build's key, not compiled
+           for f in ("paged_attention.cpp", "layer_ops.cpp", "block_linear.cpp", "decode_step.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / f for f in ("kernel_api.h", "kernel_inner.h", "decode_step.h")]  # part of the build's key, not compiled
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _PORTABLE_CFLAGS = [f for f in CFLAGS if not f.startswith("-march=")]  # + a level's -march flags

@@ -191,6 +191,13 @@ class LlamaModel:
         if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from goodput.worker.model import cpu_kernels
             self.fused_ops = cpu_kernels.loaded()
+        # the native decode step (csrc/decode_step.cpp): steps of decode rows only, where every
+        # layer linear runs the block kernel; False keeps the per-operator path (benchmarks, tests)
+        self.native_step = True
+        # float64 [3] to which native steps add ns in linears, attention, layer ops (bench); None: off
+        self.native_phase_ns: torch.Tensor | None = None
+        self._native = None            # (the DecodeStack, the kv_caches list it was built on)
+        self._native_linears = [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
 
     def calibrate_small_rows(self) -> dict[int, int]:
         """Measure, per block kind (0: 4-bit layers, 1: the 8-bit LM head), up to how many rows the
@@ -236,8 +243,12 @@ class LlamaModel:
         # HF's x1·cos - x2·sin, x2·cos + x1·sin).
         cs = self._cos_sin.index_select(0, positions).to(self.dtype)            # [T, 2, d]
         x = self.embed.index_select(0, input_ids)                                # [T, D]
-        layers = self._forward_fused if self.fused_ops is not None else self._forward_torch
-        logits = layers(x, cs, meta, kv_caches, backend, logits_indices)
+        args = self._native_args(x.shape[0], meta, kv_caches, backend)
+        if args is not None:
+            logits = self._forward_native(x, cs, meta, kv_caches, args, logits_indices)
+        else:
+            layers = self._forward_fused if self.fused_ops is not None else self._forward_torch
+            logits = layers(x, cs, meta, kv_caches, backend, logits_indices)
         return logits.float() if float_logits else logits
 
     def _forward_torch(self, x: torch.Tensor, cs: torch.Tensor, meta: AttentionMetadata,
@@ -296,3 +307,59 @@ class LlamaModel:
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)
         return self.lm_head(h)
+
+    def native_eligible(self, rows: int) -> bool:
+        """Whether a step of ``rows`` decode rows can run as one native call: the native step is on,
+        the C++ kernels have it, and every layer linear would run its block kernel at ``rows``
+        (``_Linear.small_rows``, measured at load)."""
+        if not self.native_step or self.fused_ops is None or not hasattr(self.fused_ops, "DecodeStack"):
+            return False
+        return all(isinstance(lin, _Linear) and lin.small is not None and rows <= lin.small_rows
+                   for lin in self._native_linears)
+
+    def _native_args(self, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(block tables, lengths, splits) for :meth:`_forward_native` when this step can run natively
+        (:meth:`native_eligible`, the ``cpu`` attention backend, decode rows only, caches in the
+        model's dtype); else None (the per-operator path)."""
+        plan = getattr(backend, "decode_only_plan", None)
+        if plan is None or not self.native_eligible(rows) or kv_caches[0][0].dtype != self.dtype:
+            return None
+        return plan(meta, kv_caches[0][0])
+
+    def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The C++ ``DecodeStack`` over these caches (built once per kv_caches list: it holds the
+        weights' and caches' memory)."""
+        if self._native is not None and self._native[1] is kv_caches:
+            return self._native[0]
+        c, codes, ds, ms, kinds = self.config, [], [], [], []
+        for lin in self._native_linears:
+            codes.append(lin.small.codes)
+            ds.append(lin.small.d)
+            ms.append(lin.small._m)
+            kinds.append(lin.small.kind)
+        norms = [n for ly in self.layers for n in (ly.attn_norm, ly.ffn_norm)] + [self.norm]
+        stack = self.fused_ops.DecodeStack(norms, codes, ds, ms, kinds, [k for k, _ in kv_caches],
+                                           [v for _, v in kv_caches], c.num_heads, c.num_kv_heads, c.head_dim,
+                                           c.rms_norm_eps, self.scale)
+        self._native = (stack, kv_caches)
+        return stack
+
+    def _forward_native(self, x: torch.Tensor, cs: torch.Tensor, meta: AttentionMetadata,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                        args: tuple[torch.Tensor, torch.Tensor, int],
+                        logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward`'s layers as one native call (``csrc/decode_step.cpp``): the same inner
+        loops as :meth:`_forward_fused` with the block linears, so the same values bit for bit;
+        x [B, D] is updated in place; the LM head runs here as there."""
+        tables, lens, splits = args
+        h = torch.empty_like(x)
+        phase = self.native_phase_ns if self.native_phase_ns is not None else _NO_PHASES
+        self._native_stack(kv_caches).step(x, cs, meta.slot_mapping, tables, lens, splits, meta.draft_rows == 0, h,
+                                           phase)
+        if logits_indices is not None:
+            h = h.index_select(0, logits_indices)
+        return self.lm_head(h)
+
+
+_NO_PHASES = torch.empty(0, dtype=torch.float64)

@@ -111,6 +111,10 @@ class ModelRunner:
             log.info("linears: %s weights at every batch size (block kernel off: %s)",
                      "quantized" if quantization != "none" else str(self.dtype).removeprefix("torch."),
                      why if block_kernels is None else "the file has no Q4_0/Q4_1/Q8_0 linears")
+        rows = max((r for r in range(1, block_linear.MAX_ROWS[0] + 1) if self.model.native_eligible(r)), default=0)
+        if rows:
+            log.info("decode steps of <= %d rows (decode rows only, cpu attention backend) run the whole layer "
+                     "stack as one native call (csrc/decode_step.cpp)", rows)
         del blocks, all_blocks
         del loaded
         c = self.model_config

@@ -40,6 +40,22 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._pool = (k_cache.shape[0], k_cache.shape[2])  # (num_blocks, n_kv) for the step's plan
         return super().forward(q, k_cache, v_cache, meta, scale)
 
+    def decode_only_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a step whose rows are all decode rows (one new token per sequence, rows in sequence
+        order): (block tables int32 [B, nb], lengths int32 [B], splits) exactly as :meth:`forward`
+        passes them to the kernel this step (block ids checked against the pool); None for any
+        other step. Shares :meth:`forward`'s per-step plan (built once per ``meta``)."""
+        block_size = k_cache.shape[1]
+        self._pool = (k_cache.shape[0], k_cache.shape[2])
+        if meta is not self._plan_meta or block_size != self._plan_block_size:
+            self._plan = self._make_plan(meta, block_size, k_cache.device, k_cache.dtype)
+            self._plan_meta, self._plan_block_size = meta, block_size
+        plan = self._plan
+        if plan is None or not plan.only_dec or not plan.num_dec:
+            return None
+        return plan.dec_tables, plan.dec_lens, plan.dec_splits
+
     def _plan_decode(self, plan: _Plan, meta: AttentionMetadata, dec: list[int], seq_lens: list[int],
                      block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         num_blocks, kv_heads = self._pool

@@ -1,6 +1,8 @@
 // Python bindings of goodput's CPU kernels (built by goodput/worker/model/cpu_kernels.py).
 #include <torch/extension.h>
 
+#include "decode_step.h"
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t splits);
@@ -24,5 +26,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gu = gate || up");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, torch.max's rule (first index; NaN counts as the maximum)");
   m.def("block_linear", &block_linear, "x @ W.T with W as a GGUF file's 4-bit (kind 0) / 8-bit (kind 1) blocks of 32 (block_linear.cpp layout)");
+  // module_local: each instruction-set level's build is its own module with its own DecodeStack; a
+  // process that imports two of them (cpu_kernels --levels) must not register the type twice
+  pybind11::class_<goodput::DecodeStack>(m, "DecodeStack", pybind11::module_local(),
+                                          "a Llama layer stack for decode rows in one call (decode_step.cpp)")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double>())
+      .def("step", &goodput::DecodeStack::step, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "one decode step of the whole stack (see decode_step.h)")
+      .def_property_readonly("num_layers", &goodput::DecodeStack::num_layers);
   m.def("block_linear_vectorized", &block_linear_vectorized, "whether block_linear has its SIMD path for this dtype");
 }

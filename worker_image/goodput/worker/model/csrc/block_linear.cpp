@@ -33,6 +33,7 @@
 //                code(t₀ + 1, i) << 4 (a missing last odd step has codes 0). d, m float16 [N, nb].
 //   Q8 (kind 1): codes int8 [N, K] in weight order; d float16 [N, nb]; no m.
 #include "kernel_api.h"
+#include "kernel_inner.h"
 
 #include <ATen/Parallel.h>
 
@@ -79,12 +80,7 @@ inline float f16_to_f32(const uint8_t* p) {  // IEEE half -> float (exact)
 typedef uint32_t __attribute__((may_alias)) pair16;
 typedef uint64_t __attribute__((may_alias)) pair32;
 
-struct Rows {  // one linear in this file's layout
-  int64_t kind, N, K, nb, cstride;  // cstride: code bytes per row
-  const uint8_t* codes;
-  const uint16_t* d;
-  const uint16_t* m;  // null for Q8
-};
+using Rows = goodput::BlockRows;  // one linear in this file's layout (kernel_inner.h)
 
 // The groups of a row of nb blocks, in order: f(g0, T) for T = 16 while 16 blocks remain, then
 // T = 8, 4, 2, 1 for the bits of nb mod 16.
@@ -371,6 +367,51 @@ void rows_avx512(const T* x, int64_t xs, const T* xp, int64_t M, const float* sx
 
 }  // namespace
 
+namespace goodput {
+
+template <typename T>
+void block_prepare(const T* xr, int64_t xs, int64_t M, const BlockRows& w, T* xp, float* sx) {
+  if (w.m) {
+    for (int64_t mi = 0; mi < M; ++mi)
+      for (int64_t b = 0; b < w.nb; ++b) {
+        float s = 0.f;
+        for (int64_t i = 0; i < 32; ++i) s += static_cast<float>(xr[mi * xs + b * 32 + i]);
+        sx[mi * w.nb + b] = s;
+      }
+  }
+#if defined(GOODPUT_BLOCK_LINEAR_AVX512)
+  if (w.kind == kQ41) {  // x in the codes' step order, once for every row
+    using P = std::conditional_t<sizeof(T) == 2, pair16, pair32>;
+    for (int64_t mi = 0; mi < M; ++mi)
+      permute_pairs(reinterpret_cast<const P*>(xr + mi * xs), w.nb, reinterpret_cast<P*>(xp + mi * w.K));
+  }
+#else
+  (void)xp;
+#endif
+}
+
+template <typename T>
+void block_rows(const T* xr, int64_t xs, const T* xp, int64_t M, const float* sx, const BlockRows& w, int64_t n0,
+                int64_t n1, T* y) {
+#if defined(GOODPUT_BLOCK_LINEAR_AVX512)
+  rows_avx512(xr, xs, xp, M, sx, w, n0, n1, y);
+#else
+  (void)xp;
+  (void)sx;
+  rows_generic(xr, xs, M, w, n0, n1, y);
+#endif
+}
+
+template void block_prepare<float>(const float*, int64_t, int64_t, const BlockRows&, float*, float*);
+template void block_prepare<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, const BlockRows&, at::BFloat16*,
+                                          float*);
+template void block_rows<float>(const float*, int64_t, const float*, int64_t, const float*, const BlockRows&, int64_t,
+                                int64_t, float*);
+template void block_rows<at::BFloat16>(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, const float*,
+                                       const BlockRows&, int64_t, int64_t, at::BFloat16*);
+
+}  // namespace goodput
+
 // True when this build has the vectorized path for activations of dtype ("float32" / "bfloat16");
 // without it block_linear still runs (portable loops) but is slower than a plain matmul.
 bool block_linear_vectorized(std::string dtype) {
@@ -411,35 +452,18 @@ torch::Tensor block_linear(torch::Tensor x, int64_t kind, torch::Tensor codes, t
   Rows w{kind, N, K, nb, cstride, static_cast<const uint8_t*>(codes.data_ptr()),
          reinterpret_cast<const uint16_t*>(d.data_ptr()),
          kind == kQ41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
-  // per-block sums of x (the m_b · Σx term), float32 [M, nb]
+  // per-block sums of x (the m_b · Σx term), float32 [M, nb]; x in the codes' step order (Q4)
   std::vector<float> sx(static_cast<size_t>(M * nb));
   auto body = [&](const auto* xr, auto* yp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xr)>>;
     const int64_t xs = x.stride(0);
-    if (w.m) {
-      for (int64_t mi = 0; mi < M; ++mi)
-        for (int64_t b = 0; b < nb; ++b) {
-          float s = 0.f;
-          for (int64_t i = 0; i < 32; ++i) s += static_cast<float>(xr[mi * xs + b * 32 + i]);
-          sx[mi * nb + b] = s;
-        }
-    }
+    std::vector<T> xp(kind == kQ41 ? static_cast<size_t>(M * K) : 0);
+    goodput::block_prepare(xr, xs, M, w, xp.data(), sx.data());
     // ~32 KB of weights per task: enough work to be worth a thread
     const int64_t grain = std::max<int64_t>(16, 65536 / (K * std::max<int64_t>(M, 1)));
-#if defined(GOODPUT_BLOCK_LINEAR_AVX512)
-    std::vector<T> xp;  // Q4: x in the codes' step order, once for every row
-    if (kind == kQ41) {
-      using P = std::conditional_t<sizeof(T) == 2, pair16, pair32>;
-      xp.resize(static_cast<size_t>(M * K));
-      for (int64_t mi = 0; mi < M; ++mi)
-        permute_pairs(reinterpret_cast<const P*>(xr + mi * xs), nb, reinterpret_cast<P*>(xp.data() + mi * K));
-    }
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      rows_avx512(xr, xs, xp.data(), M, sx.data(), w, n0, n1, yp);
+      goodput::block_rows(xr, xs, static_cast<const T*>(xp.data()), M, static_cast<const float*>(sx.data()), w, n0, n1, yp);
     });
-#else
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_generic(xr, xs, M, w, n0, n1, yp); });
-#endif
   };
   if (x.scalar_type() == torch::kFloat32) {
     body(x.data_ptr<float>(), y.data_ptr<float>());

@@ -5,6 +5,7 @@
 // torch ops bit for bit except where a reduction (RMSNorm's mean) or exp (SiLU) is summed or
 // evaluated in another order (float32 ulps).
 #include "kernel_api.h"
+#include "kernel_inner.h"
 
 #include <ATen/Parallel.h>
 
@@ -380,3 +381,33 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   }
   return out;
 }
+
+namespace goodput {
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* y, int64_t D, float eps) {
+  rms_row(x, w, y, D, eps);
+}
+template <typename T>
+void add_row_(T* x, const T* delta, int64_t D) {
+  add_row(x, delta, D);
+}
+template <typename T>
+void rope_row_(T* x, const T* cs, int64_t n_heads, int64_t d, float* tmp) {
+  for (int64_t h = 0; h < n_heads; ++h) rope_head(x + h * d, cs, cs + d, d, tmp);
+}
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  ::silu_mul_row(g, u, o, n);
+}
+
+#define GOODPUT_LAYER_ROW_OPS(T)                                                      \
+  template void rms_norm_row<T>(const T*, const T*, T*, int64_t, float);            \
+  template void add_row_<T>(T*, const T*, int64_t);                                  \
+  template void rope_row_<T>(T*, const T*, int64_t, int64_t, float*);                \
+  template void silu_mul_row<T>(const T*, const T*, T*, int64_t);
+GOODPUT_LAYER_ROW_OPS(float)
+GOODPUT_LAYER_ROW_OPS(at::BFloat16)
+#undef GOODPUT_LAYER_ROW_OPS
+
+}  // namespace goodput

@@ -8,6 +8,7 @@
 // KV, D]; block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query head h reads KV head
 // h / (H / KV) (grouped-query attention).
 #include "kernel_api.h"
+#include "kernel_inner.h"
 
 #include <ATen/Parallel.h>
 
@@ -253,86 +254,104 @@ void decode_unit_avx512_d64(const float* qf, const T* kc, const T* vc, const int
 }
 #endif
 
+}  // namespace
+
+namespace goodput {
+
+template <typename T>
+void attention_unit(const AttnArgs<T>& a, int64_t u, float* qf) {
+  const int64_t g = a.g, D = a.D, KV = a.KV, splits = a.splits;
+  const int64_t b = u / (KV * splits), kh = (u / splits) % KV, sp = u % splits;
+  const int64_t L = a.sl[b];
+  const int64_t per = (L + splits - 1) / splits;
+  const int64_t t0 = sp * per, t1 = std::min(L, t0 + per);
+  float* m = a.pm + u * g;
+  float* l = a.pl + u * g;
+  float* acc = a.pacc + u * g * D;
+  if (t0 >= t1) {
+    for (int64_t j = 0; j < g; ++j) {
+      m[j] = -std::numeric_limits<float>::infinity();
+      l[j] = 0.f;
+    }
+    return;
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    to_float(a.q + b * a.qs0 + (kh * g + j) * a.qs1, qf + j * D, static_cast<int>(D));
+    for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= a.scale;
+  }
+  const int32_t* tb = a.bt + b * a.nbt;
+#if defined(__AVX512F__)
+  if (D == 64 && g <= 8) {
+    switch (g) {
+#define GOODPUT_G(n) \
+  case n: decode_unit_avx512_d64<T, n>(qf, a.kc, a.vc, tb, t0, t1, a.bs, KV, kh, acc, m, l); break;
+      GOODPUT_G(1) GOODPUT_G(2) GOODPUT_G(3) GOODPUT_G(4) GOODPUT_G(5) GOODPUT_G(6) GOODPUT_G(7)
+      GOODPUT_G(8)
+#undef GOODPUT_G
+    }
+    return;
+  }
+#endif
+  if (D == 64) {
+    decode_unit<T, 64>(qf, a.kc, a.vc, tb, t0, t1, a.bs, KV, D, g, kh, acc, m, l);
+  } else if (D == 128) {
+    decode_unit<T, 128>(qf, a.kc, a.vc, tb, t0, t1, a.bs, KV, D, g, kh, acc, m, l);
+  } else {
+    decode_unit<T, 0>(qf, a.kc, a.vc, tb, t0, t1, a.bs, KV, D, g, kh, acc, m, l);
+  }
+}
+
+// out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the row's splits
+template <typename T>
+void attention_combine(const AttnArgs<T>& a, int64_t r, float* o, T* out) {
+  const int64_t D = a.D, g = a.g, splits = a.splits;
+  const int64_t b = r / a.H, h = r % a.H, kh = h / g, j = h % g;
+  const int64_t u0 = (b * a.KV + kh) * splits;
+  float M = -std::numeric_limits<float>::infinity();
+  for (int64_t sp = 0; sp < splits; ++sp) M = std::max(M, a.pm[(u0 + sp) * g + j]);
+  std::fill(o, o + D, 0.f);
+  float den = 0.f;
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    const float w = a.pl[(u0 + sp) * g + j] > 0.f ? std::exp(a.pm[(u0 + sp) * g + j] - M) : 0.f;
+    den += w * a.pl[(u0 + sp) * g + j];
+    const float* acc = a.pacc + ((u0 + sp) * g + j) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
+  }
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[r * D + d] = static_cast<T>(o[d] * inv);
+}
+
+template void attention_unit<float>(const AttnArgs<float>&, int64_t, float*);
+template void attention_unit<at::BFloat16>(const AttnArgs<at::BFloat16>&, int64_t, float*);
+template void attention_combine<float>(const AttnArgs<float>&, int64_t, float*, float*);
+template void attention_combine<at::BFloat16>(const AttnArgs<at::BFloat16>&, int64_t, float*, at::BFloat16*);
+
+}  // namespace goodput
+
+namespace {
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, float scale,
          int64_t splits, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KV = k_cache.size(2), g = H / KV;
-  const int64_t nbt = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);  // q may be a view into the fused QKV output
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
   // partials per (b, kh, split): acc [g, D], m [g], l [g]
   std::vector<float> pacc(static_cast<size_t>(B * KV * splits * g * D));
   std::vector<float> pm(static_cast<size_t>(B * KV * splits * g));
   std::vector<float> pl(static_cast<size_t>(B * KV * splits * g));
+  // q may be a view into the fused QKV output
+  const goodput::AttnArgs<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                               block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
+                               B, H, D, bs, KV, g, splits, scale, pacc.data(), pm.data(), pl.data()};
   at::parallel_for(0, B * KV * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(static_cast<size_t>(g * D));
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / (KV * splits), kh = (u / splits) % KV, sp = u % splits;
-      const int64_t L = sl[b];
-      const int64_t per = (L + splits - 1) / splits;
-      const int64_t t0 = sp * per, t1 = std::min(L, t0 + per);
-      float* m = pm.data() + u * g;
-      float* l = pl.data() + u * g;
-      float* acc = pacc.data() + u * g * D;
-      if (t0 >= t1) {
-        for (int64_t j = 0; j < g; ++j) {
-          m[j] = -std::numeric_limits<float>::infinity();
-          l[j] = 0.f;
-        }
-        continue;
-      }
-      for (int64_t j = 0; j < g; ++j) {
-        to_float(qp + b * qs0 + (kh * g + j) * qs1, qf.data() + j * D, static_cast<int>(D));
-        for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= scale;
-      }
-#if defined(__AVX512F__)
-      if (D == 64 && g <= 8) {
-        const int32_t* tb = bt + b * nbt;
-        switch (g) {
-#define GOODPUT_G(n) \
-  case n: decode_unit_avx512_d64<T, n>(qf.data(), kc, vc, tb, t0, t1, bs, KV, kh, acc, m, l); break;
-          GOODPUT_G(1) GOODPUT_G(2) GOODPUT_G(3) GOODPUT_G(4) GOODPUT_G(5) GOODPUT_G(6) GOODPUT_G(7)
-          GOODPUT_G(8)
-#undef GOODPUT_G
-        }
-        continue;
-      }
-#endif
-      if (D == 64) {
-        decode_unit<T, 64>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, D, g, kh, acc, m, l);
-      } else if (D == 128) {
-        decode_unit<T, 128>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, D, g, kh, acc, m, l);
-      } else {
-        decode_unit<T, 0>(qf.data(), kc, vc, bt + b * nbt, t0, t1, bs, KV, D, g, kh, acc, m, l);
-      }
-    }
+    for (int64_t u = begin; u < end; ++u) goodput::attention_unit(a, u, qf.data());
   });
-  // combine the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> o(static_cast<size_t>(D));
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / H, h = r % H, kh = h / g, j = h % g;
-      const int64_t u0 = (b * KV + kh) * splits;
-      float M = -std::numeric_limits<float>::infinity();
-      for (int64_t sp = 0; sp < splits; ++sp) M = std::max(M, pm[(u0 + sp) * g + j]);
-      std::fill(o.begin(), o.end(), 0.f);
-      float den = 0.f;
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const float w = pl[(u0 + sp) * g + j] > 0.f ? std::exp(pm[(u0 + sp) * g + j] - M) : 0.f;
-        den += w * pl[(u0 + sp) * g + j];
-        const float* a = pacc.data() + ((u0 + sp) * g + j) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-      }
-      const float inv = den > 0.f ? 1.f / den : 0.f;
-      for (int64_t d = 0; d < D; ++d) op[r * D + d] = static_cast<T>(o[d] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r) goodput::attention_combine(a, r, o.data(), op);
   });
 }
 
