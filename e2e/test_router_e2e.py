@@ -21,6 +21,10 @@ is no kube-proxy: the test reaches the routers and the workers by pod IP. In fil
    cut (the drained pod's included), and no request sent through the router meanwhile reaches it.
 5. Scale from zero: at 0 replicas (``minReplicas: 0``) a request through the router is held, the
    autoscaler scales to 1 on the router's held count (``ScaleFromZero``) and the request gets 200.
+6. Disaggregated prefill/decode: a second InferenceService with one decode and one prefill pod; 8
+   prompts (98 to 2,000 tokens) through the router are prefilled remotely and decode to the same
+   text as a local prefill, the KV bytes match the formula, nothing is left leased; a client that
+   hangs up mid-prefill leaks nothing; the prefill pod killed under a request does not fail it.
 
 Timing: no assertion depends on how fast anything is; waits are bounded polls.
 """
@@ -505,5 +509,28 @@ def test_long_prompts_are_prefilled_by_the_prefill_pool_and_decoded_the_same(kub
         for pod in (p, d):
             assert metric_sum(pod, W.KV_LEASES) == 0 and metric_sum(pod, W.KV_LEASED_BLOCKS) == 0, pod
             assert metric_sum(pod, W.REQUESTS_RUNNING) == 0, pod
+
+        # a client that goes away between the phases leaks nothing: whatever the prefill pod leased
+        # for it is deleted by the router or expires with the lease (--kv-lease-seconds, 30 s)
+        longest = PD_PROMPTS[-1]
+        try:  # a read timeout of 1 s: the client hangs up mid-prefill (~2,000 tokens take longer here)
+            httpx.post(f"{router}/v1/completions", timeout=httpx.Timeout(30.0, read=1.0), json={
+                "model": PD_MODEL, "prompt": longest, "max_tokens": 64, "temperature": 0})
+        except httpx.TimeoutException:
+            pass
+        wait_for(lambda: all(metric_sum(pod, W.KV_LEASES) == 0 and metric_sum(pod, W.KV_LEASED_BLOCKS) == 0
+                             and metric_sum(pod, W.REQUESTS_RUNNING) == 0 for pod in (p, d)),
+                 90, "no lease and no request left after the client went away", interval=2, on_timeout=diag)
+
+        # the prefill pod killed while a long prompt is on its way: the request still completes, with
+        # the same text (the decode pod prefills locally when the pull or the prefill call fails)
+        want = complete(f"http://{d}", longest)["choices"][0]["text"]
+        with ThreadPoolExecutor(1) as pool_:
+            fut = pool_.submit(complete, router, longest)
+            time.sleep(0.5)
+            kubectl.run("-n", ns, "delete", "pod", prefill["metadata"]["name"], "--grace-period=0", "--force",
+                        check=False)
+            got = fut.result(timeout=POD_READY_S)
+        assert got["choices"][0]["text"] == want
     finally:
         kubectl.run("-n", ns, "delete", "gisvc", PD_NAME, "--wait=false", check=False)
