@@ -701,9 +701,9 @@ def on_deployment_event(type: str | None, body: kopf.Body, namespace: str, logge
                                           crd.LABEL_COMPONENT: kopf.PRESENT})
 def on_worker_pod_event(type: str | None, body: kopf.Body, namespace: str, logger: logging.Logger,  # noqa: A002
                         **_: Any) -> None:
-    """A worker pod (of either pool) changed: record whether it is failing (crash loop, cannot start) and, when that
-    changes what its InferenceService reports, reconcile it (WorkerCrashLoop within seconds of the
-    kubelet's report, not at the Deployment's progress deadline)."""
+    """A worker pod (of either pool) changed: record whether it is failing (crash loop, cannot
+    start) and, when that changes what its InferenceService reports, reconcile it (WorkerCrashLoop
+    within seconds of the kubelet's report, not at the Deployment's progress deadline)."""
     pod = _plain(body)
     labels = pod["metadata"].get("labels") or {}
     owner = labels.get(crd.LABEL_ISVC)
