@@ -122,13 +122,8 @@ class BlockManager:
     def prompt_block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         """The prefix-cache hashes of the full blocks of ``token_ids`` (the chain a request with
         these tokens and salt gets); pure, any thread."""
-        ident = self._identity(cache_salt)
-        bs = self.block_size
         out: list[bytes] = []
-        parent: bytes | None = None
-        for i in range(len(token_ids) // bs):
-            parent = self.hash_block(parent, ident, token_ids[i * bs:(i + 1) * bs])
-            out.append(parent)
+        self._extend_chain(out, self._identity(cache_salt), token_ids, len(token_ids) // self.block_size)
         return out
 
     # ---- hashing ---------------------------------------------------------------------------
@@ -157,12 +152,15 @@ class BlockManager:
         hashes = req.block_hashes
         if len(hashes) >= num_full_blocks:
             return
+        self._extend_chain(hashes, self._identity(req.cache_salt), req.all_token_ids, num_full_blocks)
+
+    def _extend_chain(self, hashes: list[bytes], ident: bytes, token_ids: Sequence[int], num_full_blocks: int) -> None:
+        """Append to ``hashes`` (the chain of the first ``len(hashes)`` full blocks of
+        ``token_ids``) the hashes of the blocks up to ``num_full_blocks``."""
         bs = self.block_size
-        ident = self._identity(req.cache_salt)
-        toks = req.all_token_ids
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
-            parent = self.hash_block(parent, ident, toks[i * bs:(i + 1) * bs])
+            parent = self.hash_block(parent, ident, token_ids[i * bs:(i + 1) * bs])
             hashes.append(parent)
 
     # ---- prefix cache lookup ----------------------------------------------------------------
