@@ -21,6 +21,13 @@ class ByteTokenizer:
         return bytes(i for i in ids if i != EOS).decode("utf-8", errors="replace")
 
 
+class TextByteTokenizer(ByteTokenizer):
+    """One token per byte of the text (a server test's prompts as text)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+
 class CountingRunner:
     """gate: optional threading.Semaphore; each step takes one permit (the test sets the pace)."""
 

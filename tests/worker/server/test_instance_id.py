@@ -10,12 +10,7 @@ from goodput.api.identity import INSTANCE_HEADER
 from goodput.worker.server.app import create_app
 from prometheus_client.parser import text_string_to_metric_families
 
-from fake_engine import ByteTokenizer, make_engine
-
-
-class TextByteTokenizer(ByteTokenizer):
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode())
+from fake_engine import TextByteTokenizer, make_engine
 
 
 def _factory(args):

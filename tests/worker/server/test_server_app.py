@@ -11,12 +11,7 @@ from fastapi.testclient import TestClient
 
 from goodput.worker.engine_args import EngineArgs
 from goodput.worker.server.app import create_app
-from fake_engine import ByteTokenizer, make_engine
-
-
-class TextByteTokenizer(ByteTokenizer):
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode())
+from fake_engine import TextByteTokenizer, make_engine
 
 
 def test_loading_then_ready_then_serving():
