@@ -124,17 +124,23 @@ def test_unpulled_lease_expires_and_is_counted():
     s.check_invariants()
 
 
-def test_a_lease_is_never_evicted_by_other_requests():
-    # a pool of 7 blocks: the lease keeps 3; a 12-token request with 4 output tokens needs the
-    # other 4 (15 KV tokens), so every free block is reused while the leased ones are not
-    s, runner, _ = engine(num_blocks=7)
-    remote_prefill(s, runner, "p1", PROMPT)
+def serve_other(s, runner) -> None:
+    """Run another request (12 prompt tokens, 4 output tokens: 15 KV tokens) to its
+    end; its output must be the reference decoder's."""
     other = [1] * 12
     r = Request("o", other, sp(4))
     s.add_request(r)
     while not r.is_finished:
         step(s, runner)
     assert r.output_token_ids == reference_output(other, sp(4), 256, next_token)[0]
+
+
+def test_a_lease_is_never_evicted_by_other_requests():
+    # a pool of 7 blocks: the lease keeps 3; a 12-token request with 4 output tokens needs the
+    # other 4 (15 KV tokens), so every free block is reused while the leased ones are not
+    s, runner, _ = engine(num_blocks=7)
+    remote_prefill(s, runner, "p1", PROMPT)
+    serve_other(s, runner)
     held = s.lease("p1").request.block_ids
     assert all(s.block_manager.block_ref_count(b) == 1 for b in held)
     # the leased KV still reads back as the prompt
@@ -235,12 +241,7 @@ def test_kv_pressure_reclaims_the_oldest_lease_before_anyone_waits_or_is_preempt
     remote_prefill(s, runner, "old", PROMPT)
     clock.t += 1.0
     remote_prefill(s, runner, "new", [4] + PROMPT[1:])
-    other = [1] * 12
-    r = Request("o", other, sp(4))
-    s.add_request(r)
-    while not r.is_finished:
-        step(s, runner)
-    assert r.output_token_ids == reference_output(other, sp(4), 256, next_token)[0]
+    serve_other(s, runner)
     assert s.preemptions_total == 0
     assert s.lease("old") is None and s.lease("new") is not None  # the one expiring first went
     assert s.stats().kv_lease_expiries_total == 1
