@@ -469,24 +469,28 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
     if as_patch and set(as_patch) - {"lastDecisionTime"}:  # the time alone is not worth a write
         patch["autoscaler"] = {"prefill": as_patch} if pool.name == PREFILL else as_patch
     events = plan_events(prev_as, shown, current, limits, seen.observation.unreachable, scale_error)
-    if pool.name == PREFILL:
+    if pool.name == PREFILL:  # its own Event series; status.admission (the router's bound) is the workers'
         events = [dataclasses.replace(e, message=f"prefill pool: {e.message}", series_key=e.series_key and
                                       f"prefill/{e.series_key}") for e in events]
-        return Plan(scale_to=scale_to, drain=drain, undrain=undrain, pushes=tuple(pushes), status_patch=patch,
-                    events=tuple(events), limits=limits, message=shown.message)
-    old_adm = status.get("admission") or {}
-    seqs, waiting = summarize_limits(limits)
-    adm: dict[str, Any] = {}
-    if seqs is not None and (old_adm.get("maxNumSeqs"), old_adm.get("maxWaiting")) != (seqs, waiting):
-        adm.update(maxNumSeqs=seqs, maxWaiting=waiting)
-    router_max = decision.router_max_queued
-    if router_max is not None and old_adm.get("routerMaxQueued") != router_max:
-        adm["routerMaxQueued"] = router_max
-    if adm:
-        patch["admission"] = {**adm, "updatedAt": rfc3339(now)}
+    else:
+        adm = admission_patch(status.get("admission") or {}, limits, decision.router_max_queued)
+        if adm:
+            patch["admission"] = {**adm, "updatedAt": rfc3339(now)}
     return Plan(scale_to=scale_to, drain=drain, undrain=undrain, pushes=tuple(pushes), status_patch=patch,
                 events=tuple(events), limits=limits, message=shown.message)
 
+
+def admission_patch(old: Mapping[str, Any], limits: Mapping[str, policy.Limits],
+                    router_max_queued: int | None) -> dict[str, Any]:
+    """The ``status.admission`` fields that change: the summarized limits in force and the router's
+    queue bound ({} = nothing new)."""
+    seqs, waiting = summarize_limits(limits)
+    adm: dict[str, Any] = {}
+    if seqs is not None and (old.get("maxNumSeqs"), old.get("maxWaiting")) != (seqs, waiting):
+        adm.update(maxNumSeqs=seqs, maxWaiting=waiting)
+    if router_max_queued is not None and old.get("routerMaxQueued") != router_max_queued:
+        adm["routerMaxQueued"] = router_max_queued
+    return adm
 
 # ----------------------------------------------------------------------------------------- metrics I/O
 RETRIED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
