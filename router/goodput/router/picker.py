@@ -207,7 +207,7 @@ class PickConfig:
     rendezvous_chunks: int = setting(8, "leading chunks the rendezvous hash keys on", ge=1)
     index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
     respect_limits: bool = setting(True, "skip pods at their admission limits")
-    cost: bool = setting(False, "pick by work (prefill chunks to do + work held), not by in-flight counts (opt-in: see docs/routing.md)")
+    cost: bool = setting(True, "pick by work (prefill chunks to do + work held); off: by in-flight counts under a load bound")
     request_cost: int = setting(0, "cost picking: chunks of work a request counts for beyond its prefill", ge=0)
     recompute_weight: float = setting(1.0, "cost picking: weight of prefill another pod would not need, "
                                       "on top of the request's own wait", ge=0)
