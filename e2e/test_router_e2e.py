@@ -13,8 +13,12 @@ is no kube-proxy: the test reaches the routers and the workers by pod IP. In fil
    to a pod picked at random per request (what kube-proxy does). For both: the workers' own
    prefix-cache counters (hit tokens / looked-up tokens, summed over the pods) and the client's
    TTFT p50/p90. Target: hit rate >= 0.8 through the router (its own test, expected to fail while
-   the target is missed: the reason is on it). The table goes to
-   ``$GOODPUT_E2E_LOGS/router-e2e.md`` (and to ``$GOODPUT_ROUTER_E2E_RESULTS`` when set).
+   the target is missed: the reason is on it). Then an A/B of the router's cache knowledge: two
+   more routers started by the test on loopback (static discovery of the same three pods, one
+   replica each, same flags but ``--kv-events off`` / ``on``) each send their own conversations
+   (their own system prompt): the KV-event index's hit rate should be at least the request-history
+   index's (its own test, expected to fail while not shown: the reason is on it). The table goes to ``$GOODPUT_E2E_LOGS/router-e2e.md`` (and to
+   ``$GOODPUT_ROUTER_E2E_RESULTS`` when set).
 3. A pod annotated ``serving.goodput.dev/draining: "true"`` gets no new request from the router.
 4. Scale-in through the autoscaler (``maxReplicas`` lowered to 2) with streams on every pod (two on
    two of them, one on the third): the least busy pod is the one drained and removed, no stream is
@@ -30,14 +34,17 @@ Timing: no assertion depends on how fast anything is; waits are bounded polls.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import random
+import socket
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,7 +56,7 @@ from goodput.api import router_metrics as R
 from goodput.api import worker_metrics as W
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, Kubectl, LogFile, wait_for
+from conftest import ROOT, Kubectl, LogFile, Proc, wait_for
 from test_helm_e2e import CHART, helm, ready
 from test_operator_e2e import POD_READY_S, pod_ip
 
@@ -64,6 +71,7 @@ MODEL = "smollm2"
 # the worktree's code in every pod (the operator's, the autoscaler's, the routers' and the workers')
 PYTHONPATH = os.pathsep.join(str(ROOT / d) for d in ("operator", "autoscaler", "worker_image", "bench", "router"))
 CONVERSATIONS, TURNS, REPLY_TOKENS, CONCURRENCY = 12, 4, 24, 3
+HISTORY, EVENTS = "router, request-history index", "router, KV-event index"  # the A/B's modes
 STREAM_TOKENS = 300  # busy pods' streams: long enough to outlive one autoscaler period, a drain, a deletion
 # the least busy pod's stream: it must end within the test kubelet's grace-period cap (60 s) after the
 # SIGTERM that follows its drain, on a loaded 2-core machine (a few tokens per second)
@@ -196,6 +204,45 @@ class World:
     rows: list[dict[str, Any]] = []
 
 
+@contextlib.contextmanager
+def host_router(name: str, workers: list[str], logs_dir: Path, *flags: str) -> Iterator[str]:
+    """A router process on loopback with static discovery of ``workers`` (pod IPs): its base URL."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    static = f"{MODEL}=" + ",".join(f"http://{ip}:8000" for ip in workers)
+    proc = Proc(name, [sys.executable, "-m", "goodput.router", "--host", "127.0.0.1", "--port", str(port),
+                       "--static", static, *flags], logs_dir / f"{name}.log", env).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ok(f"{base}/ready"), 60, f"{name} ready", on_timeout=proc.log)
+        yield base
+    finally:
+        proc.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_synced(base: str) -> int:
+    """How many pods a router's KV-event index has installed a snapshot of."""
+    pods = set()
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == R.KV_RESYNCS + "_total" and s.value > 0:
+                pods.add(s.labels["pod"])
+    return len(pods)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 # ----------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def release(kubectl: Kubectl, crd: dict, kubelet: LogFile, operator, ns: str):
@@ -262,18 +309,26 @@ def test_prefix_affinity_through_the_router_vs_random_pods(kubectl: Kubectl, fle
     assert len(workers) == 3 and len(routers) == 2
     rng = random.Random(7)
     results = {}
-    for mode, target in (("router", lambda conv, turn: routers[turn % 2]),
-                         ("random pod", lambda conv, turn: f"http://{rng.choice(workers)}:8000")):
+
+    def measure(mode: str, target, counted: list[str]) -> None:
         h0, q0 = fleet_counters(workers)
-        d0 = router_decisions(routers)
+        d0 = router_decisions(counted)
         run = run_conversations(mode, target)
         h1, q1 = fleet_counters(workers)
-        d1 = router_decisions(routers)
+        d1 = router_decisions(counted)
         results[mode] = {"hits": h1 - h0, "queries": q1 - q0,
                          "decisions": {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}, **run}
+
+    measure("router", lambda conv, turn: routers[turn % 2], routers)
+    measure("random pod", lambda conv, turn: f"http://{rng.choice(workers)}:8000", [])
+    for mode, events in ((HISTORY, "off"), (EVENTS, "on")):
+        with host_router(f"router-kv-events-{events}", workers, logs_dir, "--kv-events", events) as base:
+            if events == "on":  # the index follows each pod's events once it has synced from its snapshot
+                wait_for(lambda: kv_synced(base) == len(workers), 60, "KV events synced with every pod")
+            measure(mode, lambda conv, turn: base, [base])
     rows = []
     for mode, r in results.items():
-        stayed = sum(1 for ps in r["pods"] if len(set(ps)) == 1) if mode == "router" else None
+        stayed = sum(1 for ps in r["pods"] if len(set(ps)) == 1) if mode != "random pod" else None
         rows.append({"mode": mode, "requests": len(r["ttfts"]), "hit_rate": r["hits"] / r["queries"],
                      "hits": r["hits"], "queries": r["queries"], "p50": quantile(r["ttfts"], 0.5),
                      "p90": quantile(r["ttfts"], 0.9), "stayed": stayed})
@@ -311,6 +366,16 @@ def test_prefix_cache_hit_rate_through_the_router_meets_the_target():
     by = {r["mode"]: r for r in World.rows}
     assert by, "the measurement above did not run"
     assert by["router"]["hit_rate"] >= 0.8 and by["router"]["hit_rate"] > by["random pod"]["hit_rate"], World.rows
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "not shown: one run measured 0.848 (KV events) vs 0.855 (request history); with the cost picker both keep "
+    "every conversation on the pod holding the shared system prompt, so the two rows differ by their own "
+    "conversations' text (128 hit tokens of ~20,900) rather than by what the indexes know"))
+def test_kv_event_index_hits_at_least_as_often_as_the_request_history_index():
+    by = {r["mode"]: r for r in World.rows}
+    assert HISTORY in by and EVENTS in by, "the measurement above did not run"
+    assert by[EVENTS]["hit_rate"] >= by[HISTORY]["hit_rate"], World.rows
 
 
 def _served_by(http: httpx.Client, base: str, prompt: str) -> str:

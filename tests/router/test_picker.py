@@ -434,7 +434,7 @@ def test_cost_cold_burst_stays_on_two_pods():
 
 
 def test_count_cold_burst_a_pending_prefill_counts_as_held():
-    """The same burst, count picking with the defaults (eps 0.25, eps_no_affinity 0, eps_pending
+    """The same burst, count picking (``cost=False``) with its defaults (eps 0.25, eps_no_affinity 0, eps_pending
     1). Request k sees k - 1 open; P1 > P2 > P3 by weight. 1: P1 (rendezvous). 2: P1 holds 24
     pending, over ceil(1.25 * 2 / 3) = 1, within ceil(2 * 2 / 3) = 2: P1. 3: P1 (2) over 2 and 2:
     fallback P2. 4: P1, P2 both hold 24 (no gain: bound ceil(4 / 3) = 2): P1 (2) over, P2 (1) is
@@ -445,7 +445,7 @@ def test_count_cold_burst_a_pending_prefill_counts_as_held():
     idx, loads, got = PrefixIndex(), {p: 0 for p in "xyz"}, []
     for i in range(16):
         k = RouteKey("m", "r1", None, prefix + (5000 + i,))
-        choice = pick(k, [ep(p, loads[p]) for p in "xyz"], idx, PickConfig(chunk_size=4))
+        choice = pick(k, [ep(p, loads[p]) for p in "xyz"], idx, PickConfig(cost=False, chunk_size=4))
         idx.hold(k, choice.pod)
         loads[choice.pod] += 1
         got.append(choice)
@@ -459,7 +459,7 @@ def test_count_cold_burst_a_pending_prefill_counts_as_held():
     idx2.record(k, p1)
     idx2.hold(k, p1)
     later = RouteKey("m", "r1", None, prefix + (7001,))
-    assert pick(later, [ep(p1, 1), ep(p2, 0), ep(p3, 0)], idx2, PickConfig(chunk_size=4)).pod != p1
+    assert pick(later, [ep(p1, 1), ep(p2, 0), ep(p3, 0)], idx2, PickConfig(cost=False, chunk_size=4)).pod != p1
 
 
 def test_cost_continuation_goes_home_on_a_replica_that_never_saw_it():

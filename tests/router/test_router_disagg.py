@@ -61,13 +61,23 @@ def test_prefill_pod_at_its_limits_is_skipped_and_load_moves_the_rest():
     assert (d.prefill, d.reason) == (None, "no_prefill_pod")
 
 
-def test_prefix_affinity_gives_way_to_the_load_bound():
+def test_prefix_affinity_gives_way_to_the_load_bound_with_the_count_picker():
     # p2 holds the prefix but carries 9 of the 10 requests in flight: ceil(1.25 * 11 / 2) = 7 < 10
-    ix = index_with((KEY, "p2", 10))
-    d = decide(KEY, "d1", 0, [ep("d1"), ep("p1", 1), ep("p2", 9)], ROLES, ix, CFG, 1)
+    ix, count = index_with((KEY, "p2", 10)), PickConfig(cost=False)
+    d = decide(KEY, "d1", 0, [ep("d1"), ep("p1", 1), ep("p2", 9)], ROLES, ix, count, 1)
     assert d.prefill == "p1"
-    d = decide(KEY, "d1", 0, [ep("d1"), ep("p1", 1), ep("p2", 1)], ROLES, ix, CFG, 1)
+    d = decide(KEY, "d1", 0, [ep("d1"), ep("p1", 1), ep("p2", 1)], ROLES, ix, count, 1)
     assert d.prefill == "p2"
+
+
+def test_prefix_affinity_gives_way_to_queued_work_with_the_cost_picker():
+    # p2 holds all 10 chunks: its score is its work; p1 would prefill 10 chunks that p2 would not,
+    # counted twice (its own wait + recompute_weight 1 x 10): 0 + 10 + 10 = 20
+    ix = index_with((KEY, "p2", 10))
+    d = decide(KEY, "d1", 0, [ep("d1"), ep("p1"), ep("p2", 9, work=21)], ROLES, ix, CFG, 1)
+    assert d.prefill == "p1"  # 21 > 20
+    d = decide(KEY, "d1", 0, [ep("d1"), ep("p1"), ep("p2", 9, work=19)], ROLES, ix, CFG, 1)
+    assert d.prefill == "p2"  # 19 < 20
 
 
 def test_unknown_pods_default_to_both():

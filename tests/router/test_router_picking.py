@@ -27,8 +27,8 @@ def test_a_cold_burst_sharing_a_new_prefix_stays_on_two_pods(request_cost, want_
     _burst(PickConfig(cost=True, request_cost=request_cost), want_split, want_decisions)
 
 
-def test_a_cold_burst_stays_on_two_pods_with_the_default_count_picker():
-    """The same burst with the default picker (counts, eps 0.25, eps_pending 1): a pending
+def test_a_cold_burst_stays_on_two_pods_with_the_count_picker():
+    """The same burst with the count picker (``cost=False``, eps 0.25, eps_pending 1): a pending
     prefill counts as held. Request k sees k - 1 open. 1: the rendezvous pod P1. 2: P1 holds 23
     chunks pending, over the plain bound ceil(1.25 * 2 / 3) = 1 but within the pending bound
     ceil(2 * 2 / 3) = 2: P1. 3: P1 (2 open) over both (2, 2): the fallback P2 (rendezvous order
@@ -36,7 +36,11 @@ def test_a_cold_burst_stays_on_two_pods_with_the_default_count_picker():
     P2 (1 open) takes it as a fallback. 5-16: both over the plain bound ceil(k / 3), both within
     ceil(2k / 3), P3 holds nothing: the holder with fewer open requests (P1 on ties), alternating:
     8/8/0. Before this rule the same burst split 6/5/5: every pod prefilled the prefix."""
-    _burst(PickConfig(), [8, 8, 0], {"rendezvous": 1, "affinity": 13, "load_bound_fallback": 2})
+    _burst(PickConfig(cost=False), [8, 8, 0], {"rendezvous": 1, "affinity": 13, "load_bound_fallback": 2})
+
+
+def test_the_default_picker_is_cost_picking():
+    assert PickConfig().cost is True and PickConfig().request_cost == 0
 
 
 def _burst(cfg: PickConfig, want_split, want_decisions):

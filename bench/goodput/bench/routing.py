@@ -1,7 +1,7 @@
 """Request routing in the simulator, and the multi-turn chat trace it is measured on.
 
 ``SimRouter`` is what ``simulate(..., routing=...)`` (``python -m goodput.bench.simulate
---routing ...``) sends each arrival through. Six routings:
+--routing ...``) sends each arrival through. Seven routings:
 
 - ``round-robin``: the ready pods in turn (kube-proxy's IPVS ``rr``; what the simulator did before);
 - ``random``: a seeded uniform choice (kube-proxy's iptables mode);
@@ -10,10 +10,11 @@
   rendezvous hashing only: no load bound, admission limits ignored (``PickConfig(eps=None,
   respect_limits=False, cost=False)``);
 - ``goodput``: the router's full pipeline with its defaults (``PickConfig`` defaults, chunks of 64
-  token ids ~ the router's 256 characters): the admission-limit filter, prefix affinity, rendezvous
-  and bounded loads; with ``PickConfig(cost=True)`` (the router's ``--picker-cost``) cost picking
-  instead, prefix affinity weighed against the work held on each pod, a pod's work being, as in
-  the router, the picks' costs of its open (running or waiting) requests. The simulator has no router queue: when every pod is at its limits (reason
+  token ids ~ the router's 256 characters): the admission-limit filter, then cost picking, prefix
+  affinity weighed against the work held on each pod, a pod's work being, as in the router, the
+  picks' costs of its open (running or waiting) requests;
+- ``goodput-count``: the same with ``PickConfig(cost=False)`` (the router's ``--no-picker-cost``):
+  prefix affinity, rendezvous and bounded loads over in-flight counts. The simulator has no router queue: when every pod is at its limits (reason
   ``full``) the request goes to the pod with the fewest in flight and that pod's admission
   decides (the real router queues it first, up to ``routerMaxQueued``). Without a load bound,
   ``affinity`` sends every new conversation to the pod that first served the shared system
@@ -56,7 +57,7 @@ from goodput.worker.engine.kv_events import KvEventLog, block_ties
 if TYPE_CHECKING:  # simulate imports this module: no import cycle at run time
     from goodput.bench.simulate import Replica, Trace
 
-ROUTINGS = ("round-robin", "random", "least-loaded", "affinity", "goodput", "goodput-kv")
+ROUTINGS = ("round-robin", "random", "least-loaded", "affinity", "goodput", "goodput-kv", "goodput-count")
 SIM_CHUNK_TOKENS = 64
 
 
@@ -64,6 +65,8 @@ def pick_config(routing: str) -> PickConfig | None:
     """The picker's configuration for ``affinity`` and ``goodput`` (None for the others)."""
     if routing in ("goodput", "goodput-kv"):
         return PickConfig(chunk_size=SIM_CHUNK_TOKENS)
+    if routing == "goodput-count":
+        return PickConfig(chunk_size=SIM_CHUNK_TOKENS, cost=False)
     if routing == "affinity":
         return PickConfig(chunk_size=SIM_CHUNK_TOKENS, eps=None, respect_limits=False, cost=False)
     if routing in ROUTINGS:

@@ -5,7 +5,7 @@ not-draining pods of its InferenceService as :class:`Endpoint` values and its ow
 :class:`PrefixIndex`; after sending the request it calls ``index.record(key, pod)``. The
 simulator (``--routing``) calls the same functions. Nothing here does I/O or reads a clock.
 
-How a pod is picked with ``PickConfig.cost`` (opt-in, :func:`pick_by_cost`): by cost, in chunks
+How a pod is picked with ``PickConfig.cost`` (the default, :func:`pick_by_cost`): by cost, in chunks
 of work. Pods at their admission limits are filtered (step 1 below); each other pod ``p`` is
 scored ``work(p) + added(p) + request_cost + recompute_weight * (added(p) - min added)``, where
 ``added(p)`` is the request's prompt chunks ``p`` does not hold (by the prefix index, which
@@ -19,7 +19,7 @@ prefill takes from the requests after it. A burst of requests sharing a new pref
 one pod until the queued work there passes one recompute of the prefix, then fills a second,
 and reaches a third only when both hold that much more than a fresh prefill would cost.
 
-With ``cost = False`` (the default, :func:`pick_by_count`) the pipeline is by in-flight counts (filter ->
+With ``cost = False`` (``--no-picker-cost``, :func:`pick_by_count`) the pipeline is by in-flight counts (filter ->
 score -> pick, the shape of llm-d's endpoint picker, with the scores compared in a fixed order
 instead of summed with weights):
 
@@ -207,7 +207,7 @@ class PickConfig:
     rendezvous_chunks: int = setting(8, "leading chunks the rendezvous hash keys on", ge=1)
     index_capacity: int = setting(1 << 18, "most chunk hashes the prefix index keeps (LRU beyond)", ge=1)
     respect_limits: bool = setting(True, "skip pods at their admission limits")
-    cost: bool = setting(False, "pick by work (prefill chunks to do + work held), not by in-flight counts (opt-in: see docs/routing.md)")
+    cost: bool = setting(True, "pick by work (prefill chunks to do + work held); off: by in-flight counts under a load bound")
     request_cost: int = setting(0, "cost picking: chunks of work a request counts for beyond its prefill", ge=0)
     recompute_weight: float = setting(1.0, "cost picking: weight of prefill another pod would not need, "
                                       "on top of the request's own wait", ge=0)
@@ -425,7 +425,7 @@ def rendezvous_weight(rkey: int, pod: str) -> int:
 
 def pick(key: RouteKey, endpoints: Sequence[Endpoint], index: PrefixIndex, cfg: PickConfig) -> Pick:
     """Pick the pod for ``key`` among ``endpoints`` (the module doc gives the pipeline):
-    :func:`pick_by_cost` when ``cfg.cost`` (opt-in), else :func:`pick_by_count` (the default).
+    :func:`pick_by_cost` when ``cfg.cost`` (the default), else :func:`pick_by_count`.
 
     Pure: reads ``index`` without changing it (the router calls ``index.hold(key, pick.pod)``
     when it gives the request to the pod, ``index.unhold`` when the request ends, and
