@@ -2,7 +2,10 @@
 
 ``python -m goodput.bench.simulate --pd [--trace long-context|chat|all] [--pd-sizes 4,6,8]
 [--pd-threshold 512] [--duration S] [--rate R] [--out-dir bench/results/disaggregation]``
-(:func:`main`; ``simulate.main`` hands ``--pd`` here).
+(:func:`main`; ``simulate.main`` hands ``--pd`` here). ``--auto``: both pools autoscaled by the
+autoscaler's own code (:class:`PDAutoscale`) against every fixed split up to ``--pd-max-n``
+replicas (:func:`compare_auto`); ``--capacity R1,R2,...``: colocated and every split of each N at
+each rate, and the highest rate each sustains at ``--target`` attainment (:func:`capacity_sweep`).
 
 Disaggregated serving (DistServe, Zhong et al., OSDI 2024; Splitwise, Patel et al., ISCA 2024)
 runs prompts on prefill pods and token generation on decode pods, so a long prompt never
