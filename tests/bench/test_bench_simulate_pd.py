@@ -149,3 +149,124 @@ def test_cli_writes_the_table(tmp_path, capsys):
     data = json.loads((tmp_path / "pd-long-context-h200.json").read_text())
     assert set(data["sizes"]["2"]["best"]) == {"rdma/0"}
     assert (tmp_path / "pd-long-context-h200.md").read_text().startswith("`python -m goodput.bench.simulate --pd")
+
+
+# ---------------------------------------------------------------- autoscaled P/D, hindsight, capacity
+def fixed(p, d, slo_met, duration=3600.0):
+    """A fixed-split result of ``slo_met`` SLO-meeting requests over ``duration`` s (its
+    replica-hours: (p + d) * duration / 3600)."""
+    return pd.PDResult(f"pd-{p}:{d}", p, d, "rdma", 0.0, 1000, slo_met, slo_met, 0, duration,
+                       prefill_hours=p * duration / 3600, decode_hours=d * duration / 3600)
+
+
+def test_splits_upto_lists_every_split_by_n_then_p():
+    assert pd.splits_upto(2) == [(1, 1)]
+    assert pd.splits_upto(4) == [(1, 1), (1, 2), (2, 1), (1, 3), (2, 2), (3, 1)]
+    assert len(pd.splits_upto(8)) == 1 + 2 + 3 + 4 + 5 + 6 + 7 == 28
+
+
+def test_best_split_is_the_most_goodput_then_the_fewest_hours():
+    rows = [fixed(1, 1, 500), fixed(3, 1, 900), fixed(4, 2, 990), fixed(5, 3, 990), fixed(2, 4, 990)]
+    b = pd.best_split(rows)
+    # 990 three times: 4:2 and 2:4 cost 6 replica-hours, 5:3 8; among 4:2 and 2:4, fewer prefill
+    assert (b.prefill, b.decode) == (2, 4)
+    assert (pd.best_split(rows[:3]).prefill, pd.best_split(rows[:3]).decode) == (4, 2)
+
+
+def test_frontier_and_cheapest_split():
+    rows = [fixed(1, 1, 500), fixed(3, 1, 900), fixed(4, 2, 990)]
+    # 5 replica-hours buy 1:1 (2 h) or 3:1 (4 h): 3:1 has more goodput; 4:2 costs 6
+    f = pd.frontier_split(rows, 5.0)
+    assert (f.prefill, f.decode) == (3, 1)
+    assert pd.frontier_split(rows, 1.5) is None
+    # 800 SLO-meeting requests: 3:1 (900, 4 h) is the cheapest reaching it; 995: none
+    c = pd.cheapest_split(rows, 800)
+    assert (c.prefill, c.decode) == (3, 1)
+    assert pd.cheapest_split(rows, 995) is None
+
+
+def test_auto_verdict_by_hand():
+    # autoscaled: 891 SLO-meeting requests over an hour on 4.5 replica-hours; best split 4:2 with
+    # 990 on 6: goodput 891 / 990 = 0.9x, hours 4.5 / 6 = 0.75x -> met; the same money (4.5 h)
+    # buys 3:1 (900): 891 / 900 = 0.99x; the cheapest split reaching 891 is 3:1 (4 h): 4.5 / 4
+    auto = pd.PDResult("pd-auto", 1, 1, "rdma", 0.0, 1000, 891, 891, 0, 3600.0, prefill_hours=3.0,
+                       decode_hours=1.5)
+    c = pd.AutoComparison(None, None, auto, [fixed(1, 1, 500), fixed(3, 1, 900), fixed(4, 2, 990)], None)
+    v = c.verdict()
+    assert v == {"goodput_ratio": 0.9, "hours_ratio": 0.75, "met": True, "frontier": "3:1",
+                 "frontier_goodput_ratio": 0.99, "cheapest_same_goodput": "3:1", "cheapest_hours_ratio": 1.125}
+    auto.prefill_hours = 4.6   # 6.1 replica-hours: more than the best split's 6
+    assert c.verdict()["met"] is False
+
+
+@pytest.mark.parametrize("points,target,expected", [
+    ([(2, 1.0), (3, 0.95), (4, 0.75)], 0.9, (3.25, True)),   # 3 + 1 * 0.05 / 0.2
+    ([(2, 0.95), (3, 0.9)], 0.9, (3, False)),                 # never below: a lower bound
+    ([(2, 0.8), (3, 0.95)], 0.9, (None, True)),               # the lowest rate already misses
+    ([(1, 1.0), (2, 0.5), (3, 0.95)], 0.9, (1.2, True)),      # the first miss ends the walk: 1 + 0.1 / 0.5
+    ([], 0.9, (None, True)),
+])
+def test_capacity_rate_by_hand(points, target, expected):
+    rate, exact = pd.capacity_rate(points, target)
+    assert exact is expected[1]
+    assert rate == (None if expected[0] is None else pytest.approx(expected[0]))
+
+
+def test_pool_specs_are_the_loops():
+    # the prefill pool gets its own bounds, the workers the service's; both the trace's SLO and the
+    # engine's max_num_seqs / max_waiting as the bound of the limits
+    tr = sim.make_trace("long-context", duration=10.0)
+    a = pd.pd_autoscale(tr, prefill_replicas=(1, 5), decode_replicas=(2, 7), initial=(2, 3))
+    assert (a.prefill_spec.min_replicas, a.prefill_spec.max_replicas) == (1, 5)
+    assert (a.decode_spec.min_replicas, a.decode_spec.max_replicas) == (2, 7)
+    for s in (a.prefill_spec, a.decode_spec):
+        assert (s.slo_ttft_s, s.slo_tpot_s, s.attainment_target) == (3.0, 0.05, 0.9)
+    assert a.prefill_bound == a.decode_bound == pd.Limits(64, 256)
+    assert (a.initial, a.load_time_s, a.period_s) == ((2, 3), 60.0, 5.0)
+
+
+def test_pool_hours_count_each_pod_from_creation_to_gone():
+    pool = pd._Pool("prefill", None, None, None, 5.0)
+    a, b, c = (sim.Replica.__new__(sim.Replica) for _ in range(3))
+    a.created, a.gone_at = 0.0, 30.0       # drained at 30: 30 s
+    b.created, b.gone_at = 10.0, None      # still there at the end (100): 90 s
+    c.created, c.gone_at = 40.0, 250.0     # gone after the end: counted to 100, 60 s
+    pool.pods = [a, b, c]
+    assert pool.hours(100.0) == pytest.approx((30 + 90 + 60) / 3600)
+
+
+def test_an_idle_autoscaled_fleet_stays_at_its_minimum():
+    # no request: both pools stay at their minimum (1:1), all ready from 0: 2 replicas x 60 s
+    tr = trace_of([], [], [], duration=60.0)
+    tr.slos = [(3.0, 0.05)]
+    r = pd.simulate_pd(tr, HW, 0, 1, LINK, autoscale=pd.pd_autoscale(tr))
+    assert (r.prefill_hours, r.decode_hours) == (pytest.approx(60 / 3600), pytest.approx(60 / 3600))
+    assert {e[1:] for e in r.timeline} == {(1, 1, 1, 1)}
+    assert [e[0] for e in r.timeline] == [5.0 * k for k in range(13)]
+
+
+def test_autoscaled_fleet_serves_every_request_once_and_loads_its_new_pods():
+    h200 = sim.h200_step_time()
+    tr = sim.make_trace("long-context", duration=120.0)
+    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
+    assert sorted(r.finished_ids) == sorted(f"q{k}" for k in range(len(tr)))
+    assert r.rejected == 0 and r.remote == len(tr) and r.decode_prefill_tokens == 0
+    # one prefill replica cannot carry 3 req/s of ~4k-token prompts: the prefill pool grows; what is
+    # ordered at t is ready from t + 30 s, never before
+    assert max(e[1] for e in r.timeline) > 1
+    for t, p_set, p_ready, d_set, d_ready in r.timeline:
+        assert p_ready <= max([q for (u, q, _, _, _) in r.timeline if u <= t - 30.0] or [1]) and d_ready >= 1
+    assert r.replica_hours > 2 * 120 / 3600
+
+
+def test_cli_auto_and_capacity(tmp_path, capsys):
+    rc = sim.main(["--pd", "--trace", "long-context", "--duration", "15", "--auto", "--pd-max-n", "3",
+                   "--capacity", "1,2", "--pd-sizes", "2", "--pd-links", "rdma", "--pd-thresholds", "0",
+                   "--out-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| autoscaled |" in out and "hindsight-best split" in out and "Capacity at attainment 0.9" in out
+    auto = json.loads((tmp_path / "pd-auto-long-context-h200.json").read_text())
+    assert len(auto["fixed"]) == 3 and set(auto["verdict"]) >= {"goodput_ratio", "hours_ratio", "met"}
+    cap = json.loads((tmp_path / "pd-capacity-long-context-h200.json").read_text())
+    assert cap["sizes"]["2"]["rates"] == [1.0, 2.0] and set(cap["sizes"]["2"]["capacity"]) == {"colocated", "1:1"}

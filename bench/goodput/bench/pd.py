@@ -2,7 +2,10 @@
 
 ``python -m goodput.bench.simulate --pd [--trace long-context|chat|all] [--pd-sizes 4,6,8]
 [--pd-threshold 512] [--duration S] [--rate R] [--out-dir bench/results/disaggregation]``
-(:func:`main`; ``simulate.main`` hands ``--pd`` here).
+(:func:`main`; ``simulate.main`` hands ``--pd`` here). ``--auto``: both pools autoscaled by the
+autoscaler's own code (:class:`PDAutoscale`) against every fixed split up to ``--pd-max-n``
+replicas (:func:`compare_auto`); ``--capacity R1,R2,...``: colocated and every split of each N at
+each rate, and the highest rate each sustains at ``--target`` attainment (:func:`capacity_sweep`).
 
 Disaggregated serving (DistServe, Zhong et al., OSDI 2024; Splitwise, Patel et al., ISCA 2024)
 runs prompts on prefill pods and token generation on decode pods, so a long prompt never
@@ -56,7 +59,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from goodput.bench.simulate import HARDWARE, Replica, SloRates, StepTime, Trace, make_trace
+from goodput.api.policy import PolicySpec
+from goodput.autoscaler.policy import Limits
+from goodput.bench.simulate import (HARDWARE, GoodputPolicy, Replica, SloRates, StepTime, Trace, make_trace,
+                                    pool_observation, scale_in, set_limits)
 from goodput.worker.engine.block_manager import BlockManager
 from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput
@@ -148,9 +154,13 @@ class KVImportBlockManager(BlockManager):
 # ------------------------------------------------------------------------------- simulation
 @dataclass
 class PDResult(SloRates):
-    """One fixed fleet on one trace. ``prefill``/``decode``: replica counts (``prefill == 0``:
-    colocated). Latencies per finished request in seconds; goodput = SLO-meeting requests per
-    second of trace; attainment = SLO-meeting / offered."""
+    """One fleet on one trace. ``prefill``/``decode``: replica counts (``prefill == 0``:
+    colocated; autoscaled: the counts it started with). Latencies per finished request in seconds;
+    goodput = SLO-meeting requests per second of trace; attainment = SLO-meeting / offered.
+    ``prefill_hours``/``decode_hours``: each pool's replica-hours over the trace's duration (a pod
+    costs from its creation, model load included, until it is gone after a drain); ``timeline``
+    (autoscaled only): ``(t, prefill replicas set, prefill ready, decode replicas set, decode
+    ready)`` at every decision; ``reasons``: pool -> decision reason -> count."""
 
     name: str
     prefill: int
@@ -168,11 +178,20 @@ class PDResult(SloRates):
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)   # requests with output > 1
     finished_ids: list[str] = field(default_factory=list)   # in finishing order
+    prefill_hours: float = 0.0
+    decode_hours: float = 0.0
+    timeline: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    reasons: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def replica_hours(self) -> float:
+        return self.prefill_hours + self.decode_hours
 
     def summary(self) -> dict:
         return {"prefill": self.prefill, "decode": self.decode, "link": self.link,
                 "threshold": None if math.isinf(self.threshold) else self.threshold,
                 "goodput_rps": round(self.goodput_rps, 4), "attainment": round(self.attainment, 4),
+                "replica_hours": round(self.replica_hours, 4),
                 "ttft_p90_s": round(pct(self.ttft, 0.9), 4), "tpot_p90_s": round(pct(self.tpot, 0.9), 4),
                 "offered": self.offered, "finished": self.finished, "rejected": self.rejected,
                 "remote_fraction": round(self.remote / self.offered, 4) if self.offered else 0.0,
@@ -188,9 +207,82 @@ def pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+@dataclass(frozen=True)
+class PDAutoscale:
+    """Both pools of :func:`simulate_pd` sized by the autoscaler, as ``goodput.autoscaler.loop``
+    sizes a disaggregated service: every ``period_s`` each pool is decided by ``policy.decide``
+    on its own pods' observation (:func:`~goodput.bench.simulate.pool_observation`, the loop's),
+    with its own state and :class:`~goodput.autoscaler.policy.PolicySpec` (``prefill_spec``,
+    ``decode_spec``: ``loop.pool_policy``'s), its limits capped by the pool's engine settings
+    (``loop.bound_limits`` with ``prefill_bound``/``decode_bound``); the decode pool (the
+    workers) first, then the prefill pool, as the loop does. ``initial``: (prefill, decode)
+    replicas ready at 0; a new replica is ready ``load_time_s`` after it is ordered; a removed one
+    drains (:func:`~goodput.bench.simulate.scale_in`). Build it with :func:`pd_autoscale`."""
+
+    prefill_spec: PolicySpec
+    decode_spec: PolicySpec
+    prefill_bound: Limits | None = None
+    decode_bound: Limits | None = None
+    initial: tuple[int, int] = (1, 1)
+    load_time_s: float = 60.0
+    period_s: float = 5.0
+
+
+def pd_autoscale(trace: Trace, *, prefill_replicas: tuple[int, int] = (1, 8),
+                 decode_replicas: tuple[int, int] = (1, 8), initial: tuple[int, int] = (1, 1),
+                 max_num_seqs: int = 64, max_waiting: int = 256, load_time_s: float = 60.0,
+                 period_s: float = 5.0) -> PDAutoscale:
+    """The two pools' policies exactly as the loop derives them from an InferenceService with
+    ``spec.disaggregation`` on: ``spec.slo`` the trace's (one class), ``spec.engine`` the
+    simulated replicas' ``max_num_seqs``/``max_waiting``, ``spec.autoscaling.min/maxReplicas``
+    = ``decode_replicas`` (the workers), ``spec.disaggregation.prefill.min/maxReplicas`` =
+    ``prefill_replicas``; then ``PolicySpec.from_crd``, ``loop.pools``, ``loop.pool_policy`` and
+    ``loop.engine_bounds``."""
+    from goodput.api import crd
+    from goodput.autoscaler import loop
+
+    if trace.class_names:
+        raise ValueError("pd_autoscale: traces with SLO classes are not supported")
+    (ttft, tpot), = trace.slos
+    raw = {"replicas": initial[1], "engine": {"maxNumSeqs": max_num_seqs, "maxWaiting": max_waiting},
+           "slo": {"ttftMs": ttft * 1000.0, "tpotMs": tpot * 1000.0},
+           "autoscaling": {"enabled": True, "minReplicas": decode_replicas[0], "maxReplicas": decode_replicas[1]},
+           "disaggregation": {"enabled": True, "prefill": {
+               "replicas": initial[0], "minReplicas": prefill_replicas[0], "maxReplicas": prefill_replicas[1]}}}
+    spec = crd.InferenceServiceSpec.model_validate(raw)
+    pspec = PolicySpec.from_crd(spec.model_dump(by_alias=True))
+    workers, prefill = loop.pools("sim", spec)
+    return PDAutoscale(loop.pool_policy(pspec, spec, prefill), loop.pool_policy(pspec, spec, workers),
+                       loop.engine_bounds(spec, loop.PREFILL), loop.engine_bounds(spec, loop.WORKERS),
+                       initial, load_time_s, period_s)
+
+
+class _Pool:
+    """One pool of :func:`simulate_pd`: its replicas (all ever made), the replicas its spec asks
+    for, and its autoscaler (None: fixed)."""
+
+    def __init__(self, name: str, cfg: EngineConfig, spec: PolicySpec | None, bound: Limits | None,
+                 period_s: float) -> None:
+        self.name, self.cfg, self.bound = name, cfg, bound
+        self.pods: list[Replica] = []
+        self.replicas = 0
+        self.policy = GoodputPolicy(spec, period_s) if spec is not None else None
+
+    def live(self) -> list[Replica]:
+        return [p for p in self.pods if not p.draining and p.gone_at is None]
+
+    def ready(self, now: float) -> list[Replica]:
+        return [p for p in self.live() if p.ready_at <= now]
+
+    def hours(self, end: float) -> float:
+        return sum(min(p.gone_at if p.gone_at is not None else end, end) - min(p.created, end)
+                   for p in self.pods) / 3600.0
+
+
 def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Link = RDMA, *,
                 threshold: float = 0.0, max_num_seqs: int = 64, max_waiting: int = 256,
-                prefill_max_batched_tokens: int | None = None) -> PDResult:
+                prefill_max_batched_tokens: int | None = None,
+                autoscale: PDAutoscale | None = None) -> PDResult:
     """``trace`` on ``prefill`` prefill and ``decode`` decode replicas, all ready at 0 (see the
     module doc); deterministic.
 
@@ -199,7 +291,12 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         none, the decode replicas then serve colocated and the prefill replicas idle).
     prefill_max_batched_tokens: the prefill replicas' step token budget (default the hardware's,
         the colocated replicas' 512); decode replicas keep the hardware's.
+    autoscale: both pools sized by the autoscaler (:class:`PDAutoscale`; ``prefill``/``decode``
+        are then ignored for its ``initial``). With no ready prefill replica a request is
+        prefilled where it decodes (the router's ``no_prefill_pod``).
     """
+    if autoscale is not None:
+        prefill, decode = autoscale.initial
     if decode < 1 or prefill < 0:
         raise ValueError("need decode >= 1 and prefill >= 0")
     bs = hw.block_size
@@ -209,19 +306,40 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             max_waiting=max_waiting, enable_prefix_caching=trace.prefix_caching)
 
-    d_cfg = cfg(hw.max_num_batched_tokens)
-    p_cfg = cfg(prefill_max_batched_tokens or hw.max_num_batched_tokens)
-    decs = [Replica(f"decode-{i}", 0.0, 0.0, d_cfg, trace.slos, KVImportBlockManager.from_config(d_cfg))
-            for i in range(decode)]
-    pres = [Replica(f"prefill-{i}", 0.0, 0.0, p_cfg, trace.slos) for i in range(prefill)]
-    is_prefill = {id(r): True for r in pres}
-    link_free = {id(r): 0.0 for r in pres}
-    pending = {id(r): 0 for r in decs}           # remote requests on their way to a decode replica
+    auto = autoscale
+    period = auto.period_s if auto else 0.0
+    dpool = _Pool("decode", cfg(hw.max_num_batched_tokens), auto and auto.decode_spec,
+                  auto and auto.decode_bound, period)
+    ppool = _Pool("prefill", cfg(prefill_max_batched_tokens or hw.max_num_batched_tokens),
+                  auto and auto.prefill_spec, auto and auto.prefill_bound, period)
+    is_prefill: dict[int, bool] = {}
+    link_free: dict[int, float] = {}
+    pending: dict[int, int] = {}                 # remote requests on their way to a decode replica
+
+    def new_pod(pool: _Pool, now: float, ready: bool) -> Replica:
+        i = len(pool.pods)
+        if pool is dpool:
+            r = Replica(f"decode-{i}", now, now if ready else now + auto.load_time_s, pool.cfg, trace.slos,
+                        KVImportBlockManager.from_config(pool.cfg))
+            pending[id(r)] = 0
+        else:
+            r = Replica(f"prefill-{i}", now, now if ready else now + auto.load_time_s, pool.cfg, trace.slos)
+            is_prefill[id(r)] = True
+            link_free[id(r)] = 0.0
+        pool.pods.append(r)
+        return r
+
+    for _ in range(decode):
+        new_pod(dpool, 0.0, True)
+    for _ in range(prefill):
+        new_pod(ppool, 0.0, True)
+    dpool.replicas, ppool.replicas = decode, prefill
     turn_d, turn_p = itertools.count(), itertools.count()
     events: list[tuple[float, int, str, object]] = []
     seq = itertools.count()
-    res = PDResult(f"pd-{prefill}:{decode}" if prefill else f"colocated-{decode}", prefill, decode,
-                   link.name if prefill else None, threshold, len(trace), 0, 0, 0, trace.duration)
+    name = "pd-auto" if auto else f"pd-{prefill}:{decode}" if prefill else f"colocated-{decode}"
+    res = PDResult(name, prefill, decode, link.name if prefill or auto else None, threshold, len(trace), 0, 0, 0,
+                   trace.duration)
     # remote request id -> (trace index, arrival, decode replica, first-token time at the client)
     remote: dict[str, list] = {}
 
@@ -231,11 +349,18 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         return min(order, key=lambda p: len(p.sched.running) + len(p.sched.waiting)
                    + (extra[id(p)] if extra else 0))
 
+    def maybe_gone(r: Replica, now: float) -> None:
+        """A draining replica is gone once it holds nothing: no request, no import on its way, no
+        KV still leaving over its link."""
+        if r.draining and r.gone_at is None and not r.sched.has_unfinished() and not pending.get(id(r)):
+            r.gone_at = max(now, link_free.get(id(r), 0.0))
+
     def start_step(r: Replica, now: float) -> None:
         r.now = now
         out = r.sched.schedule()
         if not out.chunks:
             r.stepping = False
+            maybe_gone(r, now)
             return
         attended = 0
         for c in out.chunks:
@@ -272,6 +397,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         r.now = now
         ro = RunnerOutput(sampled_token_ids={c.request_id: 1 for c in out.chunks if c.sample})
         for o in r.sched.update_from_output(out, ro):
+            r.account(o)                       # the pod's own metrics, as its worker exports them
             req = o.request
             rid = req.request_id
             if is_prefill.get(id(r)):          # a remote prefill got its first token: ship the KV
@@ -300,6 +426,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         if n_out <= 1:
             remote.pop(rid)
             record(rid, now - arrival, None, trace.cls[k])
+            maybe_gone(dst, now)
             return
         prompt = tuple(_prompt_ids(trace, k)) + (1,)
         req = Request(rid, prompt, SamplingParams(max_tokens=n_out - 1, ignore_eos=True), arrival_time=now)
@@ -307,9 +434,15 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         if not admit(dst, req, now):
             remote.pop(rid)
             dst.sched.block_manager.expected.pop(rid, None)
+            maybe_gone(dst, now)
 
     def arrive(k: int, now: float) -> None:
+        decs = dpool.ready(now)
+        if not decs:                           # no decode replica to stream the answer: refused
+            res.rejected += 1
+            return
         dst = least(decs, turn_d, pending)
+        pres = ppool.ready(now)
         ids = _prompt_ids(trace, k)
         rid = f"q{k}"
         full = Request(rid, ids, SamplingParams(max_tokens=trace.output[k], ignore_eos=True), arrival_time=now)
@@ -328,12 +461,39 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
             remote.pop(rid)
             pending[id(dst)] -= 1
 
+    def scale(pool: _Pool, desired: int, now: float) -> None:
+        live = pool.live()
+        if desired > len(live):
+            for _ in range(desired - len(live)):
+                new_pod(pool, now, False)
+        elif desired < len(live):
+            for p in scale_in(live, now, len(live) - desired):
+                if p.ready_at > now:
+                    p.gone_at = now
+                else:
+                    maybe_gone(p, now)
+        pool.replicas = desired
+
+    def tick(now: float) -> None:
+        for pool in (dpool, ppool):            # the loop's order: the workers, then the prefill pool
+            obs = pool_observation(pool.pods, now, pool.replicas)
+            desired, limits = pool.policy.tick(now, obs)
+            set_limits(pool.ready(now), bound_limits(limits, pool.bound), now, start_step)
+            if desired != pool.replicas:
+                scale(pool, desired, now)
+        res.timeline.append((now, ppool.replicas, len(ppool.ready(now)), dpool.replicas, len(dpool.ready(now))))
+
     n = len(trace)
     i = 0
+    end = trace.duration
+    next_tick = period if auto else math.inf
+    if auto:
+        res.timeline.append((0.0, prefill, prefill, decode, decode))
     while True:
         t_arr = trace.t[i] if i < n else math.inf
         t_ev = events[0][0] if events else math.inf
-        now = min(t_arr, t_ev)
+        t_tick = next_tick if next_tick <= end else math.inf
+        now = min(t_arr, t_ev, t_tick)
         if now == math.inf:
             break
         if now == t_ev:
@@ -343,9 +503,23 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
             else:
                 kv_arrived(payload, now)
             continue
+        if now == t_tick:
+            tick(now)
+            next_tick += period
+            continue
         arrive(i, now)
         i += 1
+    res.prefill_hours, res.decode_hours = ppool.hours(end), dpool.hours(end)
+    if auto:
+        res.reasons = {pool.name: dict(pool.policy.reasons) for pool in (ppool, dpool)}
     return res
+
+
+def bound_limits(limits: dict | None, bound: Limits | None) -> dict:
+    """``loop.bound_limits``: each pod's limits capped by its pool's engine settings."""
+    from goodput.autoscaler import loop
+
+    return loop.bound_limits(limits or {}, bound)
 
 
 def _prompt_ids(trace: Trace, k: int) -> Sequence[int]:
@@ -403,6 +577,253 @@ def compare(trace: Trace, hw: StepTime, sizes: Sequence[int], links: Sequence[Li
                         print(f"  {trace.name} N={n} {p}:{n - p} {link.name} threshold {th:g}: "
                               f"goodput {r.goodput_rps:.2f}", file=sys.stderr)
     return Comparison(trace, hw, colo, splits)
+
+
+# ------------------------------------------------------------------- autoscaled P/D (hindsight)
+def splits_upto(n_max: int) -> list[tuple[int, int]]:
+    """Every split P:D with P >= 1, D >= 1 and P + D <= ``n_max``, by N then P (4 -> (1, 1),
+    (1, 2), (2, 1), (1, 3), (2, 2), (3, 1))."""
+    return [(p, n - p) for n in range(2, n_max + 1) for p in range(1, n)]
+
+
+def best_split(fixed: Sequence[PDResult]) -> PDResult:
+    """The hindsight-best fixed split: the highest goodput; among equal goodputs (the same count
+    of SLO-meeting requests), the fewest replica-hours, then the fewest prefill replicas."""
+    return max(fixed, key=lambda r: (r.slo_met, -round(r.replica_hours, 9), -r.prefill))
+
+
+def frontier_split(fixed: Sequence[PDResult], hours: float) -> PDResult | None:
+    """What the same money buys in hindsight: the best fixed split (:func:`best_split`'s order)
+    among those whose replica-hours are at most ``hours``; None when every split costs more."""
+    within = [r for r in fixed if r.replica_hours <= hours + 1e-9]
+    return best_split(within) if within else None
+
+
+def cheapest_split(fixed: Sequence[PDResult], slo_met: int) -> PDResult | None:
+    """The fixed split with the fewest replica-hours (then the most goodput) whose SLO-meeting
+    requests reach ``slo_met``; None when none does."""
+    ok = [r for r in fixed if r.slo_met >= slo_met]
+    return min(ok, key=lambda r: (round(r.replica_hours, 9), -r.slo_met, r.prefill)) if ok else None
+
+
+@dataclass
+class AutoComparison:
+    """The autoscaled P/D fleet against every fixed split up to ``n_max`` replicas on one trace.
+
+    target: the claim, ``auto.goodput >= target * best.goodput`` and ``auto.replica_hours <=
+    best.replica_hours`` with ``best`` = :func:`best_split` (the hindsight-best split)."""
+
+    trace: Trace
+    hw: StepTime
+    auto: PDResult
+    fixed: list[PDResult]
+    spec: PDAutoscale
+    target: float = 0.9
+
+    @property
+    def best(self) -> PDResult:
+        return best_split(self.fixed)
+
+    def verdict(self) -> dict:
+        """The claim's two ratios and whether it holds; the equal-cost frontier split and the
+        cheapest split with the autoscaler's goodput (where it loses)."""
+        a, b = self.auto, self.best
+        g = a.goodput_rps / b.goodput_rps if b.goodput_rps else math.inf
+        h = a.replica_hours / b.replica_hours
+        f = frontier_split(self.fixed, a.replica_hours)
+        c = cheapest_split(self.fixed, a.slo_met)
+        return {"goodput_ratio": round(g, 4), "hours_ratio": round(h, 4),
+                "met": g >= self.target - 1e-9 and h <= 1 + 1e-9,
+                "frontier": None if f is None else f"{f.prefill}:{f.decode}",
+                "frontier_goodput_ratio": None if f is None or not f.goodput_rps else round(a.goodput_rps / f.goodput_rps, 4),
+                "cheapest_same_goodput": None if c is None else f"{c.prefill}:{c.decode}",
+                "cheapest_hours_ratio": None if c is None else round(a.replica_hours / c.replica_hours, 4)}
+
+
+def compare_auto(trace: Trace, hw: StepTime, spec: PDAutoscale, n_max: int = 8, link: Link = RDMA,
+                 threshold: float = 0.0, progress: bool = False, target: float = 0.9) -> AutoComparison:
+    """The autoscaled run (``spec``) and every fixed split of at most ``n_max`` replicas."""
+    auto = simulate_pd(trace, hw, 0, 1, link, threshold=threshold, autoscale=spec)
+    fixed = []
+    for p, d in splits_upto(n_max):
+        fixed.append(simulate_pd(trace, hw, p, d, link, threshold=threshold))
+        if progress:
+            print(f"  {trace.name} {p}:{d}: goodput {fixed[-1].goodput_rps:.3f}", file=sys.stderr)
+    return AutoComparison(trace, hw, auto, fixed, spec, target)
+
+
+def _changes(xs: Sequence[int]) -> str:
+    """The successive distinct values of ``xs`` ("1 -> 4 -> 8 -> 7")."""
+    out: list[int] = []
+    for x in xs:
+        if not out or out[-1] != x:
+            out.append(x)
+    return " -> ".join(map(str, out))
+
+
+def auto_table(c: AutoComparison) -> str:
+    """Markdown: the autoscaled run, the hindsight-best split, the verdict, the pools over time,
+    every fixed split."""
+    tr, a, b, v = c.trace, c.auto, c.best, c.verdict()
+    sp = c.spec
+    lines = [f"### {tr.name}: autoscaled P/D against fixed splits ({len(tr)} requests over {tr.duration:.0f} s; "
+             f"{tr.note}; {c.hw.name}; link {a.link}, threshold {_fmt_th(a.threshold)}; model load "
+             f"{sp.load_time_s:.0f} s; decisions every {sp.period_s:.0f} s)", "",
+             f"Autoscaled: starts at {sp.initial[0]}:{sp.initial[1]} (prefill:decode), prefill pool bounds "
+             f"{sp.prefill_spec.min_replicas}..{sp.prefill_spec.max_replicas}, decode pool (the workers) "
+             f"{sp.decode_spec.min_replicas}..{sp.decode_spec.max_replicas}.", "",
+             "| fleet | goodput (req/s) | attainment | replica-hours (prefill + decode) | TTFT p90 (s) "
+             "| TPOT p90 (ms) | rejected |", "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def row(label: str, r: PDResult) -> str:
+        return (f"| {label} | {r.goodput_rps:.3f} | {r.attainment:.3f} | {r.replica_hours:.3f} "
+                f"({r.prefill_hours:.3f} + {r.decode_hours:.3f}) | {pct(r.ttft, 0.9):.2f} "
+                f"| {pct(r.tpot, 0.9) * 1000:.1f} | {r.rejected} |")
+
+    lines.append(row("autoscaled", a))
+    lines.append(row(f"hindsight-best split {b.prefill}:{b.decode}", b))
+    f = frontier_split(c.fixed, a.replica_hours)
+    if f is not None:
+        lines.append(row(f"best split within the autoscaler's replica-hours, {f.prefill}:{f.decode}", f))
+    ch = cheapest_split(c.fixed, a.slo_met)
+    if ch is not None:
+        lines.append(row(f"cheapest split with at least the autoscaler's goodput, {ch.prefill}:{ch.decode}", ch))
+    lines += ["", f"- claim (goodput >= {c.target}x the hindsight-best split's at <= its replica-hours): goodput "
+                  f"{v['goodput_ratio']:.3f}x, replica-hours {v['hours_ratio']:.3f}x -> "
+                  f"{'met' if v['met'] else 'NOT met'}",
+              f"- prefill pool: {_changes([e[1] for e in a.timeline])} replicas; decode pool: "
+              f"{_changes([e[3] for e in a.timeline])}",
+              "- decisions: " + "; ".join(f"{pool} " + ", ".join(f"{k} {n}" for k, n in sorted(rs.items()))
+                                          for pool, rs in sorted(a.reasons.items())), "",
+              "Every fixed split (all replicas ready at 0):", "",
+              "| P:D | goodput (req/s) | attainment | replica-hours | TTFT p90 (s) | TPOT p90 (ms) |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for r in c.fixed:
+        lines.append(f"| {r.prefill}:{r.decode} | {r.goodput_rps:.3f} | {r.attainment:.3f} | {r.replica_hours:.3f} "
+                     f"| {pct(r.ttft, 0.9):.2f} | {pct(r.tpot, 0.9) * 1000:.1f} |")
+    lines.append("\nhindsight-best split: the fixed split (P + D <= "
+                 f"{max(r.prefill + r.decode for r in c.fixed)}) with the highest goodput, the fewest "
+                 "replica-hours among equal goodputs. Replica-hours of the autoscaled fleet count each pod from "
+                 "its creation (model load included) until it is gone after its drain.")
+    return "\n".join(lines) + "\n"
+
+
+def auto_json(c: AutoComparison) -> dict:
+    a = c.auto
+    return {"trace": c.trace.name, "note": c.trace.note, "requests": len(c.trace), "duration_s": c.trace.duration,
+            "hardware": c.hw.name, "link": a.link, "threshold": a.threshold,
+            "load_time_s": c.spec.load_time_s, "period_s": c.spec.period_s, "initial": list(c.spec.initial),
+            "prefill_bounds": [c.spec.prefill_spec.min_replicas, c.spec.prefill_spec.max_replicas],
+            "decode_bounds": [c.spec.decode_spec.min_replicas, c.spec.decode_spec.max_replicas],
+            "autoscaled": {**a.summary(), "prefill_hours": round(a.prefill_hours, 4),
+                           "decode_hours": round(a.decode_hours, 4), "reasons": a.reasons,
+                           "timeline": [list(e) for e in a.timeline]},
+            "hindsight_best": c.best.summary(), "verdict": c.verdict(),
+            "fixed": [r.summary() for r in c.fixed]}
+
+
+# ---------------------------------------------------------------------------- capacity (rate sweep)
+def capacity_rate(points: Sequence[tuple[float, float]], target: float) -> tuple[float | None, bool]:
+    """The highest arrival rate a fleet sustains at ``target`` attainment, from a sweep: ``points``
+    are ``(rate, attainment)``, ascending by rate. Walking up, the rate is sustained while every
+    attainment so far is >= ``target``; at the first miss the crossing is interpolated linearly
+    between that point and the one before. Returns ``(rate, exact)``: ``(None, True)`` when the
+    lowest rate already misses, ``(highest rate, False)`` (a lower bound) when none misses.
+    E.g. [(2, 1.0), (3, 0.95), (4, 0.75)] at 0.9 -> 3 + (0.95 - 0.9) / (0.95 - 0.75) = 3.25."""
+    prev = None
+    for rate, att in points:
+        if att < target:
+            if prev is None:
+                return None, True
+            r0, a0 = prev
+            return r0 + (rate - r0) * (a0 - target) / (a0 - att), True
+        prev = (rate, att)
+    return (prev[0] if prev else None), prev is None
+
+
+@dataclass
+class CapacitySweep:
+    """For one total N: colocated serving and every split P:D of N at each arrival rate."""
+
+    name: str
+    n: int
+    rates: list[float]
+    colocated: list[PDResult]
+    splits: dict[tuple[int, int], list[PDResult]]
+    target: float = 0.9
+
+    def capacities(self) -> dict[str, tuple[float | None, bool]]:
+        """``colocated`` and ``P:D`` -> :func:`capacity_rate` of its sweep."""
+        out = {"colocated": capacity_rate([(x, r.attainment) for x, r in zip(self.rates, self.colocated)],
+                                          self.target)}
+        for (p, d), rs in self.splits.items():
+            out[f"{p}:{d}"] = capacity_rate([(x, r.attainment) for x, r in zip(self.rates, rs)], self.target)
+        return out
+
+    def best(self) -> tuple[str, float | None, bool]:
+        """The split with the highest capacity."""
+        caps = {k: v for k, v in self.capacities().items() if k != "colocated"}
+        k = max(caps, key=lambda s: caps[s][0] if caps[s][0] is not None else -1.0)
+        return (k, *caps[k])
+
+
+def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float], *, seed: int = 0,
+                   duration: float | None = None, link: Link = RDMA, threshold: float = 0.0,
+                   target: float = 0.9, progress: bool = False) -> CapacitySweep:
+    """Colocated serving on ``n`` replicas and every split of ``n`` on the trace at each rate."""
+    colo, splits = [], {(p, n - p): [] for p in range(1, n)}
+    for rate in rates:
+        tr = make_trace(trace_name, seed, "h200", duration, rate)
+        colo.append(simulate_pd(tr, hw, 0, n, threshold=math.inf))
+        for p, d in splits:
+            splits[(p, d)].append(simulate_pd(tr, hw, p, d, link, threshold=threshold))
+        if progress:
+            print(f"  {trace_name} N={n} {rate:g} req/s: colocated {colo[-1].attainment:.3f}, "
+                  + ", ".join(f"{p}:{d} {rs[-1].attainment:.3f}" for (p, d), rs in splits.items()),
+                  file=sys.stderr)
+    return CapacitySweep(trace_name, n, list(rates), colo, splits, target)
+
+
+def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, duration: float) -> str:
+    """Markdown: per N, goodput and attainment of each fleet at each rate, then the capacities."""
+    lines = []
+    for c in sweeps:
+        keys = ["colocated"] + [f"{p}:{d}" for p, d in c.splits]
+        runs = [c.colocated] + list(c.splits.values())
+        lines += [f"### {c.name}, N = {c.n}: goodput (req/s) / attainment by arrival rate ({hw.name}; "
+                  f"{duration:.0f} s per rate; P/D over {link.name}, threshold 0)", "",
+                  "| rate (req/s) | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
+        for i, rate in enumerate(c.rates):
+            lines.append(f"| {rate:g} | " + " | ".join(f"{rs[i].goodput_rps:.3f} / {rs[i].attainment:.3f}"
+                                                      for rs in runs) + " |")
+        caps = c.capacities()
+        bk, bv, bexact = c.best()
+        cv, cexact = caps["colocated"]
+        ratio = bv / cv if bv is not None and cv else math.nan
+
+        def fmt(v, exact):
+            return "below the sweep" if v is None else f"{v:.2f}" + ("" if exact else " (at least: no miss in the sweep)")
+
+        lines += ["", f"Capacity at attainment {c.target} (highest rate sustained, interpolated): "
+                  + ", ".join(f"{k} {fmt(*caps[k])}" for k in keys) + ".",
+                  f"Best split {bk}: {fmt(bv, bexact)} req/s against colocated {fmt(cv, cexact)} req/s: "
+                  f"**{ratio:.2f}x**.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def capacity_json(sweeps: Sequence[CapacitySweep]) -> dict:
+    out = {}
+    for c in sweeps:
+        caps = c.capacities()
+        bk, bv, _ = c.best()
+        cv = caps["colocated"][0]
+        out[str(c.n)] = {"rates": c.rates, "target": c.target,
+                         "capacity": {k: {"rate": None if v is None else round(v, 4), "exact": e}
+                                      for k, (v, e) in caps.items()},
+                         "best_split": bk, "ratio": round(bv / cv, 4) if bv is not None and cv else None,
+                         "runs": {"colocated": [r.summary() for r in c.colocated],
+                                  **{f"{p}:{d}": [r.summary() for r in rs] for (p, d), rs in c.splits.items()}}}
+    return out
 
 
 def _fmt_th(th: float) -> str:
@@ -483,7 +904,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the prefill replicas' step token budget (default the hardware's, 512)")
     ap.add_argument("--out-dir", default=None, help="write pd-<trace>-<hardware>.md and .json here")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--auto", action="store_true",
+                    help="both pools autoscaled (policy.decide per pool, as the loop) against every fixed "
+                         "split up to --pd-max-n replicas: pd-auto-<trace>-<hardware>.md/.json")
+    ap.add_argument("--pd-max-n", type=int, default=8, help="--auto: the largest fixed fleet compared")
+    ap.add_argument("--auto-initial", default="1:1", help="--auto: prefill:decode replicas at 0")
+    ap.add_argument("--auto-bounds", default="1:8,1:8",
+                    help="--auto: prefill pool min:max, decode pool min:max replicas")
+    ap.add_argument("--load-time", type=float, default=60.0, help="--auto: model load seconds")
+    ap.add_argument("--capacity", metavar="R1,R2,...",
+                    help="rate sweep at each N of --pd-sizes: colocated and every split, the highest rate "
+                         "each sustains at --target attainment: pd-capacity-<trace>-<hardware>.md/.json")
+    ap.add_argument("--target", type=float, default=0.9, help="--capacity: attainment sustained; --auto: "
+                                                                "the goodput ratio claimed")
     args = ap.parse_args(argv)
+    if args.auto or args.capacity:
+        return _main_auto_capacity(args, argv)
     if args.pd_sizes and any(int(x) < 2 for x in args.pd_sizes.split(",") if x.strip()):
         ap.error("--pd-sizes: every N must be >= 2 (one prefill and one decode replica)")
     ths = [float(x) for x in args.pd_thresholds.split(",") if x.strip()]
@@ -505,4 +941,47 @@ def main(argv: list[str] | None = None) -> int:
             with open(stem + ".json", "w") as f:
                 json.dump(comparison_json(c), f, indent=1)
                 f.write("\n")
+    return 0
+
+
+def _write(out_dir: str | None, stem: str, argv: list[str] | None, table: str, data: dict) -> None:
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, stem)
+    cmd = " ".join(sys.argv[1:] if argv is None else ["--pd", *argv] if "--pd" not in argv else argv)
+    with open(path + ".md", "w") as f:
+        f.write(f"`python -m goodput.bench.simulate {cmd}`\n\n" + table)
+    with open(path + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def _main_auto_capacity(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--auto`` and ``--capacity`` (RDMA only: the first of ``--pd-links``)."""
+    hw = HARDWARE[args.hardware]()
+    link = LINKS[args.pd_links.split(",")[0].strip()]
+    th = float(args.pd_thresholds.split(",")[0])
+    tname = "long-context" if args.trace == "all" else args.trace
+    if args.auto:
+        trace = make_trace(tname, args.seed, args.hardware, args.duration, args.rate)
+        (p_lo, p_hi), (d_lo, d_hi) = (tuple(int(x) for x in b.split(":")) for b in args.auto_bounds.split(","))
+        initial = tuple(int(x) for x in args.auto_initial.split(":"))
+        spec = pd_autoscale(trace, prefill_replicas=(p_lo, p_hi), decode_replicas=(d_lo, d_hi),
+                            initial=initial, load_time_s=args.load_time)
+        c = compare_auto(trace, hw, spec, args.pd_max_n, link, th, args.progress, args.target)
+        table = auto_table(c)
+        print(table)
+        _write(args.out_dir, f"pd-auto-{tname}-{args.hardware}", argv, table, auto_json(c))
+    if args.capacity:
+        rates = [float(x) for x in args.capacity.split(",") if x.strip()]
+        sizes = [int(x) for x in (args.pd_sizes or "4").split(",") if x.strip()]
+        sweeps = [capacity_sweep(tname, hw, n, rates, seed=args.seed, duration=args.duration, link=link,
+                                 threshold=th, target=args.target, progress=args.progress) for n in sizes]
+        duration = make_trace(tname, args.seed, args.hardware, args.duration, rates[0]).duration
+        table = capacity_table(sweeps, hw, link, duration)
+        print(table)
+        _write(args.out_dir, f"pd-capacity-{tname}-{args.hardware}", argv, table,
+               {"trace": tname, "hardware": hw.name, "link": link.name, "threshold": th, "duration_s": duration,
+                "sizes": capacity_json(sweeps)})
     return 0

@@ -352,6 +352,33 @@ class Replica:
             histograms={"ttft": self.ttft.snapshot(), "tpot": self.tpot.snapshot(), "queue": self.queue.snapshot(),
                         "prompt_len": self.prompt_len.snapshot()})
 
+    def account(self, o) -> bool | None:
+        """Count one of this replica's step outputs (``Scheduler.update_from_output``'s) as the
+        worker does in its metrics: TTFT and queue time at the first token; TPOT, prompt length,
+        the per-class counters and ``slo_met`` (its class's TTFT and TPOT SLO, as the worker judges
+        it from its own clock) when it finishes. Returns None while the request runs, else whether
+        it met its SLO."""
+        req = o.request
+        if req.num_output_tokens == 1:
+            self.ttft.observe(req.ttft)
+            if req.first_scheduled_time is not None:
+                self.queue.observe(req.first_scheduled_time - req.arrival_time)
+        if not o.finished:
+            return None
+        c = self.cls.pop(req.request_id, 0)
+        ttft, tpot = req.ttft, req.tpot
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.prompt_len.observe(req.num_prompt_tokens)
+        slo_ttft, slo_tpot = self.slos[c]
+        if self.class_names is not None:
+            counts = self.by_class[self.class_names[c]]
+            counts[0] += 1
+            counts[1] += tpot is None or tpot <= slo_tpot
+        met = ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot)
+        self.slo_met += met
+        return met
+
     def observe(self, now: float) -> PodObservation:
         """The PodObservation the real loop builds from two scrapes (this tick's and the previous
         one), with the loop's own delta function (``observe.observation``); the first one has
@@ -457,6 +484,41 @@ def noisy(p: PodObservation, rng: random.Random, sd: float) -> PodObservation:
                    ttft=hist(p.ttft), tpot=hist(p.tpot), queue=hist(p.queue))
 
 
+def pool_observation(pods: Sequence[Replica], now: float, current_replicas: int,
+                     rng: random.Random | None = None, metric_noise: float = 0.0) -> Observation:
+    """The ``Observation`` the loop builds for one pool (``loop.Autoscaler.observe``): every ready,
+    non-draining pod scraped (its deltas since the previous tick, :meth:`Replica.observe`; with
+    ``metric_noise``, :func:`noisy`), the live pods still loading as starting, no unreachable pod,
+    no router, ``current_replicas`` as the pool's spec has it."""
+    live = [p for p in pods if not p.draining and p.gone_at is None]
+    ready = tuple(noisy(p.observe(now), rng, metric_noise) if rng is not None else p.observe(now)
+                  for p in live if p.ready_at <= now)
+    starting = tuple(StartingPod(p.name, now - p.created) for p in live if p.ready_at > now)
+    return Observation(ready, starting, (), current_replicas)
+
+
+def set_limits(ready: Sequence[Replica], limits: dict | None, now: float,
+               start_step: Callable[[Replica, float], None]) -> None:
+    """Apply a decision's per-pod limits (``PUT /admin/limits``) to the ready pods it names; an idle
+    pod with queued work (a raised limit) steps again."""
+    for p in ready:
+        lim = (limits or {}).get(p.name)
+        if lim is not None:
+            p.sched.set_limits(lim.max_num_seqs, lim.max_waiting)
+            if not p.stepping and p.sched.has_unfinished():
+                start_step(p, now)
+
+
+def scale_in(live: Sequence[Replica], now: float, k: int) -> list[Replica]:
+    """Mark ``k`` of the ``live`` pods draining and return them, in a ReplicaSet's order: pods still
+    starting first (newest first), then the newest ready ones. A draining pod leaves routing at once
+    and finishes what it holds; the caller ends it (``gone_at``) once it is empty."""
+    victims = sorted(live, key=lambda p: (p.ready_at <= now, -p.created))[:max(0, k)]
+    for p in victims:
+        p.draining = True
+    return victims
+
+
 def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: float = 60.0,
              max_num_seqs: int = 64, max_waiting: int = 256, progress: bool = False,
              routing: str | SimRouter = "round-robin", route_seed: int = 0, metric_noise: float = 0.0) -> Result:
@@ -524,26 +586,10 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
         r.now = now
         ro = RunnerOutput(sampled_token_ids={c.request_id: 1 for c in out.chunks if c.sample})
         for o in r.sched.update_from_output(out, ro):
-            req = o.request
-            if req.num_output_tokens == 1:
-                r.ttft.observe(req.ttft)
-                if req.first_scheduled_time is not None:
-                    r.queue.observe(req.first_scheduled_time - req.arrival_time)
-            if o.finished:
-                c = r.cls.pop(req.request_id, 0)
-                ttft, tpot = req.ttft, req.tpot
-                if tpot is not None:
-                    r.tpot.observe(tpot)
-                r.prompt_len.observe(req.num_prompt_tokens)
+            met = r.account(o)
+            if met is not None:
                 finished_total += 1
-                slo_ttft, slo_tpot = r.slos[c]
-                if r.class_names is not None:
-                    counts = r.by_class[r.class_names[c]]
-                    counts[0] += 1
-                    counts[1] += tpot is None or tpot <= slo_tpot
-                if ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot):
-                    r.slo_met += 1
-                    slo_met_total += 1
+                slo_met_total += met
         start_step(r, now)
 
     def apply(desired: int, now: float) -> None:
@@ -553,10 +599,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
             for _ in range(desired - cur):
                 new_pod(now, False)
         elif desired < cur:
-            # starting pods first (newest first), then the newest ready ones
-            victims = sorted(live(), key=lambda p: (p.ready_at <= now, -p.created))[:cur - desired]
-            for p in victims:
-                p.draining = True
+            for p in scale_in(live(), now, cur - desired):
                 if p.ready_at > now or not p.sched.has_unfinished():
                     p.gone_at = now
         spec_replicas = desired
@@ -589,19 +632,9 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                 pass
             continue
         if now == t_tick:
-            obs_ready = []
-            for p in ready_pods(now):
-                obs_ready.append(noisy(p.observe(now), noise_rng, metric_noise))
-            starting = tuple(StartingPod(p.name, now - p.created) for p in live() if p.ready_at > now)
-            obs = Observation(tuple(obs_ready), starting, (), spec_replicas)
+            obs = pool_observation(pods, now, spec_replicas, noise_rng, metric_noise)
             desired, limits = policy.tick(now, obs)
-            if limits:
-                for p in ready_pods(now):
-                    lim = limits.get(p.name)
-                    if lim is not None:
-                        p.sched.set_limits(lim.max_num_seqs, lim.max_waiting)
-                        if not p.stepping and p.sched.has_unfinished():
-                            start_step(p, now)
+            set_limits(ready_pods(now), limits, now, start_step)
             if desired != spec_replicas:
                 apply(desired, now)
             timeline.append((now, spec_replicas, len(ready_pods(now))))
