@@ -258,6 +258,7 @@ class EngineConfig(SchedulerSettings):
     queue_full_retry_after_s: float = 1.0
     rejecting_window_s: float = 5.0
     kv_lease_s: float = 30.0
+    slo_rank_aging_s: float = 5.0
 
     def __post_init__(self) -> None:
         validate(self)
