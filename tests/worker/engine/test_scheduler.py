@@ -230,7 +230,7 @@ def test_next_waiting(queue, want):
 def _one_slot(max_waiting=8) -> tuple[Scheduler, FakeClock]:
     clock = FakeClock()
     cfg = EngineConfig(num_blocks=32, max_model_len=64, block_size=4, max_num_seqs=1,
-                       max_waiting=max_waiting, slo_rank_aging_s=5.0)
+                       max_waiting=max_waiting, slo_class_aging_seconds=5.0)
     return Scheduler(cfg, clock=clock), clock
 
 
@@ -570,7 +570,7 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
     cfg = EngineConfig(num_blocks=num_blocks, max_model_len=40, block_size=block_size,
                        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_waiting=8,
                        scheduling_policy=policy, enable_prefix_caching=caching, eos_token_ids=(EOS,),
-                       slo_rank_aging_s=3.0)
+                       slo_class_aging_seconds=3.0)
     clock = FakeClock()
     s = Scheduler(cfg, clock=clock)
     runner = SlotRunner(cfg, next_token)

@@ -199,7 +199,7 @@ class Scheduler:
 
     Queues: ``waiting`` (a deque in arrival order; preempted requests re-enter at the front) and
     ``running`` (admission order). Waiting requests are admitted by band (:func:`next_waiting`:
-    a request's ``slo_rank``, aged by ``config.slo_rank_aging_s``), by queue position within a
+    a request's ``slo_rank``, aged by ``config.slo_class_aging_seconds``), by queue position within a
     band; with every request at rank 0 (one SLO class) that is first-come first-served.
     ``priority`` (smaller = more important), then ``slo_rank``, chooses preemption victims.
     """
@@ -526,7 +526,7 @@ class Scheduler:
         if len(self._rank_counts) <= 1:
             return 0
         return next_waiting([(r.slo_rank, now - r.arrival_time) for r in self.waiting],
-                            self.config.slo_rank_aging_s)
+                            self.config.slo_class_aging_seconds)
 
     def _take_waiting(self, k: int) -> None:
         req = self.waiting[k]
