@@ -24,7 +24,8 @@ What is simulated, per policy, on the same trace:
   ready, non-draining replicas, kube-proxy in IPVS ``rr`` mode; ``affinity`` and ``goodput`` call
   the router's picker); with no ready pod a request is refused (counted as a rejection);
 - ``Scheduler.add_request`` decides admission: ``queue_full`` is a 429, ``never_fits`` a 400;
-  a refused request is not retried;
+  a refused request is not retried; on a trace with named SLO classes each request carries its
+  class's queue band (``Request.slo_rank``, :meth:`Trace.ranks`), as the worker gives it;
 - a new replica is ready ``load_time_s`` after it is created (model load), and costs replica time
   from creation; a removed replica leaves routing at once and finishes its in-flight requests
   (drain), costing time until it is empty; pods still starting are removed first, then the
