@@ -170,15 +170,21 @@ def test_preemption_victim_is_lowest_priority_not_newest():
     assert out.preempted_ids == ["A"] and layout(out) == [("B", 8, 1)]
 
 
-def test_preemption_victim_is_the_looser_slo_rank_before_the_newest():
-    cfg = EngineConfig(num_blocks=4, max_model_len=32, block_size=4)
-    s = Scheduler(cfg)
+@pytest.mark.parametrize("now, victim, runs", [
+    (0.0, "A", ("B", 8, 1)),     # A (batch class, older) has waited 0 s: band 1, preempted first
+    (6.0, "B", ("A", 8, 1)),     # A arrived 6 s ago (> aging 5 s): band 0 like B, the newest goes
+])
+def test_preemption_victim_is_the_looser_band_before_the_newest(now, victim, runs):
+    clock = FakeClock()
+    cfg = EngineConfig(num_blocks=4, max_model_len=32, block_size=4, slo_class_aging_seconds=5.0)
+    s = Scheduler(cfg, clock=clock)
     s.add_request(req("A", [1, 2, 3, 4], max_tokens=9, slo_rank=1))   # older, batch class
     s.add_request(req("B", [5, 6, 7, 8], max_tokens=9))               # newer, interactive
     for _ in range(5):
         run_step(s)
+    clock.t = now
     out, _ = run_step(s)
-    assert out.preempted_ids == ["A"] and layout(out) == [("B", 8, 1)]
+    assert out.preempted_ids == [victim] and layout(out) == [runs]
 
 
 def test_request_that_exactly_fills_the_pool_runs_alone_without_deadlock():

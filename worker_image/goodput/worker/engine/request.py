@@ -47,7 +47,8 @@ class Request:
     arrival_time: monotonic time the request reached the server (seconds); ``None`` = set by
         ``Scheduler.add_request`` from the scheduler's clock.
     priority: smaller value = more important (vLLM's convention); preemption picks the victim
-        with the largest value, then the largest ``slo_rank``, then the newest.
+        with the largest value, then the largest band (``slo_rank`` until it has aged), then the
+        newest.
     slo_rank: the queue band of the request's SLO class (``goodput.api.policy.slo_ranks``: 0 =
         the tightest TTFT the worker serves, the default for every request); the scheduler admits
         waiting requests by band (:func:`~goodput.worker.engine.scheduler.waiting_band`).

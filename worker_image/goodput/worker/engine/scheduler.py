@@ -201,7 +201,7 @@ class Scheduler:
     ``running`` (admission order). Waiting requests are admitted by band (:func:`next_waiting`:
     a request's ``slo_rank``, aged by ``config.slo_class_aging_seconds``), by queue position within a
     band; with every request at rank 0 (one SLO class) that is first-come first-served.
-    ``priority`` (smaller = more important), then ``slo_rank``, chooses preemption victims.
+    ``priority`` (smaller = more important), then the band, chooses preemption victims.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None,
@@ -413,7 +413,7 @@ class Scheduler:
                     if self._reclaim_lease():
                         continue
                     kv_blocked = True
-                    victim = self._pick_victim()
+                    victim = self._pick_victim(now)
                     self._preempt(victim, now, plan)
                     if victim is req:
                         break
@@ -551,9 +551,14 @@ class Scheduler:
             return len(self.waiting) if slo_rank >= max(self._rank_counts, default=0) else 0
         return sum(n for r, n in self._rank_counts.items() if r <= slo_rank)
 
-    def _pick_victim(self) -> Request:
-        seq = self._admit_seq
-        return max(self.running, key=lambda r: (r.priority, r.slo_rank, seq[r.request_id]))
+    def _pick_victim(self, now: float) -> Request:
+        """The running request preempted when blocks run out: the largest ``priority``, then the
+        largest :func:`waiting_band` (a looser class before it has aged), then the newest. Aged
+        requests are band 0, so a request of a looser class is not preempted again and again
+        once it has waited its aging: the newest goes, as with one class."""
+        seq, aging = self._admit_seq, self.config.slo_class_aging_seconds
+        return max(self.running, key=lambda r: (r.priority, waiting_band(r.slo_rank, now - r.arrival_time, aging),
+                                                seq[r.request_id]))
 
     def _preempt(self, req: Request, now: float, plan: _StepPlan) -> None:
         self.block_manager.free(req)
