@@ -7,7 +7,7 @@ import pydantic
 import pytest
 
 from goodput.api.crd import InferenceServiceSpec, semantic_problems
-from goodput.api.policy import PolicySpec, SloClass, class_of, parse_slo_class
+from goodput.api.policy import PolicySpec, SloClass, class_of, parse_slo_class, rank_of, slo_ranks
 
 
 def _spec(classes):
@@ -62,3 +62,29 @@ def test_policy_spec_from_a_raw_crd_names_the_field(bad, error):
     with pytest.raises(ValueError) as e:
         PolicySpec.from_crd(bad)
     assert str(e.value).startswith(error)
+
+
+I, B = SloClass("interactive", 0.5, 0.05), SloClass("batch", 5.0, 0.2)
+
+
+@pytest.mark.parametrize("default_ttft, classes, want", [
+    # no named class: everything is rank 0 (first-come first-served, as before classes)
+    (0.5, (), {"default": 0}),
+    (None, (), {"default": 0}),
+    # the simulator's two-class service: default at the strictest TTFT
+    (0.5, (I, B), {"default": 0, "interactive": 0, "batch": 1}),
+    # a default looser than both: distinct TTFTs 0.5 < 2 < 5
+    (2.0, (I, B), {"default": 1, "interactive": 0, "batch": 2}),
+    # no default TTFT: unlabelled requests are never put behind a named class
+    (None, (I, B), {"default": 0, "interactive": 0, "batch": 1}),
+    # equal TTFTs share a band whatever their TPOT
+    (1.0, (SloClass("a", 1.0, 0.05), SloClass("b", 1.0, 0.5), SloClass("c", 3.0, 0.1)),
+     {"default": 0, "a": 0, "b": 0, "c": 1}),
+])
+def test_slo_ranks_order_classes_by_ttft(default_ttft, classes, want):
+    assert slo_ranks(default_ttft, classes) == want
+
+
+def test_rank_of_an_unknown_or_missing_class_is_the_default_one():
+    ranks = slo_ranks(2.0, (I, B))
+    assert [rank_of(n, ranks) for n in ("batch", "interactive", None, "", "nope", "default")] == [2, 0, 1, 1, 1, 1]

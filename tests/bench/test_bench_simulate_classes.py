@@ -40,3 +40,21 @@ def test_a_replica_exports_the_per_class_counters():
     assert sim.default_goodput_spec(sim.make_trace("bursty")).slo_classes == ()
     assert [c.name for c in sim.default_goodput_spec(sim.make_trace("two-class")).slo_classes] == \
         ["interactive", "batch"]
+
+
+def test_each_request_carries_its_class_band_and_a_strict_one_goes_first():
+    """One replica, one slot: A (strict) runs 0-0.209 s; B (loose, TTFT 1 s) arrives at 0.01, C
+    (strict, TTFT 0.35 s) at 0.02. By band C runs next: prefill 0.209-0.319 (TTFT 0.299), then B
+    0.418-0.528 (TTFT 0.518): all three meet. First come first served would start C at 0.418
+    (TTFT 0.508): a miss."""
+    trace = sim.Trace("two", [0.0, 0.01, 0.02], [100, 100, 100], [10, 10, 10], [0, 1, 0],
+                      [(0.35, 0.02), (1.0, 0.02)], duration=5.0, max_replicas=1, initial_replicas=1,
+                      class_names=["strict", "loose"])
+    assert trace.ranks() == [0, 1]
+    r = sim.simulate(trace, baselines.StaticPeak(1), HW, max_num_seqs=1)
+    assert (r.finished, r.slo_met) == (3, 3)
+    plain = sim.Trace("one", [0.0, 0.01, 0.02], [100, 100, 100], [10, 10, 10], [0, 0, 0], [(0.35, 0.02)],
+                      duration=5.0, max_replicas=1, initial_replicas=1)
+    assert plain.ranks() == [0]
+    assert (sim.simulate(plain, baselines.StaticPeak(1), HW, max_num_seqs=1).slo_met) == 2   # FCFS: C misses
+    assert sim.make_trace("two-class").ranks() == [0, 1]

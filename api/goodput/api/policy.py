@@ -133,6 +133,30 @@ def class_of(name: str | None, known: Mapping[str, Any] | tuple[SloClass, ...]) 
     return name if name and name in names else DEFAULT_SLO_CLASS
 
 
+def slo_ranks(default_ttft_s: float | None, classes: tuple[SloClass, ...] | list[SloClass]) -> dict[str, int]:
+    """Each class's queue band (the worker's ``Request.slo_rank``, the router's priority band): the
+    number of distinct TTFT targets, among the declared classes and the default class, that are
+    tighter than the class's own. :data:`DEFAULT_SLO_CLASS` is the default class (``spec.slo.ttftMs``;
+    None, no TTFT declared: rank 0, it never waits behind a named class). Without named classes
+    every rank is 0 (first-come first-served).
+
+    Why TTFT: a request waiting in a queue spends its TTFT budget and nothing else; the class with
+    the least budget goes first, a looser one fills the capacity left (and is guaranteed progress by
+    the scheduler's aging, ``goodput.worker.engine.scheduler.waiting_band``). Classes with equal TTFT
+    share a band whatever their TPOT (the step they decode in is the same).
+    """
+    ttfts = {DEFAULT_SLO_CLASS: default_ttft_s}
+    ttfts.update((c.name, c.ttft_s) for c in classes)
+    distinct = sorted({t for t in ttfts.values() if t is not None})
+    return {name: 0 if t is None else sum(1 for d in distinct if d < t) for name, t in ttfts.items()}
+
+
+def rank_of(name: str | None, ranks: Mapping[str, int]) -> int:
+    """The queue band of a request naming class ``name`` (:func:`slo_ranks`; an unknown or missing
+    name is the default class, as in :func:`class_of`)."""
+    return ranks.get(class_of(name, ranks), ranks.get(DEFAULT_SLO_CLASS, 0))
+
+
 # ------------------------------------------------------------------------------------------ spec
 
 
@@ -274,4 +298,5 @@ class PolicySpec:
 
 
 __all__ = ["KnobField", "knobs", "PolicySpec", "SloClass", "parse_slo_class", "slo_class_flag", "check_slo_classes", "class_of",
+           "slo_ranks", "rank_of",
            "DEFAULT_SLO_CLASS", "MAX_SLO_CLASSES", "SLO_CLASS_PATTERN", "SLO_CLASS_MAX_LENGTH", "SLO_CLASS_HEADER", "SLO_CLASS_LABEL"]

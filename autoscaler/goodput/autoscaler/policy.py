@@ -256,12 +256,13 @@ How each rule follows from the ideas it rests on:
    (c) rule 5's TTFT budget is the strictest TTFT among the classes present (:func:`queue_ttft`:
    a class that finished requests over the interval or within the last stabilization window,
    ``PolicyState.class_seen``, so a strict class whose requests are sparse, or all still running,
-   keeps holding the queue), not ``slo_ttft_s``: the worker's queue is first-in first-out whatever
-   the class, so a request queued behind k others waits k / mu whatever its own TTFT, and the
-   queue is as deep as its strictest request allows (a queue sized from the class mix, letting
-   batch requests wait their 5 s, admits requests that make every interactive one behind them
-   late: measured on the simulator's two-class trace, a 5 s budget gives 0.590 attainment and a
-   1.5 s one 0.633, against 0.763 with the strictest class's 0.5 s). A service whose strict class
+   keeps holding the queue), not ``slo_ttft_s``: the worker admits waiting requests by class band,
+   tightest TTFT first, and refuses a request when ``max_waiting`` requests of its band or a
+   tighter one wait (``Scheduler.queued_ahead``), so a request of the strictest class waits behind
+   at most k others of its band, k / mu, and a looser class is refused first (with the worker's
+   earlier first-in first-out queue, a queue sized from the class mix let batch requests make
+   every interactive one behind them late: on the simulator's two-class trace a 5 s budget gave
+   0.590 attainment and a 1.5 s one 0.633, against 0.763 with the strictest class's 0.5 s). A service whose strict class
    sends nothing queues for the looser ones. Without classes, or with a worker that does not
    export the per-class counters, rules 2 and 5 read exactly as above (bit for bit).
 """

@@ -24,7 +24,8 @@ What is simulated, per policy, on the same trace:
   ready, non-draining replicas, kube-proxy in IPVS ``rr`` mode; ``affinity`` and ``goodput`` call
   the router's picker); with no ready pod a request is refused (counted as a rejection);
 - ``Scheduler.add_request`` decides admission: ``queue_full`` is a 429, ``never_fits`` a 400;
-  a refused request is not retried;
+  a refused request is not retried; on a trace with named SLO classes each request carries its
+  class's queue band (``Request.slo_rank``, :meth:`Trace.ranks`), as the worker gives it;
 - a new replica is ready ``load_time_s`` after it is created (model load), and costs replica time
   from creation; a removed replica leaves routing at once and finishes its in-flight requests
   (drain), costing time until it is empty; pods still starting are removed first, then the
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from goodput.autoscaler import observe
-from goodput.api.policy import PolicySpec, SloClass
+from goodput.api.policy import PolicySpec, SloClass, slo_ranks
 from goodput.autoscaler.policy import (
     Observation,
     PodObservation,
@@ -164,6 +165,16 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.t)
+
+    def ranks(self) -> list[int]:
+        """Class -> the queue band its requests carry (``Request.slo_rank``), as a worker started
+        with the spec of :func:`default_goodput_spec` gives them (``goodput.api.policy.slo_ranks``:
+        the default class at the strictest TTFT); all 0 without named classes."""
+        if self.class_names is None:
+            return [0] * len(self.slos)
+        ranks = slo_ranks(min(a for a, _ in self.slos),
+                          [SloClass(n, a, b) for n, (a, b) in zip(self.class_names, self.slos)])
+        return [ranks[n] for n in self.class_names]
 
 
 def _poisson(rng: random.Random, rate_fn: Callable[[float], float], rate_max: float,
@@ -538,6 +549,7 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
                        enable_prefix_caching=trace.prefix_caching)
     router = routing if isinstance(routing, SimRouter) else SimRouter(routing, route_seed)
     noise_rng = random.Random(route_seed + 7919)
+    ranks = trace.ranks()
     pods: list[Replica] = []
     serial = itertools.count()
     events: list[tuple[float, int, str, object]] = []   # (time, seq, kind, payload)
@@ -651,7 +663,8 @@ def simulate(trace: Trace, policy: SimPolicy, hw: StepTime, *, load_time_s: floa
             continue
         r.now = now
         req = Request(f"q{k}", trace.tokens[k] if trace.tokens is not None else range(1, trace.prompt[k] + 1),
-                      SamplingParams(max_tokens=trace.output[k], ignore_eos=True), arrival_time=now)
+                      SamplingParams(max_tokens=trace.output[k], ignore_eos=True), arrival_time=now,
+                      slo_rank=ranks[trace.cls[k]])
         try:
             r.sched.add_request(req)
         except AdmissionError:

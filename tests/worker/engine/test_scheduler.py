@@ -11,7 +11,7 @@ from goodput.worker.engine.config import EngineConfig
 from goodput.worker.engine.outputs import RunnerOutput, SchedulerOutput
 from goodput.worker.engine.request import FinishReason, Request, RequestStatus
 from goodput.worker.engine.sampling_params import SamplingParams
-from goodput.worker.engine.scheduler import AdmissionError, Scheduler
+from goodput.worker.engine.scheduler import AdmissionError, Scheduler, next_waiting, waiting_band
 from goodput.api.states import RejectReason
 from slot_model import SlotRunner, reference_output
 
@@ -27,9 +27,10 @@ class FakeClock:
 def req(rid, prompt, max_tokens=16, **kw) -> Request:
     priority = kw.pop("priority", 0)
     salt = kw.pop("cache_salt", None)
+    rank = kw.pop("slo_rank", 0)
     kw.setdefault("ignore_eos", True)
     return Request(rid, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, **kw),
-                   priority=priority, cache_salt=salt)
+                   priority=priority, cache_salt=salt, slo_rank=rank)
 
 
 def run_step(s: Scheduler, token=7) -> tuple[SchedulerOutput, list]:
@@ -169,6 +170,23 @@ def test_preemption_victim_is_lowest_priority_not_newest():
     assert out.preempted_ids == ["A"] and layout(out) == [("B", 8, 1)]
 
 
+@pytest.mark.parametrize("now, victim, runs", [
+    (0.0, "A", ("B", 8, 1)),     # A (batch class, older) has waited 0 s: band 1, preempted first
+    (6.0, "B", ("A", 8, 1)),     # A arrived 6 s ago (> aging 5 s): band 0 like B, the newest goes
+])
+def test_preemption_victim_is_the_looser_band_before_the_newest(now, victim, runs):
+    clock = FakeClock()
+    cfg = EngineConfig(num_blocks=4, max_model_len=32, block_size=4, slo_class_aging_seconds=5.0)
+    s = Scheduler(cfg, clock=clock)
+    s.add_request(req("A", [1, 2, 3, 4], max_tokens=9, slo_rank=1))   # older, batch class
+    s.add_request(req("B", [5, 6, 7, 8], max_tokens=9))               # newer, interactive
+    for _ in range(5):
+        run_step(s)
+    clock.t = now
+    out, _ = run_step(s)
+    assert out.preempted_ids == [victim] and layout(out) == [runs]
+
+
 def test_request_that_exactly_fills_the_pool_runs_alone_without_deadlock():
     cfg = EngineConfig(num_blocks=4, max_model_len=128, block_size=16)
     s = Scheduler(cfg)
@@ -181,6 +199,110 @@ def test_request_that_exactly_fills_the_pool_runs_alone_without_deadlock():
         steps += 1
         assert steps < 100
     assert s.finished_total["length"] == 2
+
+
+# ---- SLO classes: waiting requests by band ------------------------------------------------------
+
+@pytest.mark.parametrize("rank, waited, aging, band", [
+    (0, 0.0, 5.0, 0),
+    (0, 100.0, 5.0, 0),
+    (1, 0.0, 5.0, 1),
+    (1, 4.99, 5.0, 1),
+    (1, 5.0, 5.0, 0),      # one aging period: the batch class joins band 0
+    (2, 5.0, 5.0, 1),
+    (2, 9.99, 5.0, 1),
+    (2, 10.0, 5.0, 0),
+    (3, 12.0, 5.0, 1),     # 3 - floor(12 / 5) = 1
+    (1, 7.0, 2.0, 0),      # never below 0
+])
+def test_waiting_band(rank, waited, aging, band):
+    assert waiting_band(rank, waited, aging) == band
+
+
+@pytest.mark.parametrize("queue, want", [
+    ([(0, 0.0)], 0),
+    ([(0, 3.0), (0, 1.0)], 0),                 # one class: the head (first-come first-served)
+    ([(1, 1.0), (0, 0.5)], 1),                 # an interactive request goes before a younger batch one
+    ([(1, 6.0), (0, 0.5)], 0),                 # a batch request waiting 6 s > 5 s is band 0, first by position
+    ([(1, 1.0), (1, 0.5)], 0),                 # one band: by position
+    ([(2, 6.0), (1, 1.0), (2, 1.0)], 0),       # bands 1, 1, 2: the first of band 1
+    ([(2, 1.0), (1, 1.0), (0, 9.0)], 2),       # bands 2, 1, 0
+    ([(1, 0.0), (1, 0.0), (0, 0.0), (0, 0.0)], 2),   # the first of band 0, not the last
+])
+def test_next_waiting(queue, want):
+    assert next_waiting(queue, 5.0) == want
+
+
+def _one_slot(max_waiting=8) -> tuple[Scheduler, FakeClock]:
+    clock = FakeClock()
+    cfg = EngineConfig(num_blocks=32, max_model_len=64, block_size=4, max_num_seqs=1,
+                       max_waiting=max_waiting, slo_class_aging_seconds=5.0)
+    return Scheduler(cfg, clock=clock), clock
+
+
+def _admitted_order(s: Scheduler, clock: FakeClock, dt: float = 1.0) -> list[str]:
+    """Run to the end, one step per ``dt`` seconds; the order requests first ran in."""
+    order = []
+    while s.has_unfinished():
+        out, _ = run_step(s)
+        order += [c.request_id for c in out.chunks if c.request_id not in order]
+        clock.t += dt
+    return order
+
+
+def test_a_tighter_class_is_admitted_before_an_older_looser_one():
+    s, clock = _one_slot()
+    s.add_request(req("run", [1], max_tokens=3))           # holds the one slot for 3 steps
+    run_step(s)
+    s.add_request(req("b1", [2], max_tokens=1, slo_rank=1))
+    s.add_request(req("i1", [3], max_tokens=1))
+    s.add_request(req("b2", [4], max_tokens=1, slo_rank=1))
+    s.add_request(req("i2", [5], max_tokens=1))
+    assert _admitted_order(s, clock, dt=0.5) == ["run", "i1", "i2", "b1", "b2"]
+
+
+def test_one_class_keeps_first_come_first_served():
+    s, clock = _one_slot()
+    s.add_request(req("run", [1], max_tokens=3))
+    run_step(s)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, [2], max_tokens=1))
+    assert _admitted_order(s, clock) == ["run", "a", "b", "c"]
+
+
+def test_an_aged_batch_request_goes_before_later_interactive_ones():
+    """Progress for the batch class: b1 (arrived at 0) waits behind interactive requests only
+    for its first aging period (5 s); then it is band 0 and goes first by its earlier position.
+    One step per second; every request holds the one slot for 2 steps (prefill + 1 decode)."""
+    s, clock = _one_slot()
+    s.add_request(req("run", [1], max_tokens=2))
+    s.add_request(req("b1", [2], max_tokens=2, slo_rank=1))
+    started = {}
+    for t in range(12):
+        clock.t = float(t)
+        if t >= 1:
+            s.add_request(req(f"i{t}", [3], max_tokens=2))   # one interactive arrival per second
+        out, _ = run_step(s)
+        for c in out.chunks:
+            started.setdefault(c.request_id, t)
+    # slot: run 0-1, i1 2-3 (b1 waited 2 s: band 1), i2 4-5 (b1 waited 4 s), b1 6-7 (waited 6 s:
+    # band 0, before i3..i6 by position), then i3 8-9, i4 10-11
+    assert started == {"run": 0, "i1": 2, "i2": 4, "b1": 6, "i3": 8, "i4": 10}
+
+
+def test_queue_full_counts_the_requests_a_new_one_would_wait_behind():
+    s, _ = _one_slot(max_waiting=2)
+    s.add_request(req("b1", [1], slo_rank=1))
+    s.add_request(req("b2", [1], slo_rank=1))
+    with pytest.raises(AdmissionError) as ei:
+        s.add_request(req("b3", [1], slo_rank=1))              # 2 of rank <= 1 waiting
+    assert ei.value.reason == "queue_full" and "2 requests of rank <= 1" in ei.value.message
+    s.add_request(req("i1", [1]))                               # rank 0: none ahead of it
+    s.add_request(req("i2", [1]))                               # 1 ahead
+    with pytest.raises(AdmissionError):
+        s.add_request(req("i3", [1]))                           # 2 ahead
+    assert (s.queued_ahead(0), s.queued_ahead(1), len(s.waiting)) == (2, 4, 4)
+    s.check_invariants()
 
 
 # ---- admission -----------------------------------------------------------------------------
@@ -433,6 +555,7 @@ request_spec = st.tuples(
     st.sampled_from([None, "t1"]),                          # cache_salt
     st.integers(0, 12),                                     # arrival step
     st.integers(0, 2),                                      # min_tokens
+    st.integers(0, 2),                                      # slo_rank
 )
 
 
@@ -452,8 +575,10 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
     num_blocks = max(2, pool_tokens // block_size)
     cfg = EngineConfig(num_blocks=num_blocks, max_model_len=40, block_size=block_size,
                        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_waiting=8,
-                       scheduling_policy=policy, enable_prefix_caching=caching, eos_token_ids=(EOS,))
-    s = Scheduler(cfg, clock=FakeClock())
+                       scheduling_policy=policy, enable_prefix_caching=caching, eos_token_ids=(EOS,),
+                       slo_class_aging_seconds=3.0)
+    clock = FakeClock()
+    s = Scheduler(cfg, clock=clock)
     runner = SlotRunner(cfg, next_token)
     admitted: dict[str, Request] = {}
     aborted: set[str] = set()
@@ -461,10 +586,10 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
     pending = sorted(enumerate(specs), key=lambda x: x[1][5])
     while pending or s.has_unfinished():
         while pending and pending[0][1][5] <= step:
-            i, (prompt, mt, ign, prio, salt, _, mn) = pending.pop(0)
+            i, (prompt, mt, ign, prio, salt, _, mn, rank) = pending.pop(0)
             r = Request(f"r{i}", prompt, SamplingParams(max_tokens=mt, ignore_eos=ign, min_tokens=min(mn, mt),
                                                         stop_token_ids=(6,)),
-                        priority=prio, cache_salt=salt)
+                        priority=prio, cache_salt=salt, slo_rank=rank)
             try:
                 s.add_request(r)
             except AdmissionError as e:
@@ -474,7 +599,7 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
                 elif e.reason == "never_fits":
                     assert len(prompt) + mt > 40 or -(-kv // block_size) > num_blocks
                 else:
-                    assert e.reason == "queue_full" and len(s.waiting) >= 8
+                    assert e.reason == "queue_full" and s.queued_ahead(rank) >= 8
                 continue
             admitted[r.request_id] = r
         if abort_at is not None and abort_at[1] == step and f"r{abort_at[0]}" in s.requests:
@@ -496,6 +621,7 @@ def test_random_simulation_keeps_invariants_and_reference_outputs(
         s.update_from_output(out, runner.execute(out))
         s.check_invariants()
         step += 1
+        clock.t = float(step)
         assert step < 2000
     assert s.block_manager.usage == 0.0
     st_ = s.stats()

@@ -50,3 +50,32 @@ def test_requests_are_counted_in_the_class_they_name():
     assert _value(text, "goodput_requests_finished_by_class_total", slo_class="default") == 2
     assert _value(text, "goodput_requests_slo_met_by_class_total", slo_class="default") == 2
     assert _value(text, "goodput_requests_slo_met_total") == 2
+
+
+def test_the_engine_queues_each_request_in_its_class_band():
+    """``goodput.api.policy.slo_ranks``: here ``strict`` (TTFT 1 ns) is band 0 and the default class
+    (TTFT 1e6 s) band 1, so a request naming no class, or an unknown one, queues behind ``strict``."""
+    ranks: list[int] = []
+
+    def factory(args):
+        eng = _factory(args)
+        add = eng.scheduler.add_request
+
+        def spy(req, forks=()):
+            ranks.append(req.slo_rank)
+            ranks.extend(c.slo_rank for c in forks)
+            return add(req, forks)
+        eng.scheduler.add_request = spy
+        return eng
+
+    app = create_app(EngineArgs(model="fake", served_model_name="fake"), engine_factory=factory, admin_token="")
+    with TestClient(app) as client:
+        for _ in range(600):
+            if client.get("/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        for cls, n in (("strict", 2), ("unknown", 1), (None, 1)):
+            r = client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2, "n": n},
+                            headers={"x-goodput-slo-class": cls} if cls else {})
+            assert r.status_code == 200, r.text
+    assert ranks == [0, 0, 1, 1]

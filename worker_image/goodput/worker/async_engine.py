@@ -156,17 +156,17 @@ class AsyncLLMEngine:
         return self.add_request_group(request_id, prompt_token_ids, params, arrival_time=arrival_time,
                                       priority=priority, cache_salt=cache_salt)[0]
 
-    def check_room(self, num_requests: int) -> None:
+    def check_room(self, num_requests: int, slo_rank: int = 0) -> None:
         """Raise :class:`AdmissionError` unless ``num_requests`` requests added now all fit the
         waiting queue (never_fits: they never can under the limits in force; queue_full: not now).
         Only the event loop's thread adds requests, so room seen here is still there for them."""
         if self.error is not None:
             raise EngineDeadError(f"engine is dead: {self.error!r}")
-        self.engine.check_room(num_requests)
+        self.engine.check_room(num_requests, slo_rank)
 
     def add_request_group(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                           *, arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None,
+                          slo_rank: int = 0, cache_salt: str | None = None,
                           forks: Sequence[tuple[str, SamplingParams]] = (), hold_kv: bool = False,
                           kv_import: KvImport | None = None) -> list[RequestStream]:
         """:meth:`add_request` plus ``forks`` (id, params) sharing the prompt's KV (``n > 1``):
@@ -181,7 +181,7 @@ class AsyncLLMEngine:
         self._streams.update(zip(ids, streams))
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                                    priority=priority, cache_salt=cache_salt, forks=forks,
+                                    priority=priority, slo_rank=slo_rank, cache_salt=cache_salt, forks=forks,
                                     hold_kv=hold_kv, kv_import=kv_import)
         except BaseException:
             for i in ids:

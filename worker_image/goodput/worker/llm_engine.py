@@ -119,7 +119,7 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None,
+                    slo_rank: int = 0, cache_salt: str | None = None,
                     forks: Sequence[tuple[str, SamplingParams]] = (), hold_kv: bool = False,
                     kv_import: KvImport | None = None) -> Request:
         """Admit a request (or raise :class:`AdmissionError`: never_fits / queue_full / invalid).
@@ -135,9 +135,10 @@ class LLMEngine:
         if (hold_kv or kv_import is not None) and forks:
             raise ValueError("a remote prefill or a KV import carries one choice (n = 1)")
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
-                      priority=priority, cache_salt=cache_salt, hold_kv=hold_kv, kv_import=kv_import)
+                      priority=priority, slo_rank=slo_rank, cache_salt=cache_salt, hold_kv=hold_kv,
+                      kv_import=kv_import)
         children = [Request(cid, req.prompt_token_ids, cp, arrival_time=arrival_time, priority=priority,
-                            cache_salt=cache_salt) for cid, cp in forks]
+                            slo_rank=slo_rank, cache_salt=cache_salt) for cid, cp in forks]
         with self._lock:
             self.scheduler.add_request(req, children)  # duplicate ids are refused there ("invalid")
             for r in (req, *children):
@@ -150,11 +151,12 @@ class LLMEngine:
                     prompt_logprobs=[None] * r.num_prompt_tokens if sp.prompt_logprobs is not None else None)
         return req
 
-    def check_room(self, num_requests: int) -> None:
-        """Raise :class:`AdmissionError` unless a batch of ``num_requests`` fits the waiting
-        queue now (``Scheduler.check_room``: never_fits when it never can, else queue_full)."""
+    def check_room(self, num_requests: int, slo_rank: int = 0) -> None:
+        """Raise :class:`AdmissionError` unless a batch of ``num_requests`` of queue band
+        ``slo_rank`` fits the waiting queue now (``Scheduler.check_room``: never_fits when it
+        never can, else queue_full)."""
         with self._lock:
-            self.scheduler.check_room(num_requests)
+            self.scheduler.check_room(num_requests, slo_rank)
 
     def count_invalid(self) -> None:
         """Count a request refused by the server's own validation (reason ``invalid``)."""

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 from goodput.worker.engine.request import Request
 from goodput.worker.engine.scheduler import SchedulerStats
 from goodput.api.identity import INSTANCE_LABEL, new_instance_id
-from goodput.api.policy import DEFAULT_SLO_CLASS, SLO_CLASS_LABEL, SloClass, class_of
+from goodput.api.policy import DEFAULT_SLO_CLASS, SLO_CLASS_LABEL, SloClass, class_of, rank_of, slo_ranks
 from goodput.api.states import FinishReason
 from goodput.api.worker_metrics import (
     ADMISSION_MAX_NUM_SEQS,
@@ -254,6 +254,8 @@ class WorkerMetrics:
         # per SLO class: name -> (TTFT, TPOT) thresholds; request id -> its class while it runs
         self.class_slos: dict[str, tuple[float | None, float | None]] = {DEFAULT_SLO_CLASS: (slo_ttft_s, slo_tpot_s)}
         self.class_slos.update((c.name, (c.ttft_s, c.tpot_s)) for c in slo_classes)
+        # per SLO class: its queue band in the engine (Request.slo_rank; goodput.api.policy.slo_ranks)
+        self.class_ranks = slo_ranks(slo_ttft_s, slo_classes)
         self._request_class: dict[str, str] = {}
         by_class = [(name, Counter(name, doc, ["model_name", SLO_CLASS_LABEL], registry=self.registry))
                     for name, doc in (
@@ -321,6 +323,11 @@ class WorkerMetrics:
             for rid in request_ids:
                 self._request_class[rid] = cls
         return cls
+
+    def class_rank(self, name: str | None) -> int:
+        """The engine queue band (``Request.slo_rank``) of a request naming SLO class ``name``
+        (:func:`goodput.api.policy.rank_of`: 0 without named classes)."""
+        return rank_of(name, self.class_ranks)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop the class of requests that will never finish (refused at admission)."""

@@ -106,6 +106,11 @@ class SchedulerSettings:
         crd="engine")
     prompt_lookup_min: int = setting(
         2, "shortest n-gram matched (at most prompt_lookup_max)", ge=1, le=16, crd="engine")
+    slo_class_aging_seconds: float = setting(
+        2.0, "with SLO classes (--slo-class), waiting requests are admitted tightest TTFT first; a request "
+             "of a looser class moves up one band for every this many seconds it has waited (band 0: "
+             "first come first served with the rest), so every class makes progress",
+        gt=0, le=3600, crd=None)
     speculative_max_running: int = setting(
         0, "draft only while at most this many requests run (0: at any batch size); a drafted step "
            "lengthens the step of every request in the batch (vLLM's disable_by_batch_size)",

@@ -47,7 +47,11 @@ class Request:
     arrival_time: monotonic time the request reached the server (seconds); ``None`` = set by
         ``Scheduler.add_request`` from the scheduler's clock.
     priority: smaller value = more important (vLLM's convention); preemption picks the victim
-        with the largest value, then the newest.
+        with the largest value, then the largest band (``slo_rank`` until it has aged), then the
+        newest.
+    slo_rank: the queue band of the request's SLO class (``goodput.api.policy.slo_ranks``: 0 =
+        the tightest TTFT the worker serves, the default for every request); the scheduler admits
+        waiting requests by band (:func:`~goodput.worker.engine.scheduler.waiting_band`).
     cache_salt: optional per-tenant salt; prefix-cache blocks are shared only between requests
         with the same salt (and the same model identity).
     hold_kv: a remote prefill: when it finishes (not aborted) its blocks stay allocated under a
@@ -73,6 +77,7 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float | None = None
     priority: int = 0
+    slo_rank: int = 0
     cache_salt: str | None = None
     # Disaggregated prefill (docs/disaggregation.md): hold_kv = keep the prompt's blocks under a
     # lease when the request finishes (a remote prefill); kv_import = the prompt's KV computed
@@ -117,6 +122,9 @@ class Request:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
         self.priority = operator.index(self.priority)
+        self.slo_rank = operator.index(self.slo_rank)
+        if self.slo_rank < 0:
+            raise ValueError(f"slo_rank must be >= 0, got {self.slo_rank}")
 
     def token_array(self) -> array:
         """``all_token_ids`` as a packed int32 array for prompt lookup, brought up to date here:

@@ -64,6 +64,33 @@ class AdmissionError(Exception):
 PREFILL_WHERE = tuple(w.value for w in PrefillWhere)
 
 
+def waiting_band(slo_rank: int, waited_s: float, aging_s: float) -> int:
+    """The band a waiting request is admitted in (smaller first): its ``slo_rank``, one less for
+    every whole ``aging_s`` seconds it has waited since it arrived, never below 0.
+
+    Why aging: a request of rank r > 0 yields to tighter classes only for its first
+    ``r * aging_s`` seconds; from then on it is in band 0, where requests go by queue position
+    (arrival order, preempted ones first), so every request that arrives after it waits behind it.
+    """
+    if slo_rank <= 0:
+        return 0
+    return max(0, slo_rank - int(waited_s // aging_s))
+
+
+def next_waiting(queue: Sequence[tuple[int, float]], aging_s: float) -> int:
+    """Which waiting request is admitted next: the index, in the queue's order, of the first one
+    in the smallest :func:`waiting_band` (``queue``: (slo_rank, waited seconds) per request; not
+    empty). With every rank 0 this is 0, the head (first-come first-served)."""
+    best, best_band = 0, None
+    for i, (rank, waited) in enumerate(queue):
+        band = waiting_band(rank, waited, aging_s)
+        if best_band is None or band < best_band:
+            best, best_band = i, band
+            if band == 0:
+                break
+    return best
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A consistent snapshot of the engine core: what ``/metrics`` and ``/admin/state`` export.
@@ -170,8 +197,11 @@ class Scheduler:
         num_blocks and block_size.
     clock: monotonic time source in seconds (tests pass a fake one).
 
-    Queues: ``waiting`` (FCFS deque; preempted requests re-enter at the front) and ``running``
-    (admission order). ``priority`` (smaller = more important) only chooses preemption victims.
+    Queues: ``waiting`` (a deque in arrival order; preempted requests re-enter at the front) and
+    ``running`` (admission order). Waiting requests are admitted by band (:func:`next_waiting`:
+    a request's ``slo_rank``, aged by ``config.slo_class_aging_seconds``), by queue position within a
+    band; with every request at rank 0 (one SLO class) that is first-come first-served.
+    ``priority`` (smaller = more important), then the band, chooses preemption victims.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None,
@@ -189,6 +219,7 @@ class Scheduler:
         self.max_waiting = config.max_waiting
         self._eos = frozenset(config.eos_token_ids)
         self.waiting: deque[Request] = deque()
+        self._rank_counts: dict[int, int] = {}   # slo_rank -> waiting requests of that rank
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._admit_seq: dict[str, int] = {}
@@ -244,7 +275,9 @@ class Scheduler:
             ``kv_import`` that does not cover the prompt's blocks.
         never_fits: prompt + max_tokens > max_model_len, or its KV (prompt + max_tokens - 1
             tokens) needs more blocks than the whole pool (it could never run even alone).
-        queue_full: the waiting queue holds ``max_waiting`` requests (retry_after is set).
+        queue_full: ``max_waiting`` requests wait that ``req`` would queue behind
+            (:meth:`queued_ahead`: of its ``slo_rank`` or a smaller one; with one rank, the
+            whole queue); retry_after is set. A request of a looser class is refused first.
         """
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
@@ -293,10 +326,12 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks "
                 f"of {cfg.block_size} tokens but the whole pool has {cfg.num_blocks} "
                 f"blocks ({cfg.kv_capacity_tokens} tokens)", param=culprit)
-        if len(self.waiting) >= self.max_waiting:
+        ahead = self.queued_ahead(req.slo_rank)
+        if ahead >= self.max_waiting:
             raise self._reject(  # not now: a batch that can never fit is refused by check_room
-                RejectReason.QUEUE_FULL, f"the waiting queue is full ({len(self.waiting)} requests, "
-                                         f"max_waiting={self.max_waiting})", cfg.queue_full_retry_after_s)
+                RejectReason.QUEUE_FULL, f"the waiting queue is full ({ahead} requests of rank <= "
+                                         f"{req.slo_rank} waiting, max_waiting={self.max_waiting})",
+                cfg.queue_full_retry_after_s)
         for r in (req, *forks):
             sp = r.sampling_params
             r.stop_token_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
@@ -310,15 +345,17 @@ class Scheduler:
         self._admit_seq[rid] = self._next_seq
         self._next_seq += 1
         self.waiting.append(req)
+        self._count_rank(req, 1)
         self.admitted_total += 1 + len(forks)  # forks count from admission (finished/waiting too)
 
-    def check_room(self, num_requests: int) -> None:
-        """Raise ``AdmissionError`` unless ``num_requests`` requests added now (a batch, admitted
-        whole into the waiting queue) all fit it; counts the refusal.
+    def check_room(self, num_requests: int, slo_rank: int = 0) -> None:
+        """Raise ``AdmissionError`` unless ``num_requests`` requests of ``slo_rank`` added now (a
+        batch, admitted whole into the waiting queue) all fit it; counts the refusal.
 
         never_fits: ``0 < max_waiting < num_requests``: under the limits in force the queue can
             never hold the batch at once (400; ``max_waiting == 0`` is a drain: "not now").
-        queue_full: ``len(waiting) + num_requests > max_waiting`` (429 with retry_after).
+        queue_full: ``queued_ahead(slo_rank) + num_requests > max_waiting`` (429 with
+            retry_after; ``len(waiting)`` with one rank).
         """
         if 0 < self.max_waiting < num_requests:
             raise self._reject(
@@ -327,11 +364,12 @@ class Scheduler:
                 f"queue whole and it holds at most max_waiting={self.max_waiting} requests "
                 f"(--max-waiting, or PUT /admin/limits); send at most {self.max_waiting} prompts per request",
                 param="prompt")
-        if len(self.waiting) + num_requests > self.max_waiting:
+        ahead = self.queued_ahead(slo_rank)
+        if ahead + num_requests > self.max_waiting:
             raise self._reject(
                 RejectReason.QUEUE_FULL,
-                f"the waiting queue has room for {max(0, self.max_waiting - len(self.waiting))} of "
-                f"{num_requests} requests ({len(self.waiting)} waiting, max_waiting={self.max_waiting})",
+                f"the waiting queue has room for {max(0, self.max_waiting - ahead)} of "
+                f"{num_requests} requests ({ahead} waiting, max_waiting={self.max_waiting})",
                 self.config.queue_full_retry_after_s)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -375,7 +413,7 @@ class Scheduler:
                     if self._reclaim_lease():
                         continue
                     kv_blocked = True
-                    victim = self._pick_victim()
+                    victim = self._pick_victim(now)
                     self._preempt(victim, now, plan)
                     if victim is req:
                         break
@@ -383,11 +421,13 @@ class Scheduler:
                     plan.scheduled[req.request_id] = n
                     plan.budget -= n
 
-        # 3. waiting requests (FCFS; the head blocks the rest so nobody is starved).
+        # 3. waiting requests (by band, then position; the one chosen blocks the rest, and aging
+        #    brings every request to band 0, so nobody is starved).
         admit = not plan.preempted and not (
             self.config.scheduling_policy == "static" and self.running)
         while admit and self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            k = self._next_waiting(now)
+            req = self.waiting[k]
             # prompt log-probabilities need the logits of every prompt position: no cache hits
             hit_blocks, num_hit = ([], 0) if req.sampling_params.prompt_logprobs is not None \
                 else self.block_manager.get_computed_blocks(req)
@@ -402,7 +442,7 @@ class Scheduler:
                     continue  # look the head up again: its hits may be fewer now
                 kv_blocked = True
                 break
-            self.waiting.popleft()
+            self._take_waiting(k)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -480,9 +520,45 @@ class Scheduler:
                                    req.num_tokens, cfg.max_model_len))
         return propose_ngram(req.token_array(), k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
-    def _pick_victim(self) -> Request:
-        seq = self._admit_seq
-        return max(self.running, key=lambda r: (r.priority, seq[r.request_id]))
+    def _next_waiting(self, now: float) -> int:
+        """The index in ``waiting`` of the request to admit next (:func:`next_waiting`); the head
+        without a scan while no waiting request has a rank."""
+        if len(self._rank_counts) <= 1:
+            return 0
+        return next_waiting([(r.slo_rank, now - r.arrival_time) for r in self.waiting],
+                            self.config.slo_class_aging_seconds)
+
+    def _take_waiting(self, k: int) -> None:
+        req = self.waiting[k]
+        if k == 0:
+            self.waiting.popleft()
+        else:
+            del self.waiting[k]
+        self._count_rank(req, -1)
+
+    def _count_rank(self, req: Request, delta: int) -> None:
+        n = self._rank_counts.get(req.slo_rank, 0) + delta
+        if n:
+            self._rank_counts[req.slo_rank] = n
+        else:
+            del self._rank_counts[req.slo_rank]
+
+    def queued_ahead(self, slo_rank: int) -> int:
+        """Waiting requests a new request of ``slo_rank`` would queue behind: those of its rank
+        or a smaller one (the bands admitted before its own; ``len(waiting)`` with one rank).
+        Admission holds this, not the whole queue, to ``max_waiting``."""
+        if len(self._rank_counts) <= 1:
+            return len(self.waiting) if slo_rank >= max(self._rank_counts, default=0) else 0
+        return sum(n for r, n in self._rank_counts.items() if r <= slo_rank)
+
+    def _pick_victim(self, now: float) -> Request:
+        """The running request preempted when blocks run out: the largest ``priority``, then the
+        largest :func:`waiting_band` (a looser class before it has aged), then the newest. Aged
+        requests are band 0, so a request of a looser class is not preempted again and again
+        once it has waited its aging: the newest goes, as with one class."""
+        seq, aging = self._admit_seq, self.config.slo_class_aging_seconds
+        return max(self.running, key=lambda r: (r.priority, waiting_band(r.slo_rank, now - r.arrival_time, aging),
+                                                seq[r.request_id]))
 
     def _preempt(self, req: Request, now: float, plan: _StepPlan) -> None:
         self.block_manager.free(req)
@@ -491,6 +567,7 @@ class Scheduler:
         req.preempted_times.append(now)
         self.running.remove(req)
         self.waiting.appendleft(req)
+        self._count_rank(req, 1)
         n = plan.scheduled.pop(req.request_id, 0)
         plan.drafts.pop(req.request_id, None)
         plan.budget += n
@@ -671,7 +748,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(req)
+            self._take_waiting(self.waiting.index(req))
         req.kv_import = None
         self._import_tokens.pop(req.request_id, None)
         if (req.hold_kv and reason is not FinishReason.ABORT and req.block_ids
@@ -838,6 +915,10 @@ class Scheduler:
             assert r.is_finished and r.block_ids and h not in self.requests, f"lease {h} is not a finished request's"
             assert len(r.block_ids) * self.block_manager.block_size >= r.num_prompt_tokens, f"lease {h} lost blocks"
         assert len(self.running) + len(self.waiting) == len(self.requests)
+        ranks: dict[int, int] = {}
+        for r in self.waiting:
+            ranks[r.slo_rank] = ranks.get(r.slo_rank, 0) + 1
+        assert self._rank_counts == ranks, f"rank counts {self._rank_counts} != {ranks}"
         assert self.admitted_total == sum(self.finished_total.values()) + len(self.running) \
             + len(self.waiting) + self.num_pending_forks, "admitted != finished + running + waiting"
         for r in self.running:

@@ -239,8 +239,8 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
     (choice index = prompt_index * n + i, prompt index, stream) in index order. ``pd``: the
     request's part in disaggregated serving (one prompt, n = 1): a remote prefill (its first
     token only, its KV leased) or an imported prompt. ``slo_class``: the
-    ``x-goodput-slo-class`` header (the metrics judge each request by its class; an unknown one
-    is the default class)."""
+    ``x-goodput-slo-class`` header (the metrics judge each request by its class, and the engine
+    queues it in its class's band, ``Request.slo_rank``; an unknown one is the default class)."""
     engine = st.require_engine()
     try:
         params = [body.to_sampling_params(max_tokens, i, **(engine_fields if i == 0 else {
@@ -255,9 +255,10 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
     admitted: list[tuple[int, int, RequestStream]] = []
     metrics = st.llm.metrics if st.llm is not None else None
     classed: list[str] = []
+    rank = metrics.class_rank(slo_class) if metrics is not None else 0
     try:
         if len(prompts) > 1:  # a batch: 400 when it can never fit the queue, 429 when not now
-            engine.check_room(len(prompts))
+            engine.check_room(len(prompts), rank)
         for pi, ids in enumerate(prompts):
             rid = f"{prefix}-{pi}" if len(prompts) > 1 else prefix
             if pd is not None and pd.handle is not None:
@@ -266,7 +267,8 @@ def _admit_all(st, body, prompts: list[list[int]], max_tokens: int, arrival: flo
                 classed += [rid] + [f"{rid}-n{i}" for i in range(1, n)]
                 metrics.assign_class(classed[-n:], slo_class)
             streams = engine.add_request_group(
-                rid, ids, params[0], arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt,
+                rid, ids, params[0], arrival_time=arrival, priority=body.priority, slo_rank=rank,
+                cache_salt=body.cache_salt,
                 forks=[(f"{rid}-n{i}", params[i]) for i in range(1, n)],
                 hold_kv=pd is not None and pd.hold_kv, kv_import=pd.kv if pd is not None else None)
             admitted += [(pi * n + i, pi, s) for i, s in enumerate(streams)]
