@@ -270,3 +270,13 @@ def test_cli_auto_and_capacity(tmp_path, capsys):
     assert len(auto["fixed"]) == 3 and set(auto["verdict"]) >= {"goodput_ratio", "hours_ratio", "met"}
     cap = json.loads((tmp_path / "pd-capacity-long-context-h200.json").read_text())
     assert cap["sizes"]["2"]["rates"] == [1.0, 2.0] and set(cap["sizes"]["2"]["capacity"]) == {"colocated", "1:1"}
+
+
+def test_a_prefill_pod_that_refuses_leaves_the_prefill_to_the_decode_pod():
+    # three 100-token prompts at t = 1 on 1:1, one running and one waiting per pod at most: the
+    # prefill pod runs the first, queues the second and refuses the third (429); the router then
+    # has the decode pod prefill it itself (its prefill_failed), as with no prefill pod at all
+    r = pd.simulate_pd(trace_of([1.0, 1.0, 1.0], [100] * 3, [2] * 3), HW, 1, 1, LINK, threshold=0,
+                       max_num_seqs=1, max_waiting=1)
+    assert (r.offered, r.finished, r.remote, r.rejected) == (3, 3, 2, 0)
+    assert r.decode_prefill_tokens == 100
