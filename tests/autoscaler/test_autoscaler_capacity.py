@@ -237,6 +237,25 @@ def test_infeasible_requests_are_counted_and_left_out_of_the_attainment():
     assert P.aggregate(0.0, obs(p), caps, SPEC, st).attainment == pytest.approx(14 / 20)
 
 
+def test_prompts_between_the_last_1_2_5_bound_and_max_model_len_are_feasible():
+    # the worker's prompt-length buckets for max_model_len 8192 end with 8192 itself, so prompts
+    # of 5001..8192 tokens land in a finite bucket, not in +Inf
+    from goodput.api.worker_metrics import count_buckets
+    bounds = tuple(float(b) for b in count_buckets(8192)) + (INF,)
+    assert bounds[-4:] == (2000.0, 5000.0, 8192.0, INF)
+    # 10 prompts: 4 of <= 2000 tokens, 6 of 6000 tokens (all in (5000, 8192])
+    cum = tuple(0.0 if b < 2000 else 4.0 if b < 8192 else 10.0 for b in bounds)
+    lens = HistogramDelta(bounds, cum, 10.0, 4 * 1500.0 + 6 * 6000.0)
+    p = pod(prompt_len=lens, finished=10, slo_met=10)
+    # p_max 8192 (an idle replica prefills max_model_len in time): nothing is infeasible
+    assert P.infeasible(p, 8192.0) == 0.0
+    # p_max 6596: (6596 - 5000) / (8192 - 5000) = 1/2 of the 6 in (5000, 8192] are feasible -> 3
+    assert P.infeasible(p, 6596.0) == pytest.approx(3.0)
+    # the old buckets (..., 2000, 5000, +Inf) counted all 6 as infeasible for any p_max > 5000
+    old = HistogramDelta((2000.0, 5000.0, INF), (4.0, 4.0, 10.0), 10.0, lens.sum)
+    assert P.infeasible(replace(p, prompt_len=old), 8192.0) == pytest.approx(6.0)
+
+
 def test_decision_reports_infeasible_requests():
     lens = HistogramDelta((1000.0, 2000.0, 5000.0, INF), (10.0, 16.0, 20.0, 20.0), 20.0, 30000.0)
     p = pod(prompt_len=lens, finished=20, slo_met=14)

@@ -18,8 +18,9 @@ def _schema_at(path: tuple[str, ...]) -> dict:
 
 def test_every_knob_is_a_crd_field_with_its_default_and_bounds():
     ks = knobs()
-    # every field is a knob but the SLO classes (a list of objects, spec.slo.classes)
-    assert len(ks) == len([f for f in PolicySpec.__dataclass_fields__ if f != "slo_classes"])
+    # every field is a knob but the SLO classes (a list of objects, spec.slo.classes) and the
+    # prefill pool's mark (set by the loop's pool_policy, not by the spec)
+    assert len(ks) == len([f for f in PolicySpec.__dataclass_fields__ if f not in ("slo_classes", "prefill_pool")])
     for k in ks:
         field = _schema_at(k.path)
         assert field["default"] == k.crd_default, k.name

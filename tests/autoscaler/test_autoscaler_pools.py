@@ -45,6 +45,7 @@ def test_each_pool_keeps_its_own_bounds_and_the_services_slo():
     p = loop.pool_policy(pspec, spec, prefill)
     assert (p.min_replicas, p.max_replicas) == (1, 3)
     assert (p.slo_ttft_s, p.slo_tpot_s) == (pspec.slo_ttft_s, pspec.slo_tpot_s)
+    assert p.prefill_pool and not pspec.prefill_pool     # rule 18 sizes the prefill pool by tokens
     # the limits each pool's pods may be given: its own maxNumSeqs over spec.engine's
     assert loop.engine_bounds(spec, loop.WORKERS).max_num_seqs == 16
     assert loop.engine_bounds(spec, loop.PREFILL).max_num_seqs == 4

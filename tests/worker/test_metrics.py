@@ -198,7 +198,7 @@ def test_finished_request_histograms_follow_its_timestamps():
     assert value(fams, "goodput_request_params_n_sum") == 1
     assert value(fams, "goodput_iteration_tokens_sum") == 6
     assert value(fams, "goodput_iteration_tokens_count") == 2
-    # 1-2-5 token buckets up to max_model_len=100, then +Inf
+    # 1-2-5 token buckets below max_model_len=100, then 100 itself, then +Inf
     les = [s.labels["le"] for s in fams["goodput_request_prompt_tokens"].samples if s.name.endswith("_bucket")]
     assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
 
@@ -286,3 +286,16 @@ def test_vllm_metrics_test_counts_on_a_live_worker(server_tiny):
     assert metric(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="4",
                   enable_prefix_caching="True") == 1
 
+
+
+def test_count_buckets_end_with_max_value():
+    cb = metric_names.count_buckets
+    # 8192 is no 1-2-5 value: the 1-2-5 bounds below it, then 8192 (prompts of 5001..8192 tokens
+    # fall in a finite bucket, +Inf holds no valid prompt)
+    assert cb(8192) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 8192)
+    assert cb(100) == (1, 2, 5, 10, 20, 50, 100)       # a 1-2-5 value: not repeated
+    assert cb(3) == (1, 2, 3)
+    assert cb(1) == (1,)
+    assert cb(1 << 20)[-3:] == (500000, 1000000, 1048576)
+    with pytest.raises(ValueError):
+        cb(0)

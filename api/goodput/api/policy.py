@@ -249,6 +249,9 @@ class PolicySpec:
     # the named SLO classes (spec.slo.classes; not a knob: a list of objects): each request is judged
     # by its own class's TTFT/TPOT, the default class by slo_ttft_s / slo_tpot_s
     slo_classes: tuple[SloClass, ...] = field(default=())
+    # the pool is a disaggregated service's prefill pool (set by the autoscaler loop's pool_policy;
+    # not a knob): it is sized by prompt tokens (rule 18)
+    prefill_pool: bool = field(default=False)
 
     def __post_init__(self) -> None:
         for s in settings(PolicySpec):

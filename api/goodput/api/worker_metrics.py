@@ -168,14 +168,19 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 
 
 
 def count_buckets(max_value: int) -> tuple[int, ...]:
-    """1-2-5 bucket bounds up to ``max_value`` inclusive: 1, 2, 5, 10, 20, 50, ... (for token
-    counts and request parameters; vLLM buckets its token histograms the same way)."""
+    """1-2-5 bucket bounds below ``max_value``, then ``max_value`` itself: 1, 2, 5, 10, 20, 50,
+    ..., max_value (for token counts and request parameters; vLLM buckets its token histograms
+    the same way). The last finite bound is always ``max_value``, so every valid count (at most
+    ``max_value``, e.g. a prompt within ``max_model_len``) lands in a finite bucket and ``+Inf``
+    stays empty: a reader interpolating inside the buckets (the autoscaler's infeasible-request
+    rule) never has to treat a valid prompt as longer than the last finite bound."""
     if max_value < 1:
         raise ValueError(f"max_value must be >= 1, got {max_value}")
     out, scale = [], 1
     while True:
         for m in (1, 2, 5):
-            if m * scale > max_value:
+            if m * scale >= max_value:
+                out.append(max_value)
                 return tuple(out)
             out.append(m * scale)
         scale *= 10

@@ -103,11 +103,14 @@ def pool_policy(pspec: PolicySpec, spec: crd.InferenceServiceSpec, pool: Pool) -
     """The policy a pool is held to: the service's SLO and tuning, with the prefill pool's own
     replica bounds (``spec.disaggregation.prefill.minReplicas/maxReplicas``) for it. The prefill
     pool's requests are remote prefills (the prompt and its first token), so its own TTFT, queue
-    and KV use move it; the decode pool's TPOT, KV and its local prefills move the workers."""
+    and KV use move it; the decode pool's TPOT, KV and its local prefills move the workers. A
+    prefill pod reports no TPOT, so its pool is sized by prompt tokens (``prefill_pool``, policy
+    rule 18)."""
     if pool.name != PREFILL:
         return pspec
     p = spec.disaggregation.prefill
-    return dataclasses.replace(pspec, min_replicas=p.min_replicas, max_replicas=p.max_replicas)
+    return dataclasses.replace(pspec, min_replicas=p.min_replicas, max_replicas=p.max_replicas,
+                               prefill_pool=True)
 
 
 def pool_record(status: Mapping[str, Any], pool: Pool) -> dict[str, Any]:

@@ -265,6 +265,22 @@ How each rule follows from the ideas it rests on:
    0.590 attainment and a 1.5 s one 0.633, against 0.763 with the strictest class's 0.5 s). A service whose strict class
    sends nothing queues for the looser ones. Without classes, or with a worker that does not
    export the per-class counters, rules 2 and 5 read exactly as above (bit for bit).
+
+18. The prefill pool of a disaggregated service (``spec.prefill_pool``, set by the loop's
+   ``pool_policy`` for that pool only) is sized by prompt tokens (:func:`prefill_size`). Its pods
+   report no TPOT, so rules 3 and 5 had no service time and only rule 4's attainment evidence
+   moved it: that lags a backlog (a cold start ordered 1 -> 4, then counted the queued requests'
+   misses again when the 4 arrived and went to 8). A prefill pod computes its prompts one after
+   another at full-step speed: a request occupies it ``service_s`` (the shorter of the interval's
+   prefill time, TTFT less queue time, and the mean prompt over rule 14's estimate), one replica
+   carries one at a time, and the pool wants ``ceil(level_rps * service_s / token_utilization)``
+   replicas at rule 11's smoothed rate: the offered prompt tokens over what one replica computes.
+   Rule 5 bounds each prefill pod's queue with the same service time (``mu = 1 / service_s``), so
+   while capacity loads the pods keep their TTFT and refuse the rest (the router then has the
+   decode pod prefill it) instead of queueing requests that can no longer make it. The evidence
+   of rule 4 adds one replica at a time, and not while a ready pod is younger than the interval
+   plus ``queue_slack`` TTFT SLOs: misses of requests that queued before ordered capacity
+   arrived are no new evidence.
 """
 from __future__ import annotations
 
@@ -1011,6 +1027,45 @@ def size(fleet: Fleet, caps: BatchCaps, n_ready: int, spec: PolicySpec, st: Poli
     return Size(sizing_rps, service_s, demand, per_replica, wanted, saturated, evidence, up_reason, rec)
 
 
+def prefill_size(obs: Observation, fleet: Fleet, sz: Size, cap: Capacity, level_rps: float,
+                 spec: PolicySpec, st: PolicyState) -> Size:
+    """Rule 18, the prefill pool of a disaggregated service (``spec.prefill_pool``): its pods
+    report no TPOT, so rule 3 has no service time and only the attainment evidence (rule 4), which
+    lags a backlog, would move it. A prefill pod computes the prompts it holds one after another
+    at its full-step speed, so one request occupies it ``service_s`` seconds, the shorter of the
+    interval's prefill time (``Fleet.t_first``: mean TTFT less mean queue time; noisy) and the
+    mean prompt over rule 14's estimate (``cap.tokens * cap.scale`` tokens/s from its first
+    sample on; smoothed, but low while a backlog waits: it divides the prompt tokens of started
+    requests by all admitted ones; prompt: the mean of the interval's prompt-length histograms,
+    else the smoothed prompt level), and one replica carries one request at a time:
+    ``per_replica = token_utilization``, ``demand = level_rps * service_s`` (replicas busy at
+    rule 11's smoothed offered rate: the offered prompt tokens over one replica's tokens/s, a
+    leading signal), ``wanted = ceil(demand / token_utilization)``. The attainment evidence then
+    adds one replica at a time (the size is known; HPA's proportional step overshoots on a
+    backlog), and not while a ready pod is younger than the interval plus ``queue_slack`` TTFT
+    SLOs: misses of requests that queued before ordered capacity arrived are no new evidence.
+    Without a service time: ``sz`` unchanged (rules 3 and 4). E.g. 3 req/s of 4000-token prompts
+    on replicas of 4000 tokens/s: service 1 s, demand 3 replicas busy, wanted ceil(3 / 0.8) = 4."""
+    tokens = cap.tokens * cap.scale
+    hists = [p.prompt_len for p in obs.ready if p.interval_s > 0 and p.prompt_len is not None
+             and p.prompt_len.count > 0]
+    n = sum(h.count for h in hists)
+    prompt = sum(h.sum for h in hists) / n if n > 0 else st.prompt_level
+    services = [x for x in (fleet.t_first, prompt / tokens if tokens > 0 and prompt > 0 else 0.0) if x > 0]
+    if not services:
+        return sz
+    service_s = min(services)
+    per_replica = spec.token_utilization
+    demand = level_rps * service_s
+    wanted = math.ceil(demand / per_replica - 1e-9) if demand > 0 else 0
+    settling = any(p.age_s < p.interval_s + spec.queue_slack * spec.slo_ttft_s for p in obs.ready)
+    evidence = sz.evidence and not settling
+    if evidence:
+        wanted = max(wanted, len(obs.ready) + 1)
+    rec = max(max(1, spec.min_replicas), min(spec.max_replicas, wanted))
+    return Size(sz.sizing_rps, service_s, demand, per_replica, wanted, sz.saturated, evidence, sz.up_reason, rec)
+
+
 # --------------------------------------------------------------------------- phase 4: forecast
 
 
@@ -1487,15 +1542,22 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     cap = capacity(obs, dt, st.load_s if st.load_s > 0 else spec.model_load_s, spec, st)
     fleet = aggregate(now, obs, caps, spec, st, cap.p_max)
     metrics_ok = not obs.unreachable and fleet.rated > 0
-    sz = size(fleet, caps, len(obs.ready), spec, st)
+    sz = sized = size(fleet, caps, len(obs.ready), spec, st)
+    if spec.prefill_pool:   # rule 18: sized by prompt tokens at rule 11's smoothed rate
+        level = forecast(now, obs, fleet, caps, sized, metrics_ok, spec, st).level_rps
+        sz = prefill_size(obs, fleet, sized, cap, level, spec, st)
     fc = forecast(now, obs, fleet, caps, sz, metrics_ok, spec, st)
     head = headroom(now, dt, fleet, fc, metrics_ok, spec, st)
     proof = proven_work(now, fleet, caps, sz, fc, len(obs.ready), metrics_ok, spec, st)
     keep = fewest_carrying(obs.current_replicas, proof.proven, fleet, sz, fc, spec, st, cap, head)
     win = windows(now, obs.current_replicas, sz, fc, keep, metrics_ok, spec, st)
     out = choose_replicas(now, obs, fleet, caps, sz, fc, win, proof.proven, metrics_ok, spec, st, cap, head)
-    ql = queue_limits(fleet, len(obs.ready), caps.coming, out.replicas - obs.current_replicas, spec,
-                      fleet.service_s if fleet.service_s is not None else st.service_s)
+    if sz is not sized:     # rule 18: a prefill pod serves one prompt at a time
+        ql = queue_limits(replace(fleet, live_capacity=1.0), len(obs.ready), caps.coming,
+                          out.replicas - obs.current_replicas, spec, sz.service_s)
+    else:
+        ql = queue_limits(fleet, len(obs.ready), caps.coming, out.replicas - obs.current_replicas, spec,
+                          fleet.service_s if fleet.service_s is not None else st.service_s)
     limits = {p.name: Limits(caps.caps[p.name], ql.max_waiting) for p in obs.ready}
     message = _message(obs, fleet, caps, sz, fc, out, spec, st, cap, head)
     return Decision(out.replicas, limits, out.reason, message,
@@ -1528,7 +1590,7 @@ def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Fore
 __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation", "Observation",
            "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
-           "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "peak_to_mean", "headroom",
+           "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "prefill_size", "peak_to_mean", "headroom",
            "SPIKE_NOISE_SD",
            "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]

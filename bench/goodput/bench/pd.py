@@ -457,9 +457,12 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         pending[id(dst)] += 1
         res.remote += 1
         pre = Request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=now)
-        if not admit(src, pre, now):
-            remote.pop(rid)
+        if not admit(src, pre, now):           # the prefill pod refused it (429): the router's
+            remote.pop(rid)                    # prefill_failed, the decode pod prefills it itself
             pending[id(dst)] -= 1
+            res.remote -= 1
+            res.rejected -= 1
+            admit(dst, full, now)
 
     def scale(pool: _Pool, desired: int, now: float) -> None:
         live = pool.live()
