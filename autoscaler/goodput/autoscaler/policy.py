@@ -139,8 +139,11 @@ How each rule follows from the ideas it rests on:
 8. Scale up on evidence. The scale-up target is the SMALLEST recommendation of the last
    ``scale_up_window_s`` (a spike shorter than the window moves nothing), except that a
    recommendation from the load seen (not a forecast) of at least ``panic_ratio`` times the
-   current replicas (Knative's panic mode), or one made while SLOs are being missed on a
-   saturated fleet (the evidence is in), acts at once.
+   current replicas and at least two more (Knative's panic mode; at 1 replica a single noisy
+   tick recommending 2 is not a panic: measured with 5 % metric noise on a steady 3.5 req/s that
+   one replica carries at 0.998, it flipped 1 <-> 2 four times in 30 minutes, each scale-up just
+   outside the window that would have learned from it), or one made while SLOs are being missed
+   on a saturated fleet (the evidence is in), acts at once.
 
 9. Bounded steps and a tolerance band. One decision adds at most ``max(max_scale_up_step,
    current)`` replicas and removes at most ``max_scale_down_step``; ``|w / current - 1| <=
@@ -1292,7 +1295,7 @@ def windows(now: float, current: int, sz: Size, fc: Forecast, keep: int, metrics
     up = [r for t, r, _ in recs if now - t <= spec.scale_up_window_s] or [rec]
     down = [max(r, k) for t, r, k in recs if now - t <= spec.stabilization_window_s] or [rec]
     up_target = int(min(up))
-    if sz.rec >= spec.panic_ratio * max(1, current) or sz.evidence or not metrics_ok:
+    if sz.rec >= max(spec.panic_ratio * max(1, current), current + 2) or sz.evidence or not metrics_ok:
         # panic (on load seen, never on a forecast), SLOs missed while saturated, or only the
         # pods that answered speak
         up_target = max(sz.rec, up_target) if metrics_ok else rec
