@@ -147,6 +147,22 @@ def test_survivor_check_uses_the_headroom_once_it_covers_a_horizon():
     assert P.carries(1, 0.0, small, sz_small, fc(4000.0), spec, st, cap(1e9), replace(head, ratio=1.2)) is True
 
 
+def test_a_lull_between_spikes_is_not_idle():
+    # Little's law: max(40 in flight, 10 req/s x 4 s, the spike's 1.5 x 10 x 4 = 60) = 60 seqs
+    # <= 1.0 x 1 x 200: the idle shortcut (idle_utilization 1.0) would let 1 replica carry it.
+    # The spike's work 1.5 x 4000 = 6000 tokens/s must still fit: not within usable 5000 ...
+    spec = replace(SPEC, idle_utilization=1.0)
+    st = PolicyState()
+    sz = P.size(FLEET, CAPS, 2, spec, st)
+    head = P.Headroom(1.5, 4000.0, 10.0, (), covered=True)
+    assert P.carries(1, 0.0, FLEET, sz, fc(4000.0), spec, st, cap(5000.0), head) is False
+    # ... within 6000 (or within 6000 proven) it is
+    assert P.carries(1, 0.0, FLEET, sz, fc(4000.0), spec, st, cap(6000.0), head) is True
+    assert P.carries(1, 6000.0, FLEET, sz, fc(4000.0), spec, st, cap(5000.0), head) is True
+    # no spike in the window (ratio 1): the idle shortcut decides as before
+    assert P.carries(1, 0.0, FLEET, sz, fc(4000.0), spec, st, cap(1.0), replace(head, ratio=1.0)) is True
+
+
 def test_undone_scale_down_teaches_the_estimate():
     # 1 ready pod after a scale-down 100 s ago; this call scales up to 2. Work now 4500 tokens/s per
     # replica, usable was 5000: scale = 1 * min(1, 4500 * 0.9 / 5000) = 0.81, floor 2
@@ -281,3 +297,93 @@ def test_growth_room(kw, expected):
     base = {"tpot": HistogramDelta((0.05, 0.08, 0.1, INF), (10.0, 10.0, 10.0, 10.0), 10.0, 0.4)}
     base.update(kw)
     assert P.growth_room(pod(**{"kv_usage": 0.1, **base}), 64, SPEC) == expected
+
+
+# A history of 5 s calls: base 1000 tokens/s (5000 tokens, 50 requests per call), spike 4000 tokens/s
+# (20000 tokens, 200 requests per call)
+def calls(*runs: tuple[int, bool], start: float = 0.0) -> list[tuple[float, float, float, float]]:
+    out, t = [], start
+    for n, spike in runs:
+        for _ in range(n):
+            t += 5.0
+            out.append((t, 5.0, 20000.0, 200.0) if spike else (t, 5.0, 5000.0, 50.0))
+    return out
+
+
+def test_short_spikes_from_a_given_series():
+    # 60 s base, a 60 s spike, 120 s base: mean work (36 * 5000 + 12 * 20000) / 240 = 1750.
+    # r1: the spike's horizon, (4000 - 2.5 * 4000 * sqrt(2 / 2400)) / 1750 = 3711.325 / 1750 = 2.12076;
+    # r2: 120 s holding the spike and 60 s of base: 300000 / 120 = 2500 tokens/s over 3000 requests,
+    # (2500 - 2.5 * 2500 * sqrt(2 / 3000)) / 1750 = 2338.63 / 1750 = 1.33636.
+    # 0.33636 <= 0.5 * 1.12076 = 0.56038: short
+    short = calls((12, False), (12, True), (24, False))
+    assert P.peak_to_mean(short, 60.0)[0] == pytest.approx(1.0 + 1.12076, abs=1e-5)
+    assert P.peak_to_mean(short, 120.0)[0] == pytest.approx(1.33636, abs=1e-5)
+    assert P.short_spikes(short, 60.0) is True
+    # a 120 s spike: mean (24 * 5000 + 24 * 20000) / 240 = 2500; r1 = 3711.325 / 2500 = 1.48453;
+    # r2 = (4000 - 2.5 * 4000 * sqrt(2 / 4800)) / 2500 = 3795.876 / 2500 = 1.51835;
+    # 0.51835 > 0.5 * 0.48453 = 0.24227: not short (a rise that outlasts a model load)
+    long = calls((12, False), (24, True), (12, False))
+    assert P.peak_to_mean(long, 120.0)[0] == pytest.approx(1.51835, abs=1e-5)
+    assert P.short_spikes(long, 60.0) is False
+    # steady (r1 = 1) and shorter than two horizons (115 s < 118.8 s): nothing to judge
+    assert P.short_spikes(calls((48, False)), 60.0) is False
+    assert P.short_spikes(short[:23], 60.0) is False
+
+
+def test_headroom_judges_the_spikes_before_the_last_horizon():
+    spec = replace(SPEC, headroom_window_s=1800.0, stabilization_window_s=300.0)
+    # the short-spike history above (ending at t = 240), then a new spike: 11 calls in the state and
+    # this call's 40 req/s * 5 s * (400 + 100) = 100000 tokens (20000 tokens/s); the last horizon is
+    # those 12 calls, the 240 s before it are the short-spike history: short
+    hist = calls((12, False), (12, True), (24, False), start=-300.0) + calls((11, True), start=-60.0)
+    f = fc(0.0)
+    fleet = replace(FLEET, offered_rps=40.0, prompt_mean=400.0)
+    h = P.headroom(0.0, 5.0, fleet, f, True, spec, PolicyState(work_history=[list(e) for e in hist]))
+    assert len(h.history) == 60 and h.short is True
+    # the last horizon: (11 * 20000 + 100000) / 60 = 5333.33 tokens/s
+    assert h.recent_work == pytest.approx(320000 / 60)
+    # the history before it held a 120 s spike instead: not short
+    long = calls((12, False), (24, True), (12, False), start=-300.0) + calls((11, True), start=-60.0)
+    assert P.headroom(0.0, 5.0, fleet, f, True, spec, PolicyState(work_history=[list(e) for e in long])).short \
+        is False
+    # the headroom off: never short
+    off = replace(spec, headroom_window_s=0.0)
+    assert P.headroom(0.0, 5.0, fleet, f, True, off, PolicyState(work_history=[list(e) for e in hist])).short \
+        is False
+
+
+@pytest.mark.parametrize("current,work,scale,short,ready,expected", [
+    (6, 18000.0, 1.0, True, True, 6),      # ceil(18000 / 5000) = 4 < 6 ready: hold 6
+    (2, 18000.0, 1.0, True, True, 4),      # up to 4, no further
+    (2, 20000.0, 1.0, True, True, 4),      # exactly 4 x 5000
+    (2, 18000.0, 0.5, True, True, 8),      # an undone scale-down halved it: ceil(18000 / 2500) = 8
+    (2, 18000.0, 1.0, False, True, None),  # no short spike before this one: the scale-up rules decide
+    (2, 18000.0, 1.0, True, False, None),  # no capacity estimate yet
+])
+def test_short_spike_limit(current, work, scale, short, ready, expected):
+    head = P.Headroom(work / 1000.0, 1000.0, 10.0, (), covered=True, short=short)
+    c = replace(cap(4000.0), scale=scale, ready=ready)     # full-step capacity 5000 x scale
+    assert P.short_spike_limit(current, head, c) == expected
+
+
+def test_choose_replicas_during_a_short_spike():
+    # 2 ready, the windows want 8; the window's spikes were short and need ceil(18000 / 5000) = 4
+    o = obs(pod("a"), pod("b"))
+    st = PolicyState()
+    caps = P.tune_batch_caps(o, SPEC, st)
+    fleet = P.aggregate(0.0, o, caps, SPEC, st)
+    sz = replace(P.size(fleet, caps, 2, SPEC, st), rec=8)
+    win = P.Windows((), 8, 8, 600.0, -600.0)
+    head = P.Headroom(18.0, 1000.0, 10.0, (), covered=True, short=True)
+    f = replace(fc(0.0), rec=1)
+    out = P.choose_replicas(0.0, o, fleet, caps, sz, f, win, 0.0, True, SPEC, st, cap(4000.0), head)
+    assert (out.replicas, out.reason) == (4, "ScaleUpGoodput")
+    # 6 ready already carry the spikes: hold, with its own reason
+    o6 = obs(*[pod(n) for n in "abcdef"])
+    out6 = P.choose_replicas(0.0, o6, fleet, caps, sz, f, win, 0.0, True, SPEC, st, cap(4000.0), head)
+    assert (out6.replicas, out6.reason) == (6, "HoldShortSpike")
+    # without short spikes before (the first spike): the windows decide, 2 + max(4, 2) = 6
+    first = P.choose_replicas(0.0, o, fleet, caps, sz, f, win, 0.0, True, SPEC, st, cap(4000.0),
+                              replace(head, short=False))
+    assert (first.replicas, first.reason) == (6, "ScaleUpGoodput")

@@ -180,6 +180,24 @@ def test_windows_table():
     assert w.recommendations[-1] == (0.0, 5.0, 5.0) and w.since is None
 
 
+@pytest.mark.parametrize("current,rec,expected", [
+    # scale-up window 30 s whose other recommendation (10 s ago) was the current fleet: only panic
+    # (rec >= max(2 x current, current + 2)) acts before the window confirms
+    (1, 2, 1),      # 2 = 2 x 1 but only one more replica: no panic (one noisy tick at 1 replica)
+    (1, 3, 3),      # 3 >= max(2, 3): panic
+    (2, 4, 4),      # 4 >= max(4, 4): panic, as before
+    (2, 3, 2),      # 3 < 4: the window holds
+    (4, 8, 8),
+    (4, 7, 4),
+])
+def test_panic_needs_two_replicas_more(current, rec, expected):
+    sz = replace(P.size(FLEET, CAPS, current, SPEC, PolicyState()), rec=rec, evidence=False)
+    fc = replace(_fc(5.0, 20.0, PolicyState()), rec=1)
+    st = PolicyState(recommendations=[[-10.0, float(current)]])
+    w = P.windows(0.0, current, sz, fc, current, True, replace(SPEC, scale_up_window_s=30.0), st)
+    assert w.up_target == expected
+
+
 # ---------------------------------------------------------------------- phase 6: carrying load
 @pytest.mark.parametrize("m,proven,st,expected", [
     # work 12000 tokens/s; Little demand 80 seqs (20 req/s * 4 s) vs 50 per replica

@@ -243,8 +243,8 @@ class PolicySpec:
     capacity_margin_sd: float = setting(2.0, "a scale-down keeps this many standard deviations of the capacity "
                                         "estimate as margin (rule 14)", ge=0,
                                         crd="autoscaling.tuning.capacityMarginSd")
-    headroom_window_s: float = setting(0.0, "seconds of offered work whose peak-to-mean ratio over one model "
-                                       "load sizes the spike headroom (rule 15; 0: off, e.g. 900)", ge=0,
+    headroom_window_s: float = setting(1800.0, "seconds of offered work whose peak-to-mean ratio over one "
+                                       "model load sizes the spike headroom (rule 15; 0: off)", ge=0,
                                        crd="autoscaling.tuning.headroomWindowSeconds")
     # the named SLO classes (spec.slo.classes; not a knob: a list of objects): each request is judged
     # by its own class's TTFT/TPOT, the default class by slo_ttft_s / slo_tpot_s
