@@ -282,3 +282,22 @@ def test_service_info_carries_the_remote_prefill_threshold(disagg, want):
     if disagg is not None:
         obj["spec"]["disaggregation"] = disagg
     assert service_info(obj).remote_prefill_min_tokens == want
+
+
+@pytest.mark.parametrize("slo, want", [
+    (None, ()),
+    ({"ttftMs": 500}, ()),                                                      # no named classes
+    # TTFTs 0.5 < 1.0 (the unnamed class's) < 5.0 s: bands 0, 1, 2
+    ({"ttftMs": 1000, "classes": [{"name": "interactive", "ttftMs": 500, "tpotMs": 50},
+                                  {"name": "batch", "ttftMs": 5000, "tpotMs": 200}]},
+     (("batch", 2), ("default", 1), ("interactive", 0))),
+    # ttftMs unset: the CRD's default 1000 ms; equal TTFTs share a band whatever their TPOT
+    ({"classes": [{"name": "chat", "ttftMs": 1000, "tpotMs": 50}, {"name": "bulk", "ttftMs": 4000, "tpotMs": 500}]},
+     (("bulk", 1), ("chat", 0), ("default", 0))),
+    ({"classes": [{"name": "bad", "ttftMs": -1, "tpotMs": 50}]}, ()),          # refused by the schema: no bands
+])
+def test_service_info_carries_each_slo_class_band(slo, want):
+    obj = isvc()
+    if slo is not None:
+        obj["spec"]["slo"] = slo
+    assert service_info(obj).slo_ranks == want

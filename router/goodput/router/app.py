@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from goodput.api import router_metrics as mn
 from goodput.api.errors import error_body
+from goodput.api.policy import rank_of
 from goodput.api.settings import setting, validate
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -214,6 +215,14 @@ def _unknown_model(model: str, fleet: Fleet) -> APIError:
                     code="model_not_found")
 
 
+def _header(scope, name: bytes) -> str | None:
+    """The first ``name`` header of an ASGI scope (lowercase bytes), decoded; None without one."""
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
 def _tenant(scope, body: dict[str, Any], max_len: int = 256) -> str:
     """The fairness id: the ``x-goodput-tenant`` header, else the OpenAI body's ``user`` (a
     string), else ``""`` (one shared anonymous tenant); at most ``max_len`` characters."""
@@ -240,9 +249,16 @@ def _queue_timeout(scope) -> float | None:
     return None
 
 
-def _priority(body: dict[str, Any]) -> int:
-    p = body.get("priority", 0)
-    return p if isinstance(p, int) and not isinstance(p, bool) else 0
+def request_priority(body: dict[str, Any], slo_class: str | None, ranks: tuple[tuple[str, int], ...]) -> int:
+    """The request's band in the fleet queue (lower first): the body's integer ``priority`` when it
+    has one (vLLM's field), else the band of the SLO class its ``x-goodput-slo-class`` names among
+    the service's ``ranks`` (:attr:`ServiceInfo.slo_ranks`; an unknown or missing name: the unnamed
+    class's band), else 0. E.g. ranks ``(("batch", 1), ("default", 0))``: class ``batch`` → 1,
+    ``batch`` with ``"priority": 0`` → 0."""
+    p = body.get("priority")
+    if isinstance(p, int) and not isinstance(p, bool):
+        return p
+    return rank_of(slo_class, dict(ranks)) if ranks else 0
 
 
 def _req_headers(request: Request) -> dict[str, str]:
@@ -445,7 +461,8 @@ class Router:
             svc = self.fleet.for_model(model)
             if svc is None:
                 raise _unknown_model(model, self.fleet)
-            ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg), _priority(body), scope["path"],
+            ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg),
+                          request_priority(body, _header(scope, _SLO_CLASS_B), svc.info.slo_ranks), scope["path"],
                           raw, _asgi_req_headers(scope), t0, tenant=_tenant(scope, body),
                           queue_timeout_s=_queue_timeout(scope), slo_class=self.slo_class(scope))
             work = asyncio.ensure_future(forward(self, ex, send))

@@ -48,6 +48,7 @@ from typing import Any
 
 from goodput.api import crd
 from goodput.api.pods import pod_state
+from goodput.api.policy import SloClass, slo_ranks
 from goodput.api.settings import setting
 
 from goodput.api.states import WorkerRole
@@ -77,7 +78,23 @@ def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
         router_max_queued=rmq if isinstance(rmq, int) and not isinstance(rmq, bool) and rmq >= 0 else None,
         startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S),
         created=meta.get("creationTimestamp") or "",
-        remote_prefill_min_tokens=_remote_prefill_min_tokens(spec.get("disaggregation")))
+        remote_prefill_min_tokens=_remote_prefill_min_tokens(spec.get("disaggregation")),
+        slo_ranks=_slo_ranks(spec.get("slo")))
+
+
+def _slo_ranks(slo: Any) -> tuple[tuple[str, int], ...]:
+    """``spec.slo``'s classes → each class's priority band (``goodput.api.policy.slo_ranks``; the
+    unnamed class included), as sorted ``(name, band)`` pairs; ``()`` without named classes or when
+    the SLO does not validate (the operator reports that as Degraded; requests keep their bodies'
+    priority)."""
+    try:
+        spec = crd.SLOSpec.model_validate(slo if isinstance(slo, Mapping) else {})
+        classes = [SloClass(c.name, c.ttft_ms / 1000.0, c.tpot_ms / 1000.0) for c in spec.classes]
+    except ValueError:
+        return ()
+    if not classes:
+        return ()
+    return tuple(sorted(slo_ranks(spec.ttft_ms / 1000.0, classes).items()))
 
 
 def _remote_prefill_min_tokens(d: Any) -> int | None:

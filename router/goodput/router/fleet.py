@@ -41,7 +41,10 @@ class ServiceInfo:
     unknown): when several services claim one model name, the earliest created owns it
     (:meth:`claim_order`). ``remote_prefill_min_tokens``: ``spec.disaggregation.remotePrefillMinTokens``
     when ``spec.disaggregation.enabled`` (None: not disaggregated; the router's
-    ``--pd-remote-prefill-min-tokens`` applies). Static mode: namespace ``""`` and name = the model.
+    ``--pd-remote-prefill-min-tokens`` applies). ``slo_ranks``: each SLO class's priority band,
+    ``(name, band)`` pairs (``goodput.api.policy.slo_ranks`` of ``spec.slo``: the tighter the TTFT,
+    the smaller the band, as the worker queues them; empty without named classes). Static mode:
+    namespace ``""`` and name = the model.
     """
 
     namespace: str
@@ -52,6 +55,7 @@ class ServiceInfo:
     startup_timeout_s: float | None = None
     created: str = ""
     remote_prefill_min_tokens: int | None = None
+    slo_ranks: tuple[tuple[str, int], ...] = ()
 
     @property
     def key(self) -> ServiceKey:
