@@ -226,9 +226,9 @@ def _header(scope, name: bytes) -> str | None:
 def _tenant(scope, body: dict[str, Any], max_len: int = 256) -> str:
     """The fairness id: the ``x-goodput-tenant`` header, else the OpenAI body's ``user`` (a
     string), else ``""`` (one shared anonymous tenant); at most ``max_len`` characters."""
-    for k, v in scope["headers"]:
-        if k == _TENANT_B:
-            return v.decode("latin-1")[:max_len]
+    tenant = _header(scope, _TENANT_B)
+    if tenant is not None:
+        return tenant[:max_len]
     user = body.get("user")
     return user[:max_len] if isinstance(user, str) else ""
 
@@ -236,17 +236,17 @@ def _tenant(scope, body: dict[str, Any], max_len: int = 256) -> str:
 def _queue_timeout(scope) -> float | None:
     """The ``x-goodput-queue-timeout`` header in seconds (a finite number >= 0); None when absent.
     400 when it is not such a number."""
-    for k, v in scope["headers"]:
-        if k == _QUEUE_TIMEOUT_B:
-            try:
-                t = float(v)
-            except ValueError:
-                t = -1.0
-            if not (0 <= t < float("inf")):
-                raise APIError(400, f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds >= 0; got "
-                                    f"{v.decode('latin-1')!r}", param=QUEUE_TIMEOUT_HEADER)
-            return t
-    return None
+    v = _header(scope, _QUEUE_TIMEOUT_B)
+    if v is None:
+        return None
+    try:
+        t = float(v)
+    except ValueError:
+        t = -1.0
+    if not (0 <= t < float("inf")):
+        raise APIError(400, f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds >= 0; got {v!r}",
+                       param=QUEUE_TIMEOUT_HEADER)
+    return t
 
 
 def request_priority(body: dict[str, Any], slo_class: str | None, ranks: tuple[tuple[str, int], ...]) -> int:
@@ -422,23 +422,19 @@ class Router:
                                      outcome).inc()
         self.metrics.class_requests.labels(*svc.key, slo_class, outcome).inc()
 
-    def slo_class(self, scope) -> str:
-        """The request's SLO class label: its ``x-goodput-slo-class`` header when that is a name
-        (a letter or digit, then up to 62 of letters, digits, ``_ . -``) among the first
-        ``max_slo_classes`` distinct names this router saw, ``"other"`` beyond them, ``""``
-        without one (or not a name)."""
-        for k, v in scope["headers"]:
-            if k == _SLO_CLASS_B:
-                name = v.decode("latin-1")
-                if not _CLASS_NAME.fullmatch(name):
-                    return mn.NO_CLASS
-                if name in self._classes:
-                    return name
-                if len(self._classes) < self.settings.max_slo_classes and name != mn.OTHER_CLASS:
-                    self._classes.add(name)
-                    return name
-                return mn.OTHER_CLASS
-        return mn.NO_CLASS
+    def slo_class(self, name: str | None) -> str:
+        """The SLO class label of a request whose ``x-goodput-slo-class`` header is ``name``: the
+        name when it is one (a letter or digit, then up to 62 of letters, digits, ``_ . -``) among
+        the first ``max_slo_classes`` distinct names this router saw, ``"other"`` beyond them,
+        ``""`` without one (or not a name)."""
+        if name is None or not _CLASS_NAME.fullmatch(name):
+            return mn.NO_CLASS
+        if name in self._classes:
+            return name
+        if len(self._classes) < self.settings.max_slo_classes and name != mn.OTHER_CLASS:
+            self._classes.add(name)
+            return name
+        return mn.OTHER_CLASS
 
     def _mark_draining(self, svc: Service, pod: Pod) -> None:
         current = self.fleet.service(svc.key)
@@ -461,10 +457,11 @@ class Router:
             svc = self.fleet.for_model(model)
             if svc is None:
                 raise _unknown_model(model, self.fleet)
+            slo_class = _header(scope, _SLO_CLASS_B)
             ex = Exchange(svc, request_key(svc, scope["path"], body, self.pick_cfg),
-                          request_priority(body, _header(scope, _SLO_CLASS_B), svc.info.slo_ranks), scope["path"],
+                          request_priority(body, slo_class, svc.info.slo_ranks), scope["path"],
                           raw, _asgi_req_headers(scope), t0, tenant=_tenant(scope, body),
-                          queue_timeout_s=_queue_timeout(scope), slo_class=self.slo_class(scope))
+                          queue_timeout_s=_queue_timeout(scope), slo_class=self.slo_class(slo_class))
             work = asyncio.ensure_future(forward(self, ex, send))
             watch = asyncio.ensure_future(_until_disconnect(receive))
             watch.add_done_callback(lambda w: (not w.cancelled()) and work.cancel())
