@@ -935,19 +935,13 @@ def main(argv: list[str] | None = None) -> int:
                     prefill_max_batched_tokens=args.prefill_budget)
         table = comparison_table(c)
         print(table)
-        if args.out_dir:
-            os.makedirs(args.out_dir, exist_ok=True)
-            stem = os.path.join(args.out_dir, f"pd-{tname}-{args.hardware}")
-            with open(stem + ".md", "w") as f:
-                cmd = " ".join(sys.argv[1:] if argv is None else ["--pd", *argv] if "--pd" not in argv else argv)
-                f.write(f"`python -m goodput.bench.simulate {cmd}`\n\n" + table)
-            with open(stem + ".json", "w") as f:
-                json.dump(comparison_json(c), f, indent=1)
-                f.write("\n")
+        _write(args.out_dir, f"pd-{tname}-{args.hardware}", argv, table, comparison_json(c))
     return 0
 
 
 def _write(out_dir: str | None, stem: str, argv: list[str] | None, table: str, data: dict) -> None:
+    """``<out_dir>/<stem>.md`` (the command, then ``table``) and ``<stem>.json`` (``data``); nothing
+    without ``out_dir``."""
     if not out_dir:
         return
     os.makedirs(out_dir, exist_ok=True)
