@@ -48,7 +48,7 @@ from typing import Any
 
 from goodput.api import crd
 from goodput.api.pods import pod_state
-from goodput.api.policy import SloClass, slo_ranks
+from goodput.api.policy import PolicySpec, slo_ranks
 from goodput.api.settings import setting
 
 from goodput.api.states import WorkerRole
@@ -79,22 +79,19 @@ def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
         startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S),
         created=meta.get("creationTimestamp") or "",
         remote_prefill_min_tokens=_remote_prefill_min_tokens(spec.get("disaggregation")),
-        slo_ranks=_slo_ranks(spec.get("slo")))
+        slo_ranks=_slo_ranks(spec))
 
 
-def _slo_ranks(slo: Any) -> tuple[tuple[str, int], ...]:
-    """``spec.slo``'s classes → each class's priority band (``goodput.api.policy.slo_ranks``; the
-    unnamed class included), as sorted ``(name, band)`` pairs; ``()`` without named classes or when
-    the SLO does not validate (the operator reports that as Degraded; requests keep their bodies'
-    priority)."""
+def _slo_ranks(spec: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """``spec.slo``'s classes → each class's priority band (``goodput.api.policy.slo_ranks`` of the
+    SLO as the autoscaler reads it, ``PolicySpec.from_crd``; the unnamed class included), as sorted
+    ``(name, band)`` pairs; ``()`` without named classes or when the spec does not validate (the
+    operator reports that as Degraded; requests keep their bodies' priority)."""
     try:
-        spec = crd.SLOSpec.model_validate(slo if isinstance(slo, Mapping) else {})
-        classes = [SloClass(c.name, c.ttft_ms / 1000.0, c.tpot_ms / 1000.0) for c in spec.classes]
+        p = PolicySpec.from_crd(spec)
     except ValueError:
         return ()
-    if not classes:
-        return ()
-    return tuple(sorted(slo_ranks(spec.ttft_ms / 1000.0, classes).items()))
+    return tuple(sorted(slo_ranks(p.slo_ttft_s, p.slo_classes).items())) if p.slo_classes else ()
 
 
 def _remote_prefill_min_tokens(d: Any) -> int | None:
