@@ -18,6 +18,15 @@ prompts decoding together with the copying ones, speculation on for the copying 
 (the request's ``speculative`` field); the plain requests' time per output token, against the same
 batch with speculation off, is the cost speculation puts on its neighbours (their extra positions
 in the step).
+
+``--llama-server`` adds llama.cpp's own n-gram speculation on the same prompt token ids: one
+``llama-server`` per mode (:data:`LLAMA_MODES`: off; ``ngram-simple`` with llama.cpp's defaults,
+a 12-token lookup proposing up to 48; and ``ngram-simple`` at n = 3, m = 8, the closest to ours:
+n-grams of 2 to 4 tokens, 8-token drafts), one slot each, all up at once and taking turns per
+prompt. Its decode rate is the server's own ``timings`` (``predicted_n`` / ``predicted_ms``: tokens
+sampled after the prompt over the time after the prompt), its acceptance ``draft_n_accepted`` /
+``draft_n``. The binary comes from ``bench/setup_baselines.sh``; its weights are the GGUF's own
+4- and 8-bit blocks, ours bf16, so the rows compare each system's speed-up over its own "off".
 """
 from __future__ import annotations
 
@@ -36,6 +45,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the mixed batch")
     p.add_argument("--out", default=None, help="JSON result path")
+    p.add_argument("--llama-server", action="store_true",
+                   help="also run llama-server's n-gram speculation on the same prompts (see LLAMA_MODES)")
+    p.add_argument("--only-llama-server", action="store_true", help="only the llama-server rows")
+
+
+#: llama-server's speculation modes compared with ours: (label, extra command-line flags)
+LLAMA_MODES = (
+    ("off", []),
+    ("ngram-simple", ["--spec-type", "ngram-simple"]),
+    ("ngram-simple n3 m8", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                            "--spec-ngram-simple-size-m", "8"]),
+)
 
 
 def _engine(mode: str, a):
@@ -136,17 +157,95 @@ def mixed_batch(engines: dict, copying: list[str], plain: list[str], a) -> dict:
     return out
 
 
+def _llama_completion(base_url: str, ids: list[int], a) -> dict:
+    """One greedy /completion on llama-server from prompt token ids: its output ids and timings."""
+    import httpx
+    r = httpx.post(base_url + "/completion", timeout=600, json={
+        "prompt": ids, "n_predict": a.max_tokens, "temperature": 0, "cache_prompt": False,
+        "return_tokens": True})
+    r.raise_for_status()
+    body = r.json()
+    return {"ids": body.get("tokens", []), **body["timings"]}
+
+
+def summarize_llama_rounds(rounds: dict[str, list[dict]]) -> dict:
+    """Per mode, its median round (by decode rate) against the median rate of "off".
+
+    rounds: {mode: [{"rate": tok/s, "draft_tokens": n, "accepted": n, "ids": [[output ids] per
+    prompt]}, ...]}, "off" among the modes. Returns {mode: {decode_tok_s, vs_off, acceptance_rate
+    (None without drafts), identical_to_off ("k/n" prompts equal to off's first round), rates}}.
+    """
+    base = statistics.median(r["rate"] for r in rounds["off"])
+    out = {}
+    for mode, rs in rounds.items():
+        med = sorted(rs, key=lambda r: r["rate"])[len(rs) // 2]
+        out[mode] = {
+            "decode_tok_s": round(med["rate"], 1), "vs_off": round(med["rate"] / base, 3),
+            "acceptance_rate": round(med["accepted"] / med["draft_tokens"], 3) if med["draft_tokens"] else None,
+            "identical_to_off": f"{sum(x == y for x, y in zip(med['ids'], rounds['off'][0]['ids']))}/{len(med['ids'])}",
+            "rates": [round(r["rate"], 1) for r in rs]}
+    return out
+
+
+def llama_server_rows(workloads: dict[str, list[str]], a) -> dict:
+    """llama-server's rows for each workload and :data:`LLAMA_MODES` (median round), shaped as
+    :func:`one_stream`'s. RuntimeError when the binary is not built."""
+    import contextlib
+    import os
+    import tempfile
+
+    from goodput.worker.model.gguf_loader import read_metadata
+    from goodput.worker.model.tokenizer import GGUFTokenizer
+
+    from .llama_server import llama_server_cmd, llama_server_path
+    from .prompts import bundled_model_path
+    from .servers import Server, free_port
+    binary = llama_server_path()
+    if binary is None:
+        raise RuntimeError("llama-server is not built: run bench/setup_baselines.sh")
+    gguf = bundled_model_path()
+    tok = GGUFTokenizer(read_metadata(gguf)[0])  # the engine's own tokenizer: the same prompt ids
+    threads = a.threads or 2
+    logs = tempfile.mkdtemp(prefix="spec-llama-")
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for label, flags in LLAMA_MODES:
+            port = free_port()
+            cmd = llama_server_cmd(binary, gguf, port, 1, 2048, threads) + flags
+            servers[label] = stack.enter_context(Server(cmd, port, os.path.join(logs, label.replace(" ", "-") + ".log"),
+                                                        ready_path="/health", ready_timeout=300))
+        for srv in servers.values():  # warm-up
+            _llama_completion(srv.base_url, tok.encode(workloads["plain"][0]), a)
+        out = {}
+        for wl, prompts in workloads.items():
+            ids = [tok.encode(p) for p in prompts]
+            rounds: dict[str, list] = {m: [] for m in servers}
+            for _ in range(a.rounds):
+                for mode, srv in servers.items():
+                    runs = [_llama_completion(srv.base_url, x, a) for x in ids]
+                    rounds[mode].append({
+                        "rate": sum(r["predicted_n"] for r in runs) / (sum(r["predicted_ms"] for r in runs) / 1000),
+                        "draft_tokens": sum(r.get("draft_n", 0) for r in runs),
+                        "accepted": sum(r.get("draft_n_accepted", 0) for r in runs),
+                        "ids": [r["ids"] for r in runs]})
+            out[wl] = summarize_llama_rounds(rounds)
+    return out
+
+
 def main(a) -> dict:
     from goodput.bench.prompts import COPYING_PROMPTS, FIXED_PROMPTS
-    engines = {m: _engine(m, a) for m in ("off", "on", "adaptive")}
-    for eng in engines.values():  # warm-up: first steps pay one-time costs
-        _run(eng, FIXED_PROMPTS[:1], a, [None])
+    workloads = {"copying": COPYING_PROMPTS, "plain": FIXED_PROMPTS[:8]}
     result = {"config": {"dtype": a.dtype, "threads": a.threads, "max_tokens": a.max_tokens, "k": a.k,
-                         "rounds": a.rounds},
-              "one_stream": {"copying": one_stream(engines, COPYING_PROMPTS, a),
-                             "plain": one_stream(engines, FIXED_PROMPTS[:8], a)}}
-    if a.batch:
-        result["mixed_batch"] = mixed_batch(engines, COPYING_PROMPTS, FIXED_PROMPTS[:8], a)
+                         "rounds": a.rounds}}
+    if not a.only_llama_server:
+        engines = {m: _engine(m, a) for m in ("off", "on", "adaptive")}
+        for eng in engines.values():  # warm-up: first steps pay one-time costs
+            _run(eng, FIXED_PROMPTS[:1], a, [None])
+        result["one_stream"] = {wl: one_stream(engines, prompts, a) for wl, prompts in workloads.items()}
+        if a.batch:
+            result["mixed_batch"] = mixed_batch(engines, COPYING_PROMPTS, FIXED_PROMPTS[:8], a)
+    if a.llama_server or a.only_llama_server:
+        result["llama_server"] = llama_server_rows(workloads, a)
     print(report_md(result))
     if a.out:
         with open(a.out, "w") as f:
@@ -155,10 +254,12 @@ def main(a) -> dict:
 
 
 def report_md(r: dict) -> str:
-    lines = ["| workload | mode | decode tok/s | vs off | acceptance | accepted / draft | tokens / step | "
-             "outputs identical to off (first difference at token) |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for wl, modes in r["one_stream"].items():
+    lines = []
+    if "one_stream" in r:
+        lines += ["| workload | mode | decode tok/s | vs off | acceptance | accepted / draft | tokens / step | "
+                  "outputs identical to off (first difference at token) |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
+    for wl, modes in r.get("one_stream", {}).items():
         for mode, m in modes.items():
             lines.append(f"| {wl} | {mode} | {m['decode_tok_s']} | {m['vs_off']:.2f}x | "
                          f"{m['acceptance_rate'] if m['acceptance_rate'] is not None else '-'} | "
@@ -174,4 +275,11 @@ def report_md(r: dict) -> str:
             lines.append(f"| {name} | {x['plain_tpot_ms']} | {x['copying_tpot_ms']} | {x['steps']} |")
         lines.append(f"\nplain requests' TPOT x{mb['plain_tpot_ratio']}, copying requests' x{mb['copying_tpot_ratio']} "
                      "with speculation on for the copying ones")
+    if "llama_server" in r:
+        lines += ["", "| workload | llama-server mode | decode tok/s | vs off | acceptance | outputs identical to off |",
+                  "|---|---|---:|---:|---:|---|"]
+        for wl, modes in r["llama_server"].items():
+            for mode, m in modes.items():
+                acc = m["acceptance_rate"] if m["acceptance_rate"] is not None else "-"
+                lines.append(f"| {wl} | {mode} | {m['decode_tok_s']} | {m['vs_off']:.2f}x | {acc} | {m['identical_to_off']} |")
     return "\n".join(lines)
