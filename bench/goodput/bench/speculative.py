@@ -256,8 +256,8 @@ def main(a) -> dict:
 def report_md(r: dict) -> str:
     lines = []
     if "one_stream" in r:
-        lines += ["| workload | mode | decode tok/s | vs off | acceptance | accepted / draft | tokens / step | "
-                  "outputs identical to off (first difference at token) |",
+        lines += [("| workload | mode | decode tok/s | vs off | acceptance | accepted / draft | tokens / step | "
+                   "outputs identical to off (first difference at token) |"),
                   "|---|---|---:|---:|---:|---:|---:|---|"]
     for wl, modes in r.get("one_stream", {}).items():
         for mode, m in modes.items():
