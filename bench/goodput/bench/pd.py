@@ -900,8 +900,8 @@ def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, du
                 att = {x: r.attainment for x, r in runs}
                 base = c.colocated if key == "colocated" else c.splits[c.fleet(key)]
                 att.update({x: r.attainment for x, r in zip(c.rates, base) if x not in att})
-                lines.append(f"| {key} | {lo:g} ({att[lo]:.3f}) | {hi:g} ({att[hi]:.3f}) | "
-                             + ", ".join(f"{x:g}: {r.goodput_rps:.3f} / {r.attainment:.3f}" for x, r in runs) + " |")
+                lines.append(f"| {key} | {lo:g} ({att[lo]:.4f}) | {hi:g} ({att[hi]:.4f}) | "
+                             + ", ".join(f"{x:g}: {r.goodput_rps:.3f} / {r.attainment:.4f}" for x, r in runs) + " |")
             rb = max((k for k in c.refined if k != "colocated"), key=lambda k: c.refined[k][0], default=None)
             if rb is not None and "colocated" in c.refined:
                 (bl, bh), (cl, ch) = c.refined[rb], c.refined["colocated"]
