@@ -447,12 +447,15 @@ class RouterObservation:
 
     held: requests held now because no pod is Ready (scale from zero). queued: requests in the
     router's fleet queue now (every pod at its limits). refused: router 429s over the interval
-    since the previous observation (requests).
+    since the previous observation (requests). pd_fallback: requests the routers had a decode pod
+    prefill itself over the interval because no prefill pod was ready or the one picked refused
+    (``goodput_router_pd_decisions`` ``no_prefill_pod`` + ``prefill_failed``; rule 19).
     """
 
     held: int
     queued: int
     refused: float
+    pd_fallback: float = 0.0
 
 
 @dataclass(frozen=True)
