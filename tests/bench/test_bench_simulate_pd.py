@@ -317,3 +317,19 @@ def test_cli_capacity_bisects(tmp_path):
     for k, v in cap["refined"].items():
         assert v["misses"] - v["sustains"] <= 1.0 and 1.0 <= v["sustains"] < v["misses"] <= 4.0 and v["runs"]
     assert "Bisected" in (tmp_path / "pd-capacity-long-context-h200.md").read_text() or not cap["refined"]
+
+
+def test_the_decode_pool_holds_while_the_prefill_pool_loads():
+    # rule 19 in the simulator: the one prefill pod refuses what it cannot start in time, the decode
+    # pod prefills it (the router's prefill_failed, counted as the decode pool's prefill_fallback);
+    # the decode pool holds (HoldPrefillStarting) instead of ordering pods for that work, and never
+    # orders while prefill pods are loading
+    h200 = sim.h200_step_time()
+    tr = sim.make_trace("long-context", duration=120.0)
+    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
+    assert r.reasons["decode"].get("HoldPrefillStarting", 0) > 0 and r.decode_prefill_tokens > 0
+    prev_d = 1
+    for t, p_set, p_ready, d_set, d_ready in r.timeline:
+        if p_ready < p_set:
+            assert d_set <= prev_d
+        prev_d = d_set
