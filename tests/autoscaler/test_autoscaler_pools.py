@@ -158,3 +158,26 @@ def test_turned_off_only_the_workers_are_decided(rig):
     rig.script.append(_decision(2, "Steady", limits={"w1": policy.Limits(8, 4)}, current=2))
     asyncio.run(rig.scaler.tick())
     assert len(rig.calls) == 1 and rig.kube.prefill_scales == []
+
+
+def test_the_workers_see_the_prefill_pods_coming_and_the_routers_fallbacks(rig):
+    # rule 19's inputs: the prefill pool's last decision less its ready pods (3 - 1 = 2, read by the
+    # workers on the next pass), and the routers' no_prefill_pod + prefill_failed over the interval
+    rig.script += [_decision(2, "Steady", limits={"w1": policy.Limits(8, 4)}, current=2),
+                   _decision(3, "ScaleUpGoodput", limits={"p1": policy.Limits(8, 4)})]
+    asyncio.run(rig.scaler.tick())
+    w_obs, p_obs = rig.calls[0][0], rig.calls[1][0]
+    assert (w_obs.prefill_coming, w_obs.prefill_fallback) == (0, 0.0)
+    assert (p_obs.prefill_coming, p_obs.prefill_fallback) == (0, 0.0)     # the prefill pool's own: none
+    rig.scaler._router_view = None
+    rig.scaler._observe_routers = lambda: _view(policy.RouterObservation(0, 0, 0.0, pd_fallback=6.0))
+    rig.script += [_decision(2, "HoldPrefillStarting", limits={"w1": policy.Limits(8, 4)}, current=2),
+                   _decision(3, "HoldStarting", limits={"p1": policy.Limits(8, 4)}, current=3)]
+    asyncio.run(rig.scaler.tick())
+    w_obs, p_obs = rig.calls[2][0], rig.calls[3][0]
+    assert (w_obs.prefill_coming, w_obs.prefill_fallback) == (2, 6.0)
+    assert (p_obs.prefill_coming, p_obs.prefill_fallback, p_obs.router) == (0, 0.0, None)
+
+
+async def _view(obs):
+    return {("ns", "svc"): obs}

@@ -150,3 +150,15 @@ def test_router_view_reaches_decide(monkeypatch):
     scaler = loop.Autoscaler(kube, NoPods(), http)
     asyncio.run(scaler.tick())
     assert seen == [None]
+
+
+def test_parse_router_counts_the_prefills_done_in_the_prefill_pools_place():
+    # rule 19: no_prefill_pod + prefill_failed, per service; remote and short are not fallbacks
+    rm = router(outcomes={("a", "s1", "success"): 1})
+    for decision, n in (("remote", 50), ("short", 9), ("no_prefill_pod", 3), ("prefill_failed", 4)):
+        rm.pd_decisions.labels("a", "s1", decision).inc(n)
+    got = observe.parse_router(rm.render().decode(), 5.0)[("a", "s1")]
+    assert got.counters["pd_fallback"] == 7.0
+    prev = observe.PodSample(time=0.0, gauges={}, counters={"refused": 0.0, "pd_fallback": 2.0}, histograms={})
+    assert observe.router_observation([(prev, got)]).pd_fallback == 5.0      # the interval's delta
+    assert observe.router_observation([(None, got)]).pd_fallback == 0.0      # a first sample adds nothing

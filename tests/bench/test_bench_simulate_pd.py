@@ -282,3 +282,54 @@ def test_a_prefill_pod_that_refuses_leaves_the_prefill_to_the_decode_pod():
                        max_num_seqs=1, max_waiting=1)
     assert (r.offered, r.finished, r.remote, r.rejected) == (3, 3, 2, 0)
     assert r.decode_prefill_tokens == 100
+
+
+def test_refine_capacity_bisects_inside_the_sweep_step(monkeypatch):
+    # attainment falls linearly from 1.0 at 2 req/s to 0.8 at 2.5: it is 0.9 at 2.25. Bisecting
+    # [2, 2.5] to 0.05: 2.25 (0.9, sustains) -> 2.375 (0.85) -> 2.3125 (0.875) -> 2.28125 (0.8875):
+    # [2.25, 2.28125], each midpoint's trace made at its rate with the sweep's seed
+    made = []
+
+    def fake_trace(name, seed, hardware, duration, rate):
+        made.append((name, seed, rate))
+        return rate
+
+    def fake_run(rate, hw, prefill, decode, link=None, *, threshold=0.0):
+        assert (prefill, decode) == (3, 1) and threshold == 0.0
+        r = pd.PDResult("x", prefill, decode, "rdma", threshold, 1000, 0, 0, 0, 600.0)
+        r.slo_met = round(1000 * (1.0 - 0.4 * (rate - 2.0)))
+        return r
+
+    monkeypatch.setattr(pd, "make_trace", fake_trace)
+    monkeypatch.setattr(pd, "simulate_pd", fake_run)
+    lo, hi, runs = pd.refine_capacity("long-context", HW, 3, 1, 2.0, 2.5, tol=0.05, seed=7)
+    assert (lo, hi) == (2.25, 2.28125)
+    assert [x for x, _ in runs] == [2.25, 2.375, 2.3125, 2.28125]
+    assert [r.attainment for _, r in runs] == [0.9, 0.85, 0.875, pytest.approx(0.888, abs=1e-3)]
+    assert made == [("long-context", 7, x) for x, _ in runs]
+
+
+def test_cli_capacity_bisects(tmp_path):
+    rc = sim.main(["--pd", "--trace", "long-context", "--duration", "15", "--capacity", "1,4", "--pd-sizes", "2",
+                   "--pd-links", "rdma", "--pd-thresholds", "0", "--capacity-tol", "1", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    cap = json.loads((tmp_path / "pd-capacity-long-context-h200.json").read_text())["sizes"]["2"]
+    for k, v in cap["refined"].items():
+        assert v["misses"] - v["sustains"] <= 1.0 and 1.0 <= v["sustains"] < v["misses"] <= 4.0 and v["runs"]
+    assert "Bisected" in (tmp_path / "pd-capacity-long-context-h200.md").read_text() or not cap["refined"]
+
+
+def test_the_decode_pool_holds_while_the_prefill_pool_loads():
+    # rule 19 in the simulator: the one prefill pod refuses what it cannot start in time, the decode
+    # pod prefills it (the router's prefill_failed, counted as the decode pool's prefill_fallback);
+    # the decode pool holds (HoldPrefillStarting) instead of ordering pods for that work, and never
+    # orders while prefill pods are loading
+    h200 = sim.h200_step_time()
+    tr = sim.make_trace("long-context", duration=120.0)
+    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
+    assert r.reasons["decode"].get("HoldPrefillStarting", 0) > 0 and r.decode_prefill_tokens > 0
+    prev_d = 1
+    for t, p_set, p_ready, d_set, d_ready in r.timeline:
+        if p_ready < p_set:
+            assert d_set <= prev_d
+        prev_d = d_set

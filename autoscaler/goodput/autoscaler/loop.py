@@ -731,6 +731,8 @@ class Autoscaler:
         self.metrics = metrics
         self.wall_clock = wall_clock
         self._prev: dict[tuple[str, str, str], dict[str, observe.PodSample]] = {}  # (ns, name, pool) -> uid -> sample
+        # (ns, name) -> prefill pods ordered and not ready at the prefill pool's last decision (rule 19)
+        self._prefill_coming: dict[tuple[str, str], int] = {}
         self._tokens: dict[tuple[str, str], str] = {}
 
     async def run(self, stop: asyncio.Event, leading: Any = None) -> None:
@@ -791,8 +793,10 @@ class Autoscaler:
         workers, *others = pools(name, spec)
         decision, plan, seen = await self._reconcile_pool(obj, spec, workers, pspec, state, now)
         for pool in others:  # the prefill pool: its own observation, policy state, record and writes
-            await self._reconcile_pool(obj, spec, pool, pool_policy(pspec, spec, pool),
-                                       _stored_state(obj, pool), now)
+            p_decision, _, p_seen = await self._reconcile_pool(obj, spec, pool, pool_policy(pspec, spec, pool),
+                                                               _stored_state(obj, pool), now)
+            # what the workers' next decision reads as prefill capacity on its way (policy rule 19)
+            self._prefill_coming[(ns, name)] = max(0, p_decision.replicas - len(p_seen.ready))
         if self.metrics:
             applied = plan.scale_to if plan.scale_to is not None else spec.replicas
             self.metrics.record(ns, name, dataclasses.replace(decision, limits=plan.limits),
@@ -867,9 +871,14 @@ class Autoscaler:
         # the router's held and queued requests wait for the service's workers, not for its prefill pool
         router = None if self._router_view is None or pool.name == PREFILL else self._router_view.get(
             (ns, name), policy.RouterObservation(held=0, queued=0, refused=0.0))
+        # the workers of a disaggregated service (policy rule 19): the prompts the routers had them
+        # prefill in the prefill pool's place, and the prefill pods coming (the last pass's)
+        disagg = pool.name != PREFILL and spec.disaggregation.enabled
         observation = policy.Observation(ready=tuple(observations), starting=tuple(starting),
                                          unreachable=tuple(unreachable), current_replicas=pool.replicas,
-                                         router=router)
+                                         router=router,
+                                         prefill_fallback=router.pd_fallback if disagg and router else 0.0,
+                                         prefill_coming=self._prefill_coming.get((ns, name), 0) if disagg else 0)
         return Observed(tuple(ready), tuple(starting), gone, samples, observation, hits)
 
     async def apply(self, obj: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: Observed,

@@ -256,6 +256,8 @@ def observation(name: str, prev: PodSample | None, cur: PodSample, age_s: float 
 ROUTER_GAUGES: dict[str, str] = {"held": rm.HELD_REQUESTS, "queued": rm.QUEUED_REQUESTS}
 ROUTER_COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "refused": (rm.REQUESTS, {"outcome": ("refused",)}),
+    # disaggregated prefill the decode pod did in the prefill pool's place (policy rule 19)
+    "pd_fallback": (rm.PD_DECISIONS, {"decision": ("no_prefill_pod", "prefill_failed")}),
 }
 ServiceKey = tuple[str, str]  # (namespace, inferenceservice)
 
@@ -284,9 +286,12 @@ def parse_router(text: str, time: float) -> dict[ServiceKey, PodSample]:
 
 def router_observation(pairs: list[tuple[PodSample | None, PodSample]]) -> RouterObservation:
     """One service's view summed over router replicas: ``pairs`` = (previous, current) sample of
-    each router that reports it. held and queued: the current gauges' sum; refused: the sum of each
-    router's :func:`delta` (a restarted router counts from zero; a first sample adds nothing)."""
+    each router that reports it. held and queued: the current gauges' sum; refused and pd_fallback:
+    the sum of each router's :func:`delta` (a restarted router counts from zero; a first sample adds
+    nothing)."""
     held = sum(cur.gauges.get("held", 0.0) for _, cur in pairs)
     queued = sum(cur.gauges.get("queued", 0.0) for _, cur in pairs)
-    refused = sum(delta(prev, cur).counters.get("refused", 0.0) for prev, cur in pairs)
-    return RouterObservation(held=int(held), queued=int(queued), refused=refused)
+    deltas = [delta(prev, cur).counters for prev, cur in pairs]
+    refused = sum(d.get("refused", 0.0) for d in deltas)
+    fallback = sum(d.get("pd_fallback", 0.0) for d in deltas)
+    return RouterObservation(held=int(held), queued=int(queued), refused=refused, pd_fallback=fallback)

@@ -295,6 +295,26 @@ How each rule follows from the ideas it rests on:
    of rule 4 adds one replica at a time, and not while a ready pod is younger than the interval
    plus ``queue_slack`` TTFT SLOs: misses of requests that queued before ordered capacity
    arrived are no new evidence.
+
+19. The decode pool of a disaggregated service waits for the prefill capacity on its way
+   (:func:`prefill_relief`). When the prefill pool refuses a prompt or has no ready pod, the
+   router has the decode pod prefill it itself; the observation carries those requests
+   (``Observation.prefill_fallback``, the router's ``prefill_failed`` and ``no_prefill_pod``
+   decisions over the interval) and the prefill pods ordered and not ready yet
+   (``Observation.prefill_coming``). From a call with both, until the prefill pods have arrived
+   (``prefill_coming`` 0): (a) the decode pool neither scales up nor down (reason
+   HoldPrefillStarting): its TPOT misses come from prompts that are the prefill pool's work, and
+   the capacity for them is loading there (decode pods ordered for them were ready after the
+   prefill pods, and then held through the stabilization window: 1 -> 4 decode pods for a trace
+   that one carries); (b) rule 2's cuts still protect the TPOT of what the pods admit, but they
+   are provisional as in rule 4: the median learned cap before the first such call
+   (``PolicyState.relief_cap``) is the batch the pods are sized with meanwhile, and every cap is
+   raised back to at least it on the call the prefill pods have arrived (a decode pod cut to 5 by
+   local 4k-token prefills otherwise regrows one sequence per interval, queueing the decodes the
+   prefill pool now sends it). The hold lasts one interval plus ``queue_slack`` TTFT SLOs past that
+   call (``PolicyState.relief_until``): the requests the pods admitted meanwhile finish then, and
+   their misses are no evidence about the decode pool (rule 18's settling). Without fallbacks, or with nothing coming in the prefill pool (it is
+   at its maximum: the local prefills are then the decode pool's work), rules 1-17 read as above.
 """
 from __future__ import annotations
 
@@ -427,12 +447,15 @@ class RouterObservation:
 
     held: requests held now because no pod is Ready (scale from zero). queued: requests in the
     router's fleet queue now (every pod at its limits). refused: router 429s over the interval
-    since the previous observation (requests).
+    since the previous observation (requests). pd_fallback: requests the routers had a decode pod
+    prefill itself over the interval because no prefill pod was ready or the one picked refused
+    (``goodput_router_pd_decisions`` ``no_prefill_pod`` + ``prefill_failed``; rule 19).
     """
 
     held: int
     queued: int
     refused: float
+    pd_fallback: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -442,7 +465,10 @@ class Observation:
     ready: scraped ready pods. starting: pods not ready yet. unreachable: names of ready pods whose
     scrape failed, timed out or is stale. current_replicas: ``spec.replicas`` as the API server
     has it now (it also counts pods not created yet). router: the routers' view (None when no
-    router is scraped).
+    router is scraped). prefill_fallback, prefill_coming (the decode pool of a disaggregated
+    service, rule 19; 0 elsewhere): requests this pool's pods prefilled themselves over the interval
+    because the prefill pool refused them or had no ready pod, and the prefill pods ordered and not
+    ready yet.
     """
 
     ready: tuple[PodObservation, ...]
@@ -450,6 +476,8 @@ class Observation:
     unreachable: tuple[str, ...]
     current_replicas: int
     router: RouterObservation | None = None
+    prefill_fallback: float = 0.0
+    prefill_coming: int = 0
 
 
 def attainment(slo_met: float, finished: float, rejected: float) -> float | None:
@@ -500,6 +528,9 @@ class PolicyState:
         over the last ``headroom_window_s`` (rule 15).
     class_seen: SLO class name -> the last call at which a request of that class finished (rule
         17; kept one stabilization window).
+    relief_cap: the median learned cap before the decode pod's prefills in place of a loading
+        prefill pool began (rule 19; 0 = none under way). relief_until: the decode pool holds until
+        then after it (rule 19; None = not settling).
     """
 
     recommendations: list[list[float]] = field(default_factory=list)
@@ -532,6 +563,8 @@ class PolicyState:
     cap_scale: float = 1.0
     work_history: list[list[float]] = field(default_factory=list)
     class_seen: dict[str, float] = field(default_factory=dict)
+    relief_cap: int = 0
+    relief_until: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only (lists, dicts, numbers, None)."""
@@ -587,7 +620,8 @@ class Decision:
     limits: pod name -> limits for every ready pod.
     reason: CamelCase (ScaleUpGoodput, ScaleUpSaturation, ScaleUpForecast, ScaleUpMinReplicas,
         ScaleFromZero, ScaleDownMaxReplicas, ScaleDownIdle, ScaleDown, ScaleToZeroIdle,
-        HoldStarting, HoldStabilizing, HoldMissingMetrics, HoldShortSpike, Steady).
+        HoldStarting, HoldStabilizing, HoldMissingMetrics, HoldShortSpike, HoldPrefillStarting,
+        Steady).
     message: one sentence with the numbers behind the decision, from ``"<current> -> <replicas>
         replicas (...)"`` on; not its reason (``reason`` says it), not the limits (the loop appends
         the ones in force after the spec's bounds: ``loop.decision_message``).
@@ -726,12 +760,24 @@ class BatchCaps:
     """Rule 2 and 4. caps: pod -> learned ``max_num_seqs`` (unreachable pods keep theirs);
     sizing: pod -> the batch it is sized with (a cut while capacity is coming does not shrink it);
     coming: pods loading or not yet created; plan_cap: the batch the coming capacity was sized
-    with (0 = none)."""
+    with (0 = none); relief_cap: the batch before the decode pods began to prefill in place of a
+    loading prefill pool (rule 19; 0 = none under way)."""
 
     caps: Mapping[str, int]
     sizing: Mapping[str, int]
     coming: int
     plan_cap: int
+    relief_cap: int = 0
+
+
+def prefill_relief(obs: Observation, st: PolicyState) -> bool:
+    """Rule 19: is the decode pool waiting for prefill capacity on its way? From a call whose pods
+    prefilled in place of the prefill pool (``obs.prefill_fallback``) while prefill pods were
+    loading (``obs.prefill_coming``), until a call with none loading and no such prefill (the
+    interval in which the prefill pods arrived still holds the pods' last local prefills)."""
+    if st.relief_cap > 0:
+        return obs.prefill_coming > 0 or obs.prefill_fallback > 0
+    return obs.prefill_coming > 0 and obs.prefill_fallback > 0
 
 
 def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> BatchCaps:
@@ -746,17 +792,24 @@ def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> Batc
         plan_cap = _median([st.caps.get(p.name) or p.max_num_seqs for p in obs.ready])
     fleet_cap = max(plan_cap, _median(list(st.caps.values()))) or None
     arrived = coming == 0 and plan_cap > 0   # cuts made while loading were provisional (rule 4)
+    relief = prefill_relief(obs, st)         # so are those while the prefill pool loads (rule 19)
+    relief_cap = (st.relief_cap or _median([st.caps.get(p.name) or p.max_num_seqs for p in obs.ready])) \
+        if relief else 0
+    relieved = st.relief_cap if not relief else 0
     caps: dict[str, int] = {}
     for p in obs.ready:
         start = st.caps.get(p.name) or fleet_cap or p.max_num_seqs
         if arrived:
             start = max(start, plan_cap)
+        if relieved:
+            start = max(start, relieved)
         caps[p.name] = tune_cap(p, max(spec.min_num_seqs, min(spec.max_num_seqs, start)), spec)
     for name in obs.unreachable:
         if name in st.caps:
             caps[name] = st.caps[name]
-    sizing = {n: max(c, plan_cap) if coming > 0 else c for n, c in caps.items()}
-    return BatchCaps(caps, sizing, coming, plan_cap)
+    floor = max(plan_cap if coming > 0 else 0, relief_cap)
+    sizing = {n: max(c, floor) for n, c in caps.items()}
+    return BatchCaps(caps, sizing, coming, plan_cap, relief_cap)
 
 
 # ------------------------------------------------------------------ phase 1b: capacity estimate
@@ -1514,7 +1567,8 @@ def conditions(obs: Observation, fleet: Fleet, metrics_ok: bool, reason: str, me
     else:
         metrics_msg = f"{fleet.rated} ready pod(s) scraped"
     active = spec.min_replicas != spec.max_replicas
-    holding = reason in ("HoldStarting", "HoldStabilizing", "HoldMissingMetrics", "HoldShortSpike")
+    holding = reason in ("HoldStarting", "HoldStabilizing", "HoldMissingMetrics", "HoldShortSpike",
+                         "HoldPrefillStarting")
     return {
         "MetricsAvailable": (metrics_ok, "MetricsScraped" if metrics_ok else "MetricsMissing", metrics_msg),
         "ScalingActive": (active, "ValidMetricFound" if active else "ScalingDisabled",
@@ -1585,7 +1639,8 @@ def next_state(now: float, obs: Observation, fleet: Fleet, caps: BatchCaps, sz: 
         cap_seen_s=cap.seen_s if cap is not None else st.cap_seen_s, cap_scale=scale,
         work_history=[list(e) for e in head.history] if head is not None else st.work_history,
         class_seen={c: t for c, t in {**st.class_seen, **{c: now for c in fleet.classes_now}}.items()
-                    if now - t <= spec.stabilization_window_s})
+                    if now - t <= spec.stabilization_window_s},
+        relief_cap=caps.relief_cap)
 
 
 # -------------------------------------------------------------------------------------- decide
@@ -1615,6 +1670,10 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     keep = fewest_carrying(obs.current_replicas, proof.proven, fleet, sz, fc, spec, st, cap, head)
     win = windows(now, obs.current_replicas, sz, fc, keep, metrics_ok, spec, st)
     out = choose_replicas(now, obs, fleet, caps, sz, fc, win, proof.proven, metrics_ok, spec, st, cap, head)
+    settling = st.relief_until is not None and now < st.relief_until
+    if (caps.relief_cap or st.relief_cap or settling) and out.replicas != obs.current_replicas and \
+            spec.min_replicas <= obs.current_replicas <= spec.max_replicas:
+        out = Replicas(obs.current_replicas, "HoldPrefillStarting")   # rule 19: the prefill pods are coming
     if sz is not sized:     # rule 18: a prefill pod serves one prompt at a time
         ql = queue_limits(replace(fleet, live_capacity=1.0), len(obs.ready), caps.coming,
                           out.replicas - obs.current_replicas, spec, sz.service_s)
@@ -1623,9 +1682,15 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
                           fleet.service_s if fleet.service_s is not None else st.service_s)
     limits = {p.name: Limits(caps.caps[p.name], ql.max_waiting) for p in obs.ready}
     message = _message(obs, fleet, caps, sz, fc, out, spec, st, cap, head)
+    nxt = next_state(now, obs, fleet, caps, sz, fc, win, proof, out, metrics_ok, spec, st, cap, head)
+    if st.relief_cap and not caps.relief_cap:   # rule 19: the prefill pods arrived; what the decode
+        # pods admitted meanwhile finishes over the next interval and TTFT budgets
+        nxt = replace(nxt, relief_until=now + dt + spec.queue_slack * spec.slo_ttft_s)
+    elif not settling:
+        nxt = replace(nxt, relief_until=None)
     return Decision(out.replicas, limits, out.reason, message,
                     conditions(obs, fleet, metrics_ok, out.reason, message, spec),
-                    next_state(now, obs, fleet, caps, sz, fc, win, proof, out, metrics_ok, spec, st, cap, head),
+                    nxt,
                     ql.router_max_queued, fleet.infeasible, cap.tokens * cap.scale if cap.ready else 0.0)
 
 
@@ -1653,7 +1718,7 @@ def _message(obs: Observation, fleet: Fleet, caps: BatchCaps, sz: Size, fc: Fore
 __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation", "Observation",
            "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
-           "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "prefill_size", "peak_to_mean", "headroom",
+           "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "prefill_size", "prefill_relief", "peak_to_mean", "headroom",
            "SPIKE_NOISE_SD", "SHORT_SPIKE", "short_spikes", "short_spike_limit",
            "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]

@@ -5,7 +5,9 @@
 (:func:`main`; ``simulate.main`` hands ``--pd`` here). ``--auto``: both pools autoscaled by the
 autoscaler's own code (:class:`PDAutoscale`) against every fixed split up to ``--pd-max-n``
 replicas (:func:`compare_auto`); ``--capacity R1,R2,...``: colocated and every split of each N at
-each rate, and the highest rate each sustains at ``--target`` attainment (:func:`capacity_sweep`).
+each rate, and the highest rate each sustains at ``--target`` attainment (:func:`capacity_sweep`;
+``--capacity-tol W``: each crossing then bisected to a bracket at most W req/s wide,
+:func:`refine_sweep`).
 
 Disaggregated serving (DistServe, Zhong et al., OSDI 2024; Splitwise, Patel et al., ISCA 2024)
 runs prompts on prefill pods and token generation on decode pods, so a long prompt never
@@ -57,7 +59,7 @@ import os
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from goodput.api.policy import PolicySpec
 from goodput.autoscaler.policy import Limits
@@ -315,6 +317,9 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     is_prefill: dict[int, bool] = {}
     link_free: dict[int, float] = {}
     pending: dict[int, int] = {}                 # remote requests on their way to a decode replica
+    # requests the decode pods prefilled because no prefill pod was ready or it refused (the
+    # router's no_prefill_pod and prefill_failed): [total, total at the last tick]
+    fallback = [0, 0]
 
     def new_pod(pool: _Pool, now: float, ready: bool) -> Replica:
         i = len(pool.pods)
@@ -447,9 +452,11 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         rid = f"q{k}"
         full = Request(rid, ids, SamplingParams(max_tokens=trace.output[k], ignore_eos=True), arrival_time=now)
         uncached = trace.prompt[k]
-        if pres and not math.isinf(threshold) and uncached > threshold and trace.prefix_caching:
+        if not math.isinf(threshold) and uncached > threshold and trace.prefix_caching:
             uncached -= _cached_tokens(dst.sched.block_manager, ids)
         if not pres or uncached <= threshold:
+            if uncached > threshold:           # the router's no_prefill_pod
+                fallback[0] += 1
             admit(dst, full, now)
             return
         src = least(pres, turn_p)
@@ -462,6 +469,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
             pending[id(dst)] -= 1
             res.remote -= 1
             res.rejected -= 1
+            fallback[0] += 1
             admit(dst, full, now)
 
     def scale(pool: _Pool, desired: int, now: float) -> None:
@@ -480,6 +488,10 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     def tick(now: float) -> None:
         for pool in (dpool, ppool):            # the loop's order: the workers, then the prefill pool
             obs = pool_observation(pool.pods, now, pool.replicas)
+            if pool is dpool:                  # policy rule 19: what the router did in the prefill pool's place
+                obs = replace(obs, prefill_fallback=float(fallback[0] - fallback[1]),
+                              prefill_coming=max(0, ppool.replicas - len(ppool.ready(now))))
+                fallback[1] = fallback[0]
             desired, limits = pool.policy.tick(now, obs)
             set_limits(pool.ready(now), bound_limits(limits, pool.bound), now, start_step)
             if desired != pool.replicas:
@@ -754,6 +766,10 @@ class CapacitySweep:
     colocated: list[PDResult]
     splits: dict[tuple[int, int], list[PDResult]]
     target: float = 0.9
+    # fleet ("colocated", "P:D") -> the bisected crossing (:func:`refine_capacity`): (highest rate
+    # measured at or above the target, lowest rate above it measured below) and the runs made
+    refined: dict[str, tuple[float, float]] = field(default_factory=dict)
+    refine_runs: dict[str, list[tuple[float, PDResult]]] = field(default_factory=dict)
 
     def capacities(self) -> dict[str, tuple[float | None, bool]]:
         """``colocated`` and ``P:D`` -> :func:`capacity_rate` of its sweep."""
@@ -764,10 +780,29 @@ class CapacitySweep:
         return out
 
     def best(self) -> tuple[str, float | None, bool]:
-        """The split with the highest capacity."""
+        """The split with the highest capacity (the interpolated one)."""
         caps = {k: v for k, v in self.capacities().items() if k != "colocated"}
         k = max(caps, key=lambda s: caps[s][0] if caps[s][0] is not None else -1.0)
         return (k, *caps[k])
+
+    def fleet(self, key: str) -> tuple[int, int]:
+        """``(prefill, decode)`` replicas of ``key`` ("colocated": ``(0, n)``)."""
+        if key == "colocated":
+            return 0, self.n
+        p, d = key.split(":")
+        return int(p), int(d)
+
+    def bracket(self, key: str) -> tuple[float, float] | None:
+        """The sweep's step that holds ``key``'s crossing: (the last rate at or above the target,
+        the first below it), walking up as :func:`capacity_rate` does; None when there is none
+        (the lowest rate already misses, or no rate misses)."""
+        runs = self.colocated if key == "colocated" else self.splits[self.fleet(key)]
+        prev = None
+        for rate, r in zip(self.rates, runs):
+            if r.attainment < self.target:
+                return None if prev is None else (prev, rate)
+            prev = rate
+        return None
 
 
 def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float], *, seed: int = 0,
@@ -785,6 +820,50 @@ def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float]
                   + ", ".join(f"{p}:{d} {rs[-1].attainment:.3f}" for (p, d), rs in splits.items()),
                   file=sys.stderr)
     return CapacitySweep(trace_name, n, list(rates), colo, splits, target)
+
+
+def refine_capacity(trace_name: str, hw: StepTime, prefill: int, decode: int, lo: float, hi: float, *,
+                    tol: float = 0.05, seed: int = 0, duration: float | None = None, link: Link = RDMA,
+                    threshold: float = 0.0, target: float = 0.9) -> tuple[float, float, list[tuple[float, PDResult]]]:
+    """Bisect a fleet's capacity inside one step of a sweep: ``lo`` sustains ``target`` attainment,
+    ``hi`` misses it; the trace is made at the midpoint (the same generator and seed as the sweep)
+    and the fleet run on it (``prefill == 0``: colocated serving on ``decode`` replicas, as
+    :func:`capacity_sweep`), the half that holds the crossing kept, until ``hi - lo <= tol``.
+    Returns ``(lo, hi, runs)``: the highest rate measured at or above the target, the lowest rate
+    above it measured below, and each run as ``(rate, result)``. Measured, not interpolated: the
+    capacity lies in ``[lo, hi]``."""
+    runs: list[tuple[float, PDResult]] = []
+    while hi - lo > tol + 1e-9:
+        mid = round((lo + hi) / 2, 6)
+        tr = make_trace(trace_name, seed, "h200", duration, mid)
+        r = (simulate_pd(tr, hw, 0, decode, threshold=math.inf) if prefill == 0
+             else simulate_pd(tr, hw, prefill, decode, link, threshold=threshold))
+        runs.append((mid, r))
+        if r.attainment >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi, runs
+
+
+def refine_sweep(c: CapacitySweep, hw: StepTime, *, tol: float = 0.05, seed: int = 0,
+                 duration: float | None = None, link: Link = RDMA, threshold: float = 0.0,
+                 progress: bool = False) -> CapacitySweep:
+    """:func:`refine_capacity` for every fleet of ``c`` whose crossing lies inside the sweep
+    (``CapacitySweep.bracket``); fills ``c.refined`` and ``c.refine_runs`` and returns ``c``."""
+    for key in ["colocated"] + [f"{p}:{d}" for p, d in c.splits]:
+        br = c.bracket(key)
+        if br is None:
+            continue
+        p, d = c.fleet(key)
+        lo, hi, runs = refine_capacity(c.name, hw, p, d, *br, tol=tol, seed=seed, duration=duration, link=link,
+                                       threshold=threshold, target=c.target)
+        c.refined[key] = (lo, hi)
+        c.refine_runs[key] = runs
+        if progress:
+            print(f"  {c.name} N={c.n} {key}: capacity in [{lo:g}, {hi:g}] ("
+                  + ", ".join(f"{x:g} {r.attainment:.3f}" for x, r in runs) + ")", file=sys.stderr)
+    return c
 
 
 def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, duration: float) -> str:
@@ -811,6 +890,23 @@ def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, du
                   + ", ".join(f"{k} {fmt(*caps[k])}" for k in keys) + ".",
                   f"Best split {bk}: {fmt(bv, bexact)} req/s against colocated {fmt(cv, cexact)} req/s: "
                   f"**{ratio:.2f}x**.", ""]
+        if c.refined:
+            lines += [f"Bisected (each step a run at the midpoint, until the bracket is at most "
+                      f"{max(h - l for l, h in c.refined.values()):.3g} req/s wide; the capacity lies in it):", "",
+                      "| fleet | sustains (attainment) | misses (attainment) | runs (rate: goodput / attainment) |",
+                      "|---|---:|---:|---|"]
+            for key, (lo, hi) in c.refined.items():
+                runs = c.refine_runs[key]
+                att = {x: r.attainment for x, r in runs}
+                base = c.colocated if key == "colocated" else c.splits[c.fleet(key)]
+                att.update({x: r.attainment for x, r in zip(c.rates, base) if x not in att})
+                lines.append(f"| {key} | {lo:g} ({att[lo]:.4f}) | {hi:g} ({att[hi]:.4f}) | "
+                             + ", ".join(f"{x:g}: {r.goodput_rps:.3f} / {r.attainment:.4f}" for x, r in runs) + " |")
+            rb = max((k for k in c.refined if k != "colocated"), key=lambda k: c.refined[k][0], default=None)
+            if rb is not None and "colocated" in c.refined:
+                (bl, bh), (cl, ch) = c.refined[rb], c.refined["colocated"]
+                lines += ["", f"Bisected: best split {rb} sustains {bl:g} req/s (misses at {bh:g}) against colocated "
+                          f"{cl:g} (misses at {ch:g}): **{bl / cl:.2f}x** (bounds {bl / ch:.2f}x to {bh / cl:.2f}x).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -824,6 +920,9 @@ def capacity_json(sweeps: Sequence[CapacitySweep]) -> dict:
                          "capacity": {k: {"rate": None if v is None else round(v, 4), "exact": e}
                                       for k, (v, e) in caps.items()},
                          "best_split": bk, "ratio": round(bv / cv, 4) if bv is not None and cv else None,
+                         "refined": {k: {"sustains": lo, "misses": hi,
+                                         "runs": [{"rate": x, **r.summary()} for x, r in c.refine_runs[k]]}
+                                     for k, (lo, hi) in c.refined.items()},
                          "runs": {"colocated": [r.summary() for r in c.colocated],
                                   **{f"{p}:{d}": [r.summary() for r in rs] for (p, d), rs in c.splits.items()}}}
     return out
@@ -918,6 +1017,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", metavar="R1,R2,...",
                     help="rate sweep at each N of --pd-sizes: colocated and every split, the highest rate "
                          "each sustains at --target attainment: pd-capacity-<trace>-<hardware>.md/.json")
+    ap.add_argument("--capacity-tol", type=float, default=0.0,
+                    help="--capacity: bisect each fleet's crossing inside the sweep until its bracket is at most "
+                         "this wide (req/s; 0: off, the crossing is interpolated only)")
     ap.add_argument("--target", type=float, default=0.9, help="--capacity: attainment sustained; --auto: "
                                                                 "the goodput ratio claimed")
     args = ap.parse_args(argv)
@@ -975,6 +1077,10 @@ def _main_auto_capacity(args: argparse.Namespace, argv: list[str] | None) -> int
         sizes = [int(x) for x in (args.pd_sizes or "4").split(",") if x.strip()]
         sweeps = [capacity_sweep(tname, hw, n, rates, seed=args.seed, duration=args.duration, link=link,
                                  threshold=th, target=args.target, progress=args.progress) for n in sizes]
+        if args.capacity_tol > 0:
+            for c in sweeps:
+                refine_sweep(c, hw, tol=args.capacity_tol, seed=args.seed, duration=args.duration, link=link,
+                             threshold=th, progress=args.progress)
         duration = make_trace(tname, args.seed, args.hardware, args.duration, rates[0]).duration
         table = capacity_table(sweeps, hw, link, duration)
         print(table)
