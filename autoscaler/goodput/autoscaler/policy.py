@@ -245,8 +245,11 @@ How each rule follows from the ideas it rests on:
    and the survivors' work is judged on the last horizon's mean, not on the noisy level).
    Measured (h200, 60 s load): long-prompt 0.849 attainment at 0.822 replica-hours (off: 0.849
    at 0.926, the 3 replicas ordered 25 s into the second 60 s spike were ready after it);
-   azure-code 0.834 at 7.39 (off: 0.788 at 7.41; the lull fix keeps the capacity of the last
-   burst through the next lull instead of stepping down to 5 before each burst).
+   azure-code 0.802 at 6.28, frontier 0.832 (off: 0.781 at 6.77; the lull fix keeps the capacity
+   of the last burst through the next lull instead of stepping down to 5 before each burst; with
+   spikes short only up to d <= H, 0.834 at 7.39, frontier 0.882: its first burst, at r2 - 1 =
+   0.52 (r1 - 1) just over one load, was not short, so the second ordered 6 -> 10, ready after it
+   ended, and the headroom kept the 10 for 1,700 s).
 
 16. Infeasible requests do not pin replicas. A prompt longer than ``p_max = slo_ttft_s x
    estimate x (1 + margin)`` tokens cannot get its first token within the TTFT SLO even on an idle
