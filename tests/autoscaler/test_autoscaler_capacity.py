@@ -331,6 +331,37 @@ def test_short_spikes_from_a_given_series():
     assert P.short_spikes(short[:23], 60.0) is False
 
 
+def test_short_spikes_up_to_a_load_plus_one_call():
+    # Capacity ordered on the first call that sees a spike is ready up to one call interval P
+    # after the spike began plus the load H, so a spike of d <= H + P = 65 s (5 s calls, 60 s
+    # load) is short: threshold fraction 0.5 + 5 / 120 = 0.541667 (0.5 before the call interval
+    # counted). 1800 s of 5 s calls at 1000 tokens/s with one 4000 tokens/s spike; 10^12 requests
+    # per call make the arrival noise vanish (2.5 * sqrt(2 / 1.2e13) ~ 1e-6).
+    def hist(spike_calls: int) -> list[tuple[float, float, float, float]]:
+        return [(5.0 * (i + 1), 5.0, 20000.0 if 100 <= i < 100 + spike_calls else 5000.0, 1e12)
+                for i in range(360)]
+    # 65 s spike (13 calls): mean (347 * 5000 + 13 * 20000) / 1800 = 1995000 / 1800 = 1108.333;
+    # r1 = 4000 / 1108.333 = 3.609023; r2: 120 s holding the spike, (13 * 20000 + 11 * 5000) / 120
+    # = 2625, 2625 / 1108.333 = 2.368421; 1.368421 <= 0.541667 * 2.609023 = 1.413221: short
+    # (with 0.5: 1.304511 < 1.368421, it was not)
+    h65 = hist(13)
+    assert P.peak_to_mean(h65, 60.0)[0] == pytest.approx(3.609023, abs=1e-4)
+    assert P.peak_to_mean(h65, 120.0)[0] == pytest.approx(2.368421, abs=1e-4)
+    assert P.short_spikes(h65, 60.0) is True
+    # 70 s spike (14 calls): mean (346 * 5000 + 14 * 20000) / 1800 = 1116.667; r1 = 3.582090;
+    # r2 = (14 * 20000 + 10 * 5000) / 120 / 1116.667 = 2750 / 1116.667 = 2.462687;
+    # 1.462687 > 0.541667 * 2.582090 = 1.398632: not short (capacity ordered 5 s in is ready 5 s
+    # before it ends)
+    h70 = hist(14)
+    assert P.peak_to_mean(h70, 60.0)[0] == pytest.approx(3.582090, abs=1e-4)
+    assert P.peak_to_mean(h70, 120.0)[0] == pytest.approx(2.462687, abs=1e-4)
+    assert P.short_spikes(h70, 60.0) is False
+    # 10 s calls: P / 2H = 10 / 120, threshold 0.583333: the 70 s spike (7 calls of 10 s) is
+    # short, 1.462687 <= 0.583333 * 2.582090 = 1.506219
+    h70_10 = [(10.0 * (i + 1), 10.0, 40000.0 if 50 <= i < 57 else 10000.0, 1e12) for i in range(180)]
+    assert P.short_spikes(h70_10, 60.0) is True
+
+
 def test_headroom_judges_the_spikes_before_the_last_horizon():
     spec = replace(SPEC, headroom_window_s=1800.0, stabilization_window_s=300.0)
     # the short-spike history above (ending at t = 240), then a new spike: 11 calls in the state and

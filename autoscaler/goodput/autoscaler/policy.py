@@ -230,11 +230,14 @@ How each rule follows from the ideas it rests on:
    and the survivor check) for ratio x mean, and a lull between spikes is not idle: the idle
    shortcut of rule 7 applies only when the spike's work fits too. On a steady load the ratio is
    1 (its cost there is nothing). *Short spikes* (:func:`short_spikes`, :func:`short_spike_limit`):
-   when the spikes the window saw before the last horizon lasted no longer than one horizon (a
-   spike of height A lasting d <= H raises the one-horizon peak by A d / H and the two-horizon
-   peak by half that, so ``r2 - 1 <= SHORT_SPIKE (r1 - 1)``, ``SHORT_SPIKE`` 0.5; a rise that
-   outlasts a model load has r2 close to r1 and is left alone), capacity ordered during the
-   spike under way is ready after it ends and can only serve a later one, which needs the
+   when the spikes the window saw before the last horizon ended before capacity ordered for them
+   could be ready (a scale-up is ordered at the earliest on the first call that sees a spike, up
+   to one call interval P after it began, and is ready H later, so a spike lasting d <= H + P
+   can end first; one of height A raises the one-horizon peak by A min(d, H) / H and the
+   two-horizon peak by A d / 2H, so ``r2 - 1 <= (SHORT_SPIKE + P / 2H) (r1 - 1)``,
+   ``SHORT_SPIKE`` 0.5, P the history's median call interval: 0.542 at 5 s calls and a 60 s load;
+   a rise that outlasts a model load has r2 close to r1 and is left alone), capacity ordered
+   during the spike under way is ready after it ends and can only serve a later one, which needs the
    window's spike work at the measured full-step capacity: a scale-up goes no further than
    ``max(current, ceil(ratio x mean work / (estimate x cap_scale)))`` (reason HoldShortSpike when
    that is ``current``). The first spike of a window is left to the scale-up rules. Window
@@ -242,8 +245,11 @@ How each rule follows from the ideas it rests on:
    and the survivors' work is judged on the last horizon's mean, not on the noisy level).
    Measured (h200, 60 s load): long-prompt 0.849 attainment at 0.822 replica-hours (off: 0.849
    at 0.926, the 3 replicas ordered 25 s into the second 60 s spike were ready after it);
-   azure-code 0.834 at 7.39 (off: 0.788 at 7.41; the lull fix keeps the capacity of the last
-   burst through the next lull instead of stepping down to 5 before each burst).
+   azure-code 0.802 at 6.28, frontier 0.832 (off: 0.781 at 6.77; the lull fix keeps the capacity
+   of the last burst through the next lull instead of stepping down to 5 before each burst; with
+   spikes short only up to d <= H, 0.834 at 7.39, frontier 0.882: its first burst, at r2 - 1 =
+   0.52 (r1 - 1) just over one load, was not short, so the second ordered 6 -> 10, ready after it
+   ended, and the headroom kept the 10 for 1,700 s).
 
 16. Infeasible requests do not pin replicas. A prompt longer than ``p_max = slo_ttft_s x
    estimate x (1 + margin)`` tokens cannot get its first token within the TTFT SLO even on an idle
@@ -319,6 +325,7 @@ How each rule follows from the ideas it rests on:
 from __future__ import annotations
 
 import math
+import statistics
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
@@ -1215,11 +1222,13 @@ horizons of a 15-minute window reaches about +2 sd by chance, which must not ord
 
 
 SHORT_SPIKE = 0.5
-"""Rule 15: the window's spikes are *short* (no longer than one model-load horizon H) when the
-peak-to-mean ratio over two horizons exceeds 1 by at most this fraction of the excess over one
-horizon: a spike of height A above the mean lasting d <= H raises the one-horizon peak by A d / H
-and the two-horizon peak by A d / 2H (fraction 1/2); for H <= d <= 2H the fraction is d / 2H, for
-d >= 2H it is 1."""
+"""Rule 15: a spike no longer than one model-load horizon H raises the peak-to-mean ratio over two
+horizons above 1 by this fraction of its excess over one horizon: a spike of height A above the
+mean lasting d <= H raises the one-horizon peak by A d / H and the two-horizon peak by A d / 2H
+(fraction 1/2); for H <= d <= 2H the fraction is d / 2H, for d >= 2H it is 1. The window's spikes
+are *short* (:func:`short_spikes`) up to d = H + P (P: the call interval; capacity ordered on the
+first call that sees a spike is ready up to H + P after it began), a fraction of
+``SHORT_SPIKE + P / 2H``."""
 
 
 @dataclass(frozen=True)
@@ -1230,9 +1239,9 @@ class Headroom:
     tokens, requests)`` per call; covered: the history spans at least one horizon (before that
     ``work`` and ``rps`` rest on too little to replace the forecast); recent_work: the mean
     offered work over the last horizon (tokens/s); short: the history before the last horizon
-    spans two horizons and holds a spike, and its spikes are short (:data:`SHORT_SPIKE`: its
-    peak-to-mean ratio over two horizons exceeds 1 by at most that fraction of the excess over one
-    horizon); False when the headroom is off."""
+    spans two horizons and holds a spike, and its spikes are short (:func:`short_spikes`: its
+    peak-to-mean ratio over two horizons exceeds 1 by at most ``SHORT_SPIKE + P / 2H`` of the
+    excess over one horizon, P the call interval); False when the headroom is off."""
 
     ratio: float
     mean_work: float
@@ -1280,13 +1289,17 @@ def peak_to_mean(history: typing.Sequence[typing.Sequence[float]], horizon_s: fl
 
 def short_spikes(history: typing.Sequence[typing.Sequence[float]], horizon_s: float) -> bool:
     """Rule 15: does a work history (as :func:`peak_to_mean` reads it) span two horizons and hold a
-    spike (peak-to-mean ratio r1 over one horizon above 1) whose length is at most one horizon,
-    ``r2 - 1 <= SHORT_SPIKE * (r1 - 1)`` with r2 the ratio over two horizons?"""
+    spike (peak-to-mean ratio r1 over one horizon above 1) that ended before capacity ordered for
+    it could be ready, a length of at most one horizon plus one call interval P (seconds: the
+    median of the history's intervals): ``r2 - 1 <= min(1, SHORT_SPIKE + P / (2 horizon_s)) *
+    (r1 - 1)`` with r2 the ratio over two horizons? (horizon_s: the model-load time, seconds.)"""
     if sum(e[1] for e in history) < 2 * horizon_s * 0.99:
         return False
     r1 = peak_to_mean(history, horizon_s)[0]
     r2 = peak_to_mean(history, 2 * horizon_s)[0]
-    return r1 > 1 and r2 - 1 <= SHORT_SPIKE * (r1 - 1) + 1e-12
+    period = statistics.median(e[1] for e in history)
+    frac = min(1.0, SHORT_SPIKE + period / (2 * horizon_s))
+    return r1 > 1 and r2 - 1 <= frac * (r1 - 1) + 1e-12
 
 
 def headroom(now: float, dt: float, fleet: Fleet, fc: Forecast, metrics_ok: bool, spec: PolicySpec,
@@ -1446,8 +1459,9 @@ def fewest_carrying(current: int, proven: float, fleet: Fleet, sz: Size, fc: For
 def short_spike_limit(current: int, head: Headroom | None, cap: Capacity | None) -> int | None:
     """Rule 15: the most replicas a scale-up may order during a short spike, or None (no limit).
 
-    While the spikes the window saw before the last horizon lasted no longer than one model load
-    (:attr:`Headroom.short`), capacity ordered now is ready after the spike under way has ended:
+    While the spikes the window saw before the last horizon ended before capacity ordered for them
+    could be ready (:attr:`Headroom.short`: no longer than one model load plus one call interval),
+    capacity ordered now is ready after the spike under way has ended:
     it can only serve a later spike, and what a later spike needs is the window's spike work (the
     headroom's, :attr:`Headroom.work`, which counts the spike under way) at the measured
     full-step capacity, ``ceil(head.work / (cap.tokens * cap.scale))``. The limit is the larger
