@@ -72,8 +72,15 @@ inline float exp_row(const float* s, uint16_t* p, int64_t lim, int64_t np, float
                      float& sum) {
 #if defined(__AVX512F__)
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 vmx = ninf;
+  __m512 vmx = ninf, vmx1 = ninf, vmx2 = ninf, vmx3 = ninf;  // four chains: vmaxps latency, not throughput
   int64_t c = 0;
+  for (; c + 64 <= lim; c += 64) {
+    vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + c));
+    vmx1 = _mm512_max_ps(vmx1, _mm512_loadu_ps(s + c + 16));
+    vmx2 = _mm512_max_ps(vmx2, _mm512_loadu_ps(s + c + 32));
+    vmx3 = _mm512_max_ps(vmx3, _mm512_loadu_ps(s + c + 48));
+  }
+  vmx = _mm512_max_ps(_mm512_max_ps(vmx, vmx1), _mm512_max_ps(vmx2, vmx3));
   for (; c + 16 <= lim; c += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + c));
   if (c < lim) vmx = _mm512_max_ps(vmx, _mm512_mask_loadu_ps(ninf, (__mmask16)((1u << (lim - c)) - 1), s + c));
   mx = _mm512_reduce_max_ps(vmx);
@@ -177,12 +184,44 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
       const int64_t np = (nk + kPad - 1) / kPad * kPad, half = D / 2;
       uint32_t* kp = reinterpret_cast<uint32_t*>(kp_all + u * kKT * D);
       uint16_t* vp = vp_all + u * kKT * D;
-      for (int64_t j = 0; j < nk; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      if (half <= 64) {  // 16 tokens' rows copied together, then each pair column gathered into its packed row
+        alignas(64) uint32_t tmp[16 * 64];
+        const __m512i cols = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(static_cast<int>(half)));
+        for (; j + 16 <= nk; j += 16) {
+          for (int64_t t = 0; t < 16; ++t) std::memcpy(tmp + t * half, token_row(kc, t0 + j + t, kh), half * 4);
+          for (int64_t i = 0; i < half; ++i)
+            _mm512_storeu_si512(kp + i * np + j, _mm512_i32gather_epi32(cols, tmp + i, 4));
+        }
+      }
+#endif
+      for (; j < nk; ++j) {
         const uint32_t* kr = reinterpret_cast<const uint32_t*>(token_row(kc, t0 + j, kh));
         for (int64_t i = 0; i < half; ++i) kp[i * np + j] = kr[i];
+      }
+      j = 0;
+#if defined(__AVX512BW__)
+      if (D % 32 == 0) {  // a token pair's rows interleaved 32 elements at a time
+        alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+        const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+        for (; j + 2 <= nk; j += 2) {
+          const uint16_t* a = token_row(vc, t0 + j, kh);
+          const uint16_t* b = token_row(vc, t0 + j + 1, kh);
+          uint16_t* vo = vp + (j / 2) * D * 2;
+          for (int64_t d = 0; d < D; d += 32) {
+            const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+            _mm512_storeu_si512(vo + 2 * d, _mm512_permutex2var_epi16(x, ilo, y));
+            _mm512_storeu_si512(vo + 2 * d + 32, _mm512_permutex2var_epi16(x, ihi, y));
+          }
+        }
+      }
+#endif
+      for (; j < nk; ++j) {
         const uint16_t* vr = token_row(vc, t0 + j, kh);
         uint16_t* vo = vp + (j / 2) * D * 2 + (j % 2);
-#pragma omp simd
         for (int64_t d = 0; d < D; ++d) vo[2 * d] = vr[d];
       }
       for (int64_t j = nk; j < np; ++j) {
