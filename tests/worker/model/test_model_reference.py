@@ -176,8 +176,9 @@ def test_bfloat16_chunked_prefill_cpu_backend_agrees_with_fp32_reference():
     every position within bf16 rounding of HF fp32, same top-1 almost everywhere, and the same
     greedy next token as HF."""
     r16 = _bf16_runner("cpu", num_blocks=80)
-    text = " ".join(PROMPTS[:2] + ["In the beginning the Universe was created. This has made a lot of people "
-                                   "very angry and been widely regarded as a bad move."] * 7)
+    sentence = ("In the beginning the Universe was created. This has made a lot of people "
+                "very angry and been widely regarded as a bad move.")
+    text = " ".join(PROMPTS[:2] + [sentence] * 7)
     ids = r16.tokenizer.encode(text)
     n = len(ids)
     assert n > 150
