@@ -251,10 +251,12 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
       std::fill(l.begin(), l.begin() + M, 0.f);
       const int64_t last = ctx + q1 - 1;  // the tile's last position: keys beyond it are masked for all rows
       for (int64_t b = 0; b * kKT <= last; ++b) {
-        const int64_t t0 = b * kKT, nk = std::min(kKT, S - t0), np = (nk + kPad - 1) / kPad * kPad;
+        const int64_t t0 = b * kKT, nk = std::min(kKT, S - t0), ld = (nk + kPad - 1) / kPad * kPad;
+        // the block's keys up to the tile's last position (the diagonal block: not the masked rest)
+        const int64_t np = (std::min(nk, last - t0 + 1) + kPad - 1) / kPad * kPad;
         const uint16_t* kp = kp_all + (kh * nkb + b) * kKT * D;
         const uint16_t* vp = vp_all + (kh * nkb + b) * kKT * D;
-        at::native::cpublas::brgemm(M, np, D, D, np, kKT, false, reinterpret_cast<const at::BFloat16*>(qbuf.data()),
+        at::native::cpublas::brgemm(M, np, D, D, ld, kKT, false, reinterpret_cast<const at::BFloat16*>(qbuf.data()),
                                     reinterpret_cast<const at::BFloat16*>(kp), sbuf.data());
         for (int64_t r = 0; r < M; ++r) {
           const float* s = &sbuf[r * kKT];
