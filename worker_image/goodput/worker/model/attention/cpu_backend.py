@@ -10,8 +10,8 @@ gather copies it, SDPA reads the copy) and its flash kernel is slow for one quer
 group; at 16 sequences × 2k tokens that made decode attention ~4× what its bytes explain
 (``bench/results/*-cpu.md``, "How cost grows with context"). For prefill, the torch path gathers
 each chunk's whole context per layer and runs SDPA with an additive [chunk, context] mask: an
-8,000-token prompt in 512-token chunks spent ~3/4 of its CPU time there at ~190 GFLOP/s, the
-prefill kernel runs the same chunks at ~310 (``bench/results/2026-12-04-prefill-cpu.md``).
+8,000-token prompt in 512-token chunks spent ~3/4 of its CPU time there at ~200 GFLOP/s per core;
+the prefill kernel runs the same chunks at ~400 (``bench/results/2026-12-04-prefill-cpu.md``).
 Kernels: ``cpu_kernels.py``.
 """
 from __future__ import annotations
