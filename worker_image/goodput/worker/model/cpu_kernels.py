@@ -1,5 +1,6 @@
 """Build, cache and call goodput's C++ CPU kernels (``csrc/``): paged decode attention
-(``paged_attention.cpp``, used by the ``cpu`` attention backend) and fused decoder-layer ops
+(``paged_attention.cpp``) and paged prefill attention (``paged_prefill.cpp``), both used by the
+``cpu`` attention backend, and fused decoder-layer ops
 (``layer_ops.cpp``: RMSNorm, residual add + RMSNorm, RoPE, SiLU·up; used by ``llama.py``) and
 linears over a GGUF file's own 4/8-bit blocks (``block_linear.cpp``, ``block_linear.py``).
 
@@ -54,7 +55,7 @@ from goodput.worker.model import cpu_isa
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f
-           for f in ("paged_attention.cpp", "layer_ops.cpp", "block_linear.cpp", "decode_step.cpp", "bindings.cpp")]
+           for f in ("paged_attention.cpp", "paged_prefill.cpp", "layer_ops.cpp", "block_linear.cpp", "decode_step.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / f for f in ("kernel_api.h", "kernel_inner.h", "decode_step.h")]  # part of the build's key, not compiled
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]

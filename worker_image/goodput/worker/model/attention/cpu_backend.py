@@ -1,18 +1,25 @@
 """The ``cpu`` attention backend: decode rows through goodput's C++ paged-attention kernel,
 which reads each sequence's keys and values in place through its block table (no per-layer gather
-into a padded buffer, no padding mask), prefill chunks through the torch reference.
+into a padded buffer, no padding mask); bfloat16 prefill chunks through the C++ paged prefill kernel
+(``csrc/paged_prefill.cpp``: FlashAttention-2 tiles on ATen's AMX / AVX-512 BF16 brgemm, K/V packed
+from the cache pages, causal mask by position), where this CPU has that brgemm; other prefill
+chunks (float32, CPUs without it) through the torch reference.
 
 Why: torch's CPU SDPA over gathered K/V reads every decode step's KV twice plus padding (the
 gather copies it, SDPA reads the copy) and its flash kernel is slow for one query row per KV-head
 group; at 16 sequences × 2k tokens that made decode attention ~4× what its bytes explain
-(``bench/results/*-cpu.md``, "How cost grows with context"). Kernel: ``cpu_kernels.py``.
+(``bench/results/*-cpu.md``, "How cost grows with context"). For prefill, the torch path gathers
+each chunk's whole context per layer and runs SDPA with an additive [chunk, context] mask: an
+8,000-token prompt in 512-token chunks spent ~3/4 of its CPU time there at ~200 GFLOP/s per core;
+the prefill kernel runs the same chunks at ~400 (``bench/results/2026-12-04-prefill-cpu.md``).
+Kernels: ``cpu_kernels.py``.
 """
 from __future__ import annotations
 
 import torch
 from goodput.worker.model import cpu_kernels
 from goodput.worker.model.attention.base import AttentionMetadata
-from goodput.worker.model.attention.torch_ref import TorchReferenceBackend, _Plan
+from goodput.worker.model.attention.torch_ref import TorchReferenceBackend, _Plan, _PrefillSeq
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -26,6 +33,26 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._mod = cpu_kernels.load()
         if self._mod is None:
             raise RuntimeError(f"the cpu attention backend's C++ kernel is unavailable: {cpu_kernels.load_error()}")
+        # bfloat16 prefill chunks through the C++ kernel (needs ATen's packed bf16 brgemm); False: torch's
+        self.native_prefill = bool(getattr(self._mod, "paged_prefill_supported", lambda: False)())
+
+    def _prefill_native(self, dtype: torch.dtype) -> bool:
+        return self.native_prefill and dtype == torch.bfloat16
+
+    def _needs_prefill_mask(self, dtype: torch.dtype) -> bool:
+        return not self._prefill_native(dtype)
+
+    def _prefill(self, p: _PrefillSeq, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, scale: float) -> None:
+        """One prefill chunk through ``paged_prefill_attention`` (reads K/V through the block table,
+        writes rows [p.q_start, p.q_end) of out in place); the torch reference's otherwise."""
+        if not (self._prefill_native(q.dtype) and k_cache.dtype == q.dtype and q.stride(2) == 1
+                and q.stride(1) == q.shape[2] and out.is_contiguous()):
+            return super()._prefill(p, q, k_cache, v_cache, out, scale)
+        if p.table is None:  # once per step (the plan), not per layer; the kernel checks the ids
+            p.table = p.blocks.to(torch.int32).contiguous()
+        self._mod.paged_prefill_attention(q[p.q_start:p.q_end], k_cache, v_cache, p.table, p.context_len,
+                                          out[p.q_start:p.q_end], scale)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -33,7 +33,8 @@ class _PrefillSeq:
     seq_len: int
     context_len: int
     blocks: torch.Tensor          # [ceil(seq_len / block_size)] physical block ids
-    mask: torch.Tensor | None     # [q_len, seq_len] additive, None = plain causal (no cached context)
+    mask: torch.Tensor | None     # [q_len, seq_len] additive; None: plain causal (no cached context) or not built
+    table: torch.Tensor | None = None  # int32 [ceil(seq_len / block_size)]: blocks, for a C++ kernel
 
 
 @dataclass
@@ -113,11 +114,10 @@ class TorchReferenceBackend:
             ctx = sl - (e - s)
             nb = -(-sl // block_size)
             blocks = meta.block_tables[i, :nb].long()
-            mask = None
-            if ctx > 0:
-                qpos = torch.arange(ctx, sl, device=device)
-                mask = _additive(torch.arange(sl, device=device)[None, :] <= qpos[:, None], dtype)
-            plan.prefills.append(_PrefillSeq(s, e, sl, ctx, blocks, mask))
+            p = _PrefillSeq(s, e, sl, ctx, blocks, None)
+            if ctx > 0 and self._needs_prefill_mask(dtype):
+                p.mask = self._prefill_mask(p, device, dtype)
+            plan.prefills.append(p)
         plan.only_dec = not pre and plan.dec_rows is None and len(dec) == qsl[-1]
         return plan
 
@@ -175,8 +175,7 @@ class TorchReferenceBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, n_heads, d] -> [T, n_heads, d] (rows of zero-length sequences untouched: zeros)."""
         T, H, D = q.shape
-        block_size, KV = k_cache.shape[1], k_cache.shape[2]
-        g = H // KV
+        block_size = k_cache.shape[1]
         if meta is not self._plan_meta or block_size != self._plan_block_size:
             self._plan = self._make_plan(meta, block_size, q.device, q.dtype)
             self._plan_meta, self._plan_block_size = meta, block_size
@@ -197,15 +196,41 @@ class TorchReferenceBackend:
                 out.index_copy_(0, plan.dec_rows, od)
 
         for p in plan.prefills:
-            n = p.q_end - p.q_start
-            qp = q[p.q_start:p.q_end].view(n, KV, g, D).permute(1, 2, 0, 3)          # [KV, g, n, D]
-            kp = k_cache.index_select(0, p.blocks).view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)  # [KV, S, D]
-            vp = v_cache.index_select(0, p.blocks).view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)
-            kp = kp.unsqueeze(1).expand(KV, g, p.seq_len, D)
-            vp = vp.unsqueeze(1).expand(KV, g, p.seq_len, D)
-            if p.mask is None:
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
-            else:
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
-            out[p.q_start:p.q_end] = op.permute(2, 0, 1, 3).reshape(n, H, D)
+            self._prefill(p, q, k_cache, v_cache, out, scale)
         return out
+
+    def _prefill(self, p: _PrefillSeq, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, scale: float) -> None:
+        """One prefill chunk: rows [p.q_start, p.q_end) of out [T, H, D] from those of q, causal
+        within the chunk and over the p.context_len cached positions before it: the sequence's
+        blocks gathered (index_select) and one SDPA over them, the g query heads of a KV head as
+        extra rows of its expanded K/V."""
+        H, D = q.shape[1], q.shape[2]
+        KV = k_cache.shape[2]
+        g = H // KV
+        n = p.q_end - p.q_start
+        qp = q[p.q_start:p.q_end].view(n, KV, g, D).permute(1, 2, 0, 3)          # [KV, g, n, D]
+        kp = k_cache.index_select(0, p.blocks).view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)  # [KV, S, D]
+        vp = v_cache.index_select(0, p.blocks).view(-1, KV, D)[:p.seq_len].permute(1, 0, 2)
+        kp = kp.unsqueeze(1).expand(KV, g, p.seq_len, D)
+        vp = vp.unsqueeze(1).expand(KV, g, p.seq_len, D)
+        if p.context_len == 0:
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        else:
+            mask = p.mask
+            if mask is None:  # a subclass's plan that left the mask out
+                mask = self._prefill_mask(p, q.device, q.dtype)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        out[p.q_start:p.q_end] = op.permute(2, 0, 1, 3).reshape(n, H, D)
+
+    @staticmethod
+    def _prefill_mask(p: _PrefillSeq, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [q_len, seq_len] mask of a chunk after p.context_len cached positions: query i
+        (position context_len + i) attends to positions <= its own."""
+        qpos = torch.arange(p.context_len, p.seq_len, device=device)
+        return _additive(torch.arange(p.seq_len, device=device)[None, :] <= qpos[:, None], dtype)
+
+    def _needs_prefill_mask(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`_prefill` of this step's chunks reads ``_PrefillSeq.mask`` (built once
+        per step in the plan); a subclass whose kernel masks by position says no."""
+        return True

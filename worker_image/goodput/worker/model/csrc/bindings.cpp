@@ -6,6 +6,9 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t splits);
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_table, int64_t ctx, torch::Tensor out, double scale);
+bool paged_prefill_supported();
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
@@ -19,6 +22,10 @@ bool block_linear_vectorized(std::string dtype);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention over [num_blocks, block_size, KV, D] caches (float32/bfloat16)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal paged attention of one sequence's prefill chunk (bfloat16, brgemm tiles) into out");
+  m.def("paged_prefill_supported", &paged_prefill_supported,
+        "whether this CPU has ATen's packed bfloat16 brgemm (paged_prefill_attention's fast path)");
   m.def("write_kv", &write_kv, "scatter new K/V rows into the paged caches at slot_mapping (< 0 skipped)");
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * w over rows, Hugging Face Llama numerics");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * w");
