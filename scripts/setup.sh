@@ -33,7 +33,7 @@ if [ "$TEST" = 1 ]; then
   python -m pip install -q "docstring-parser>=0.16" "tenacity>=8" "typer>=0.9"
   python -m pip install -q --no-deps "instructor==1.17.0"
 fi
-# Build the C++ CPU kernels (paged decode attention, fused layer ops) once now (~1 min; cached in
+# Build the C++ CPU kernels (paged attention, block linears, fused layer ops, the native decode step) once now (~1 min; cached in
 # ~/.cache/goodput/cpu-kernels), so no worker start compiles them: the local cluster's pods
 # (GOODPUT_CPU_KERNELS=prebuilt) load this build. Without a C++ compiler the worker uses the torch reference.
 python -m goodput.worker.model.cpu_kernels || true

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f
            for f in ("paged_attention.cpp", "paged_prefill.cpp", "layer_ops.cpp", "block_linear.cpp", "decode_step.cpp", "bindings.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / f for f in ("kernel_api.h", "kernel_inner.h", "decode_step.h")]  # part of the build's key, not compiled
+HEADERS = [Path(__file__).with_name("csrc") / f for f in ("kernel_api.h", "kernel_inner.h", "decode_step.h", "fast_math.h")]  # part of the build's key, not compiled
 # no FMA contraction: the fused layer ops keep torch's separate roundings of a*b + c*d
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 _PORTABLE_CFLAGS = [f for f in CFLAGS if not f.startswith("-march=")]  # + a level's -march flags
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"CPU kernels unavailable ({e}); the worker uses the torch reference ops", file=sys.stderr)
             return 1
-        print(f"CPU kernels (paged decode attention, fused layer ops): ready in {cache_dir() / kernel_name(level)}.so")
+        print(f"CPU kernels (paged decode and prefill attention, block linears, fused layer ops, the native decode step): ready in {cache_dir() / kernel_name(level)}.so")
     if a.prune:
         keep = {f"{kernel_name(level)}.so" for level in levels}
         for f in cache_dir().iterdir():

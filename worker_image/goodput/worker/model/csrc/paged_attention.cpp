@@ -7,6 +7,7 @@
 // Layouts (goodput.worker.model.attention.base): q [B, H, D]; caches [num_blocks, block_size,
 // KV, D]; block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query head h reads KV head
 // h / (H / KV) (grouped-query attention).
+#include "fast_math.h"
 #include "kernel_api.h"
 #include "kernel_inner.h"
 
@@ -36,24 +37,7 @@ inline void to_float(const at::BFloat16* src, float* dst, int n) {
   for (int i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // exact widening
 }
 
-// e^x for x <= 0 as 2^(x·log2 e) = 2^n · 2^f with a degree-6 polynomial for 2^f on [0, 1)
-// (relative error < 2e-7, float32's own rounding); branch-free so the compiler vectorizes it.
-inline float exp_nonpos(float x) {
-  float t = std::max(x * 1.44269504088896341f, -126.f);
-  const float n = std::floor(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using goodput::exp_nonpos;  // fast_math.h
 
 inline float dot(const float* a, const float* b, int n) {
   float s = 0.f;

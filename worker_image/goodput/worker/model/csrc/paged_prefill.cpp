@@ -14,6 +14,7 @@
 //
 // Layouts (goodput.worker.model.attention.base): q, out [n, H, D] (token stride free, head
 // vectors contiguous); caches [num_blocks, block_size, KV, D] bfloat16; block_table int32 [nb].
+#include "fast_math.h"
 #include "kernel_api.h"
 
 #include <ATen/Parallel.h>
@@ -39,24 +40,7 @@ constexpr int64_t kQT = 64;   // query tokens per tile (brgemm M = kQT · g rows
 constexpr int64_t kKT = 512;  // keys per packed block (N of Q·Kᵀ, K of P·V)
 constexpr int64_t kPad = 32;  // a block's key count is padded to this (zero keys, masked scores)
 
-// e^x for x <= 0 (x = -inf gives ~0): 2^(x·log2 e) = 2^n · 2^f with a degree-6 polynomial for
-// 2^f on [0, 1) (relative error < 2e-7); branch-free, so the loops over it vectorize.
-inline float exp_nonpos(float x) {
-  float t = std::max(x * 1.44269504088896341f, -126.f);
-  const float n = std::floor(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using goodput::exp_nonpos;  // fast_math.h
 
 // float32 -> bfloat16 bits, round to nearest even (finite inputs)
 inline uint16_t to_bf16(float f) {
