@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from goodput.worker.model import cpu_kernels
-from goodput.worker.model.attention.base import AttentionMetadata
+from attention_meta import attention_meta
 
 needs_kernel = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                   reason="no C++ compiler to build the CPU kernel")
@@ -114,19 +114,6 @@ def test_num_splits(args, expected):
     assert cpu_kernels.num_splits(*args) == expected
 
 
-def _meta(seqs, bt):
-    """AttentionMetadata for (context_len, query_len) sequences over block tables bt."""
-    qsl = [0]
-    for _, n in seqs:
-        qsl.append(qsl[-1] + n)
-    lens = [c + n for c, n in seqs]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32), block_tables=bt,
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64), max_query_len=max(n for _, n in seqs),
-        max_seq_len=max(lens), query_start_loc_list=qsl, seq_lens_list=lens)
-
-
 @needs_kernel
 @pytest.mark.parametrize("seqs", [[(40, 1), (0, 9), (130, 1), (16, 5)], [(299, 1)], [(3, 1), (200, 1)]])
 def test_cpu_backend_equals_torch_reference_on_mixed_batches(seqs):
@@ -137,7 +124,7 @@ def test_cpu_backend_equals_torch_reference_on_mixed_batches(seqs):
     lens = [c + n for c, n in seqs]
     _, k, v, bt, _, _ = paged_case(lens, seed=11)
     q = torch.randn(sum(n for _, n in seqs), 9, 64, generator=torch.Generator().manual_seed(1))
-    meta = _meta(seqs, bt)
+    meta = attention_meta(seqs, bt)
     want = TorchReferenceBackend().forward(q, k, v, meta, 0.125)
     be = CpuPagedBackend()
     got = be.forward(q, k, v, meta, 0.125)
@@ -146,7 +133,7 @@ def test_cpu_backend_equals_torch_reference_on_mixed_batches(seqs):
     bad = bt.clone()
     bad[0, 0] = -1
     with pytest.raises(ValueError, match="block id outside the pool"):
-        CpuPagedBackend().forward(q, k, v, _meta(seqs, bad), 0.125)
+        CpuPagedBackend().forward(q, k, v, attention_meta(seqs, bad), 0.125)
 
 
 def test_selector_cpu_backend(monkeypatch):

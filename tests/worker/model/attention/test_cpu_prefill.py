@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from goodput.worker.model import cpu_kernels
-from goodput.worker.model.attention.base import AttentionMetadata
+from attention_meta import attention_meta
 
 
 def _supported() -> bool:
@@ -92,18 +92,6 @@ def test_kernel_rejects_bad_inputs():
         mod.paged_prefill_attention(q.float(), k.float(), v.float(), table, 20, out.float(), 0.125)
 
 
-def _meta(seqs, bt):
-    qsl = [0]
-    for _, n in seqs:
-        qsl.append(qsl[-1] + n)
-    lens = [c + n for c, n in seqs]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32), block_tables=bt,
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64), max_query_len=max(n for _, n in seqs),
-        max_seq_len=max(lens), query_start_loc_list=qsl, seq_lens_list=lens)
-
-
 @needs_prefill_kernel
 @pytest.mark.parametrize("bs", [4, 16])
 @pytest.mark.parametrize("seqs", [
@@ -130,7 +118,7 @@ def test_cpu_backend_prefill_equals_torch_reference(seqs, bs):
     k = torch.randn((num_blocks, bs, 3, 64), generator=gen)
     v = torch.randn((num_blocks, bs, 3, 64), generator=gen)
     q = torch.randn((sum(n for _, n in seqs), 9, 64), generator=gen)
-    meta = _meta(seqs, bt)
+    meta = attention_meta(seqs, bt)
     be = CpuPagedBackend()
     assert be.native_prefill
     want = TorchReferenceBackend().forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), meta, 0.125)
@@ -138,8 +126,8 @@ def test_cpu_backend_prefill_equals_torch_reference(seqs, bs):
     assert got.dtype == torch.bfloat16
     assert (got.float() - want.float()).abs().max().item() < 2e-2
     assert torch.equal(be.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), meta, 0.125), got)  # plan reused
-    got32 = CpuPagedBackend().forward(q, k, v, _meta(seqs, bt), 0.125)
-    assert (got32 - TorchReferenceBackend().forward(q, k, v, _meta(seqs, bt), 0.125)).abs().max().item() < 2e-5
+    got32 = CpuPagedBackend().forward(q, k, v, attention_meta(seqs, bt), 0.125)
+    assert (got32 - TorchReferenceBackend().forward(q, k, v, attention_meta(seqs, bt), 0.125)).abs().max().item() < 2e-5
 
 
 @needs_prefill_kernel
@@ -149,8 +137,8 @@ def test_cpu_backend_prefill_off_is_the_torch_path():
     from goodput.worker.model.attention.cpu_backend import CpuPagedBackend
     from goodput.worker.model.attention.torch_ref import TorchReferenceBackend
     q, k, v, table = case(50, 30, bs=16, kv=3, g=3, d=64, seed=3)
-    meta = _meta([(50, 30)], table[None])
+    meta = attention_meta([(50, 30)], table[None])
     be = CpuPagedBackend()
     be.native_prefill = False
     assert torch.equal(be.forward(q, k, v, meta, 0.125),
-                       TorchReferenceBackend().forward(q, k, v, _meta([(50, 30)], table[None]), 0.125))
+                       TorchReferenceBackend().forward(q, k, v, attention_meta([(50, 30)], table[None]), 0.125))
