@@ -745,15 +745,18 @@ def capacity_rate(points: Sequence[tuple[float, float]], target: float) -> tuple
     between that point and the one before. Returns ``(rate, exact)``: ``(None, True)`` when the
     lowest rate already misses, ``(highest rate, False)`` (a lower bound) when none misses.
     E.g. [(2, 1.0), (3, 0.95), (4, 0.75)] at 0.9 -> 3 + (0.95 - 0.9) / (0.95 - 0.75) = 3.25."""
-    prev = None
-    for rate, att in points:
-        if att < target:
-            if prev is None:
-                return None, True
-            r0, a0 = prev
-            return r0 + (rate - r0) * (a0 - target) / (a0 - att), True
-        prev = (rate, att)
-    return (prev[0] if prev else None), prev is None
+    i = first_miss([att for _, att in points], target)
+    if i is None:
+        return (points[-1][0] if points else None), not points
+    if i == 0:
+        return None, True
+    (r0, a0), (rate, att) = points[i - 1], points[i]
+    return r0 + (rate - r0) * (a0 - target) / (a0 - att), True
+
+
+def first_miss(attainments: Sequence[float], target: float) -> int | None:
+    """Index of the first attainment below ``target`` (a sweep's crossing), None when none is."""
+    return next((i for i, att in enumerate(attainments) if att < target), None)
 
 
 @dataclass
@@ -797,12 +800,16 @@ class CapacitySweep:
         the first below it), walking up as :func:`capacity_rate` does; None when there is none
         (the lowest rate already misses, or no rate misses)."""
         runs = self.colocated if key == "colocated" else self.splits[self.fleet(key)]
-        prev = None
-        for rate, r in zip(self.rates, runs):
-            if r.attainment < self.target:
-                return None if prev is None else (prev, rate)
-            prev = rate
-        return None
+        i = first_miss([r.attainment for r in runs], self.target)
+        return None if not i else (self.rates[i - 1], self.rates[i])
+
+
+def run_fleet(tr: Trace, hw: StepTime, prefill: int, decode: int, link: Link, threshold: float) -> PDResult:
+    """One fleet on ``tr``: ``prefill == 0`` is colocated serving on ``decode`` replicas (no prompt
+    leaves them), else ``prefill:decode`` with remote prefill above ``threshold`` uncached tokens."""
+    if prefill == 0:
+        return simulate_pd(tr, hw, 0, decode, threshold=math.inf)
+    return simulate_pd(tr, hw, prefill, decode, link, threshold=threshold)
 
 
 def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float], *, seed: int = 0,
@@ -812,9 +819,9 @@ def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float]
     colo, splits = [], {(p, n - p): [] for p in range(1, n)}
     for rate in rates:
         tr = make_trace(trace_name, seed, "h200", duration, rate)
-        colo.append(simulate_pd(tr, hw, 0, n, threshold=math.inf))
+        colo.append(run_fleet(tr, hw, 0, n, link, threshold))
         for p, d in splits:
-            splits[(p, d)].append(simulate_pd(tr, hw, p, d, link, threshold=threshold))
+            splits[(p, d)].append(run_fleet(tr, hw, p, d, link, threshold))
         if progress:
             print(f"  {trace_name} N={n} {rate:g} req/s: colocated {colo[-1].attainment:.3f}, "
                   + ", ".join(f"{p}:{d} {rs[-1].attainment:.3f}" for (p, d), rs in splits.items()),
@@ -836,8 +843,7 @@ def refine_capacity(trace_name: str, hw: StepTime, prefill: int, decode: int, lo
     while hi - lo > tol + 1e-9:
         mid = round((lo + hi) / 2, 6)
         tr = make_trace(trace_name, seed, "h200", duration, mid)
-        r = (simulate_pd(tr, hw, 0, decode, threshold=math.inf) if prefill == 0
-             else simulate_pd(tr, hw, prefill, decode, link, threshold=threshold))
+        r = run_fleet(tr, hw, prefill, decode, link, threshold)
         runs.append((mid, r))
         if r.attainment >= target:
             lo = mid
