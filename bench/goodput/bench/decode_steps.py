@@ -192,18 +192,20 @@ PHASES = ("linears", "attention", "layer_ops")  # the native step's phase_ns ord
 class _Timed:
     """Stands in for a kernel module, a linear or the native decode step's stack while a breakdown
     runs: adds the seconds of each call (of the object, or of its methods) to ``acc[category]``;
-    ``categories`` maps method names to a category (None: passed through untimed)."""
+    ``categories`` maps method names to a category (None: passed through untimed); ``clock``:
+    seconds now (wall by default; ``time.process_time`` for CPU seconds)."""
 
-    def __init__(self, obj, acc: dict, category: str | None, categories: dict | None = None):
-        self._obj, self._acc, self._cat, self._cats = obj, acc, category, categories
+    def __init__(self, obj, acc: dict, category: str | None, categories: dict | None = None,
+                 clock=time.perf_counter):
+        self._obj, self._acc, self._cat, self._cats, self._clock = obj, acc, category, categories, clock
 
     def _timed(self, fn, cat):
         def call(*args, **kw):
-            t0 = time.perf_counter()
+            t0 = self._clock()
             try:
                 return fn(*args, **kw)
             finally:
-                self._acc[cat] = self._acc.get(cat, 0.0) + time.perf_counter() - t0
+                self._acc[cat] = self._acc.get(cat, 0.0) + self._clock() - t0
         return call
 
     def __call__(self, *args, **kw):

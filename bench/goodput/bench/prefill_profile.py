@@ -45,37 +45,29 @@ def main(argv: list[str] | None = None) -> int:
     from goodput.worker.model.attention.base import AttentionMetadata
     from goodput.worker.model.runner import ModelRunner
 
+    from .decode_steps import _Timed
+
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     bs = 16
+    # twice the prompt's blocks, so the table below is a random pick of the pool
     r = ModelRunner("smollm2", dtype="bfloat16", attention_backend="cpu", block_size=bs,
-                    kv_cache_memory_bytes=max(256 << 20, (a.tokens + 64) * 2 * 30 * 3 * 64 * 2 + (8 << 20)))
+                    num_blocks=2 * -(-a.tokens // bs) + 8)
     m, be = r.model, r.attention_backend
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, r.model_config.vocab_size - 100, (a.tokens,), generator=gen)
     table = torch.randperm(r.num_blocks, generator=gen)[: -(-a.tokens // bs)].tolist()
 
-    acc: collections.defaultdict[str, float] = collections.defaultdict(float)
-
-    def timed(f, key):
-        def g(*args, **kw):
-            t = clock()
-            out = f(*args, **kw)
-            acc[key] += clock() - t
-            return out
-        return g
-
-    if a.breakdown:
+    acc: dict[str, float] = {}
+    attend = be  # what forward gets: the backend, or its timed stand-in
+    if a.breakdown:  # decode_steps' stand-ins, on this clock
         for ly in m.layers:
             for nm in ("qkv", "o", "gate_up", "down"):
-                lin = getattr(ly, nm)
-                lin.dense = timed(lin.dense, "linears")
-        m.lm_head.dense = timed(m.lm_head.dense, "lm_head")
-        be.forward = timed(be.forward, "attention")
-        be.write_kv = timed(be.write_kv, "write_kv")
+                setattr(ly, nm, _Timed(getattr(ly, nm), acc, "linears", clock=clock))
+        m.lm_head = _Timed(m.lm_head, acc, "lm_head", clock=clock)
+        attend = _Timed(be, acc, None, {"forward": "attention", "write_kv": "write_kv"}, clock=clock)
         if m.fused_ops is not None:
-            ops = m.fused_ops
-            m.fused_ops = type("TimedOps", (), {nm: staticmethod(timed(getattr(ops, nm), "norms_rope_silu"))
-                                                for nm in ("rms_norm", "add_rms_norm_", "rope_", "silu_mul")})()
+            m.fused_ops = _Timed(m.fused_ops, acc, None, dict.fromkeys(
+                ("rms_norm", "add_rms_norm_", "rope_", "silu_mul"), "norms_rope_silu"), clock=clock)
 
     def prefill(n: int):
         t0 = clock()
@@ -88,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_tables=torch.tensor([table[:nb]], dtype=torch.int32),
                 slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(s, e)], dtype=torch.int64),
                 max_query_len=e - s, max_seq_len=e, query_start_loc_list=[0, e - s], seq_lens_list=[e])
-            logits = m.forward(ids[s:e], torch.arange(s, e), meta, r.kv_caches, be,
+            logits = m.forward(ids[s:e], torch.arange(s, e), meta, r.kv_caches, attend,
                                logits_indices=torch.tensor([e - s - 1]))
         return clock() - t0, logits
 
