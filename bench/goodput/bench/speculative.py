@@ -205,7 +205,8 @@ def llama_server_rows(workloads: dict[str, list[str]], a) -> dict:
         raise RuntimeError("llama-server is not built: run bench/setup_baselines.sh")
     gguf = bundled_model_path()
     tok = GGUFTokenizer(read_metadata(gguf)[0])  # the engine's own tokenizer: the same prompt ids
-    threads = a.threads or 2
+    import torch
+    threads = a.threads or torch.get_num_threads()  # as many as our engines use
     logs = tempfile.mkdtemp(prefix="spec-llama-")
     with contextlib.ExitStack() as stack:
         servers = {}
