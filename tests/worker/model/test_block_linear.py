@@ -149,3 +149,38 @@ def test_model_few_row_path_equals_its_float_path(dtype, tol):
         outs[name] = greedy_steps(runner, "The capital of France is", 6)
     assert outs["blocks"][0] == outs["float"][0]
     assert (outs["blocks"][1] - outs["float"][1]).abs().max().item() < tol
+
+
+def test_kernels_release_the_gil(mod):
+    """A kernel call lets other Python threads run (the server's event loop streams tokens and answers
+    /health while the engine thread sits in a kernel): while one long block_linear call runs in a
+    thread, this thread wakes every 2 ms and records the time. With the GIL held it could only run
+    in the few bytecodes between the recorded start and the kernel's entry (at most a couple of
+    wake-ups); released, it runs all through the call (~100 wake-ups on an idle machine)."""
+    import threading
+    import time
+    N, K, M = 4096, 4096, 256                                     # ~4 GMAC: ~0.4 s here
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    d = torch.full((N, K // 32), 0.01).half().float()
+    lin = BlockLinear.from_blocks("Q4_1", q, d, torch.zeros_like(d), mod)
+    x = torch.randn(M, K)
+    span: list[float] = []
+    started = threading.Event()
+
+    def call():
+        started.set()
+        span.append(time.perf_counter())
+        lin(x)                                                    # one call: no bytecode inside
+        span.append(time.perf_counter())
+
+    t = threading.Thread(target=call)
+    t.start()
+    started.wait()
+    seen = []
+    while t.is_alive():
+        seen.append(time.perf_counter())
+        time.sleep(0.002)
+    t.join()
+    assert len(span) == 2
+    inside = sum(1 for s in seen if span[0] < s < span[1])
+    assert inside >= 10, f"{inside} wake-ups in {span[1] - span[0]:.2f} s of kernel call: it holds the GIL"

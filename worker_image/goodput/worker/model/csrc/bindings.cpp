@@ -20,19 +20,24 @@ torch::Tensor block_linear(torch::Tensor x, int64_t kind, torch::Tensor codes, t
 bool block_linear_vectorized(std::string dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
+  // The kernels touch tensors only, never Python objects: each runs with the GIL released (the
+  // arguments are converted before and the result after), so the server's event loop (streaming,
+  // /health, metrics) keeps running during a long prefill-attention or linear call, as it does
+  // during torch's own ops.
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "paged decode attention over [num_blocks, block_size, KV, D] caches (float32/bfloat16)");
-  m.def("paged_prefill_attention", &paged_prefill_attention,
+  m.def("paged_prefill_attention", &paged_prefill_attention, nogil,
         "causal paged attention of one sequence's prefill chunk (bfloat16, brgemm tiles) into out");
   m.def("paged_prefill_supported", &paged_prefill_supported,
         "whether this CPU has ATen's packed bfloat16 brgemm (paged_prefill_attention's fast path)");
-  m.def("write_kv", &write_kv, "scatter new K/V rows into the paged caches at slot_mapping (< 0 skipped)");
-  m.def("rms_norm", &rms_norm, "RMSNorm(x) * w over rows, Hugging Face Llama numerics");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * w");
-  m.def("rope_", &rope_, "rotate-half RoPE in place on the first n_heads * d columns");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up for gu = gate || up");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, torch.max's rule (first index; NaN counts as the maximum)");
-  m.def("block_linear", &block_linear, "x @ W.T with W as a GGUF file's 4-bit (kind 0) / 8-bit (kind 1) blocks of 32 (block_linear.cpp layout)");
+  m.def("write_kv", &write_kv, nogil, "scatter new K/V rows into the paged caches at slot_mapping (< 0 skipped)");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm(x) * w over rows, Hugging Face Llama numerics");
+  m.def("add_rms_norm_", &add_rms_norm_, nogil, "x += delta in place, then RMSNorm(x) * w");
+  m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on the first n_heads * d columns");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up for gu = gate || up");
+  m.def("argmax_rows", &argmax_rows, nogil, "each row's argmax, torch.max's rule (first index; NaN counts as the maximum)");
+  m.def("block_linear", &block_linear, nogil, "x @ W.T with W as a GGUF file's 4-bit (kind 0) / 8-bit (kind 1) blocks of 32 (block_linear.cpp layout)");
   // module_local: each instruction-set level's build is its own module with its own DecodeStack; a
   // process that imports two of them (cpu_kernels --levels) must not register the type twice
   pybind11::class_<goodput::DecodeStack>(m, "DecodeStack", pybind11::module_local(),
