@@ -179,5 +179,22 @@ def test_the_workers_see_the_prefill_pods_coming_and_the_routers_fallbacks(rig):
     assert (p_obs.prefill_coming, p_obs.prefill_fallback, p_obs.router) == (0, 0.0, None)
 
 
+def test_a_deleted_service_is_forgotten_and_its_successor_starts_from_nothing(rig):
+    rig.script += [_decision(2, "Steady", limits={"w1": policy.Limits(8, 4)}, current=2),
+                   _decision(3, "ScaleUpGoodput", limits={"p1": policy.Limits(8, 4)})]
+    asyncio.run(rig.scaler.tick())
+    assert rig.scaler._prefill_coming == {("ns", "svc"): 2}                 # 3 ordered, 1 ready
+    assert {k[:2] for k in rig.scaler._prev} == {("ns", "svc")}
+    obj = rig.kube.obj
+    rig.kube.obj = {**obj, "metadata": {**obj["metadata"], "deletionTimestamp": "2026-12-05T00:00:00Z"}}
+    assert asyncio.run(rig.scaler.tick()) == {} and len(rig.calls) == 2   # not decided while deleted
+    assert rig.scaler._prefill_coming == {} and rig.scaler._prev == {} and rig.scaler._tokens == {}
+    rig.kube.obj = obj                                                     # created again, same name
+    rig.script += [_decision(2, "Steady", limits={"w1": policy.Limits(8, 4)}, current=2),
+                   _decision(1, "Steady", limits={"p1": policy.Limits(8, 4)})]
+    asyncio.run(rig.scaler.tick())
+    assert rig.calls[2][0].prefill_coming == 0                             # not the old service's 2
+
+
 async def _view(obs):
     return {("ns", "svc"): obs}

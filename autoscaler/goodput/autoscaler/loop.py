@@ -771,6 +771,7 @@ class Autoscaler:
             namespaces = sorted({o["metadata"]["namespace"] for o in todo})
             mine = await asyncio.to_thread(lambda: {ns for ns in namespaces if self.claims.owns(ns)})
             todo = [o for o in todo if o["metadata"]["namespace"] in mine]
+        self._forget_gone({(o["metadata"]["namespace"], o["metadata"]["name"]) for o in todo})
         results = await asyncio.gather(*(self.reconcile(o) for o in todo), return_exceptions=True)
         out = {}
         for o, r in zip(todo, results):
@@ -780,6 +781,15 @@ class Autoscaler:
             elif r is not None:
                 out[key] = r
         return out
+
+    def _forget_gone(self, live: set[tuple[str, str]]) -> None:
+        """Drop what the loop keeps per service (previous samples, prefill pods coming, admin
+        tokens) for every (namespace, name) not in ``live``: deleted, no longer autoscaled or no
+        longer ours. Nothing then grows with service churn, and a service created again under the
+        same name starts from nothing, not from its predecessor's last pass."""
+        self._prev = {k: v for k, v in self._prev.items() if k[:2] in live}
+        self._prefill_coming = {k: v for k, v in self._prefill_coming.items() if k in live}
+        self._tokens = {k: v for k, v in self._tokens.items() if k in live}
 
     async def reconcile(self, obj: Mapping[str, Any]) -> policy.Decision | None:
         """observe -> decide -> plan -> apply (apply skipped by ``dry_run``); the decision, or None
