@@ -418,3 +418,51 @@ def test_choose_replicas_during_a_short_spike():
     first = P.choose_replicas(0.0, o, fleet, caps, sz, f, win, 0.0, True, SPEC, st, cap(4000.0),
                               replace(head, short=False))
     assert (first.replicas, first.reason) == (6, "ScaleUpGoodput")
+
+
+# ------------------------------------------------- rule 2 during short spikes (rule 15)
+def tpot_hist(k: float) -> HistogramDelta:
+    """10 finished requests: k with TPOT in (50, 100] ms, 10 - k in (100, 200] ms. At the 100 ms
+    SLO the fraction met is k / 10; at tpot_margin 0.8 (80 ms), 0.6 k / 10 (interpolated: (80 - 50)
+    / 50 of the bucket); at tpot_fast_margin 0.5 (50 ms), 0."""
+    return HistogramDelta((0.05, 0.1, 0.2, INF), (0.0, k, 10.0, 10.0), 10.0, 0.08 * k + 0.15 * (10 - k))
+
+
+@pytest.mark.parametrize("k,short,kw,spec_kw,expected", [
+    (8, False, {}, {}, 48),        # 0.8 < 0.9: cut to floor(min(64, 64) * 0.75) = 48
+    (8, True, {}, {}, 64),         # short spikes: 0.8 >= min(0.9, 0.75) = 0.75, no cut; no growth
+                                   # either (at 80 ms 0.48 < 0.9, at 50 ms 0): 64
+    (7, True, {}, {}, 48),         # 0.7 < 0.75: a cut can pay, floor(64 * 0.75) = 48
+    (7, True, {"running": 40}, {}, 30),     # the batch that missed: floor(min(64, 40) * 0.75) = 30
+    (8, True, {"preempted": 1}, {}, 48),    # a preemption always cuts
+    (10, True, {}, {}, 64),        # 1.0 met, but 0.6 at 80 ms: no growth
+    (8, True, {}, {"batch_decrease": 0.95}, 60),   # min(0.9, 0.95) = 0.9: 0.8 cuts, floor(64 * 0.95) = 60
+])
+def test_cut_during_short_spikes(k, short, kw, spec_kw, expected):
+    p = pod(**{"running": 64, "tpot": tpot_hist(k), **kw})
+    assert P.tune_cap(p, 64, replace(SPEC, **spec_kw), short) == expected
+
+
+def test_spikes_were_short_reads_the_state_history():
+    # the previous calls: the short-spike history (60 s base, 60 s spike, 120 s base, ending at
+    # -60) and then 60 s of spike: the last horizon (60 s: the newest 12 calls) is left out, the
+    # 240 s before it hold a spike of one horizon: r2 - 1 = 0.33636 <= 0.541667 * 1.12076 (see
+    # test_short_spikes_from_a_given_series with 5 s calls): short
+    short = calls((12, False), (12, True), (24, False), start=-300.0) + calls((12, True), start=-60.0)
+    st = PolicyState(work_history=[list(e) for e in short])
+    assert P.last_horizon(short, 60.0) == (12, 60.0, 240000.0)
+    assert P.spikes_were_short(st, SPEC) is True
+    # a 120 s spike before the last horizon: not short
+    long = calls((12, False), (24, True), (12, False), start=-300.0) + calls((12, True), start=-60.0)
+    assert P.spikes_were_short(PolicyState(work_history=[list(e) for e in long]), SPEC) is False
+    # a measured load of 120 s: the last horizon is 24 calls, the 180 s before it are under two
+    # horizons (237.6 s): nothing to judge
+    assert P.spikes_were_short(replace(st, load_s=120.0), SPEC) is False
+    # the headroom off, or no history: never short
+    assert P.spikes_were_short(st, replace(SPEC, headroom_window_s=0.0)) is False
+    assert P.spikes_were_short(PolicyState(), SPEC) is False
+    # tune_batch_caps reads it: a pod at 0.8 TPOT attainment holds 64 after short spikes, else 48
+    o = obs(pod(running=64, tpot=tpot_hist(8)))
+    assert P.tune_batch_caps(o, SPEC, replace(st, caps={"a": 64})).caps == {"a": 64}
+    assert P.tune_batch_caps(o, SPEC, PolicyState(caps={"a": 64}, work_history=[list(e) for e in long])).caps \
+        == {"a": 48}

@@ -43,7 +43,23 @@ How each rule follows from the ideas it rests on:
    extrapolated from the KV per running request, reaches ``kv_target``. Otherwise it stays (too
    little evidence moves nothing). A new replica starts at the fleet's
    median learned cap (or at the batch it was ordered with, if larger: rule 4), so what one
-   replica learned is not re-learned.
+   replica learned is not re-learned. While the window's spikes are short (rule 15,
+   :func:`spikes_were_short`: they ended before capacity ordered for them could be ready), a TPOT
+   miss cuts only below ``min(attainment_target, batch_decrease)`` of TPOT attainment
+   (preemptions still always cut). Why:
+   a cut to ``batch_decrease`` (d) times the batch lowers what the pod admits to about d of it (a
+   request holds its slot for its whole decode, so at a given step time the completions are
+   proportional to the batch; a smaller batch shortens a step only by its decode tokens, and in
+   a spike most steps carry a full prefill chunk of the spike's arrivals), so its goodput after
+   the cut is at most about d of what it admits now even if every request then meets its TPOT:
+   from a TPOT attainment m >= d the cut loses goodput (d x 1 <= m). Outside short spikes the cut
+   is still worth it, because the capacity it gives up comes back as replicas (the refusals it
+   causes are rule 3's evidence, the smaller batch its Little's law), ready a model load later;
+   during a spike that ends within a model load they come after it. Measured (h200, two-class,
+   whose interactive class has a 50 ms TPOT that a step with a 512-token chunk, ~96 ms, misses):
+   of the second burst's 1,769 requests (450-510 s) its 7 replicas met 1,108 (0.626) cutting
+   below 0.9 and 1,242 (0.702) cutting below 0.75; attainment 0.680 -> 0.701 at the same 0.979
+   replica-hours (frontier 0.665; with 5 % metric noise 0.665 -> 0.691).
 
 3. Size from demand in flight (Little's law). The concurrency the fleet must carry is
    ``L = max(running + waiting now, offered_rps * service_s)`` with
@@ -240,7 +256,9 @@ How each rule follows from the ideas it rests on:
    during the spike under way is ready after it ends and can only serve a later one, which needs the
    window's spike work at the measured full-step capacity: a scale-up goes no further than
    ``max(current, ceil(ratio x mean work / (estimate x cap_scale)))`` (reason HoldShortSpike when
-   that is ``current``). The first spike of a window is left to the scale-up rules. Window
+   that is ``current``), and rule 2 cuts a batch only from a TPOT attainment below
+   ``batch_decrease`` (the batch a cut gives up cannot come back as replicas before the spike
+   ends). The first spike of a window is left to the scale-up rules. Window
    ``headroom_window_s`` 1800 s (0: off; off, the history still covers the stabilization window
    and the survivors' work is judged on the last horizon's mean, not on the noisy level).
    Measured (h200, 60 s load): long-prompt 0.849 attainment at 0.822 replica-hours (off: 0.849
@@ -693,12 +711,17 @@ def strictest_tpot(p: PodObservation, spec: PolicySpec) -> float:
     return min(present) if present else spec.slo_tpot_s
 
 
-def tune_cap(p: PodObservation, cap: int, spec: PolicySpec) -> int:
-    """Rule 2 (AIMD on the best batch) for one pod: the cap after this interval's evidence."""
+def tune_cap(p: PodObservation, cap: int, spec: PolicySpec, short: bool = False) -> int:
+    """Rule 2 (AIMD on the best batch) for one pod: the cap after this interval's evidence.
+    ``short``: the window's spikes are short (:func:`spikes_were_short`); a TPOT miss then cuts
+    only below ``min(attainment_target, batch_decrease)`` of TPOT attainment (a cut by d can raise
+    the goodput only from below d, and the capacity it gives up cannot come back as replicas
+    before the spike ends)."""
     if p.interval_s <= 0 or p.tpot is None:
         return cap
     tpot_ok = tpot_met(p, spec)
-    if p.preempted > 0 or (tpot_ok is not None and tpot_ok < spec.attainment_target):
+    cut_below = min(spec.attainment_target, spec.batch_decrease) if short else spec.attainment_target
+    if p.preempted > 0 or (tpot_ok is not None and tpot_ok < cut_below):
         base = min(cap, max(p.running, spec.min_num_seqs))
         return max(spec.min_num_seqs, min(cap - 1, math.floor(base * spec.batch_decrease)))
     if p.running < cap or p.kv_usage >= spec.kv_target:
@@ -788,7 +811,9 @@ def prefill_relief(obs: Observation, st: PolicyState) -> bool:
 
 
 def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> BatchCaps:
-    """Phase 1: each ready pod's best batch (rule 2) and the batch it is sized with (rule 4)."""
+    """Phase 1: each ready pod's best batch (rule 2; a TPOT miss cuts less readily while the
+    window's spikes are short, :func:`spikes_were_short`) and the batch it is sized with (rule 4)."""
+    short = spikes_were_short(st, spec)
     n_ready = len(obs.ready)
     coming = len(obs.starting) + max(0, obs.current_replicas - n_ready - len(obs.unreachable)
                                      - len(obs.starting))
@@ -810,7 +835,7 @@ def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> Batc
             start = max(start, plan_cap)
         if relieved:
             start = max(start, relieved)
-        caps[p.name] = tune_cap(p, max(spec.min_num_seqs, min(spec.max_num_seqs, start)), spec)
+        caps[p.name] = tune_cap(p, max(spec.min_num_seqs, min(spec.max_num_seqs, start)), spec, short)
     for name in obs.unreachable:
         if name in st.caps:
             caps[name] = st.caps[name]
@@ -1302,6 +1327,30 @@ def short_spikes(history: typing.Sequence[typing.Sequence[float]], horizon_s: fl
     return r1 > 1 and r2 - 1 <= frac * (r1 - 1) + 1e-12
 
 
+def last_horizon(history: typing.Sequence[typing.Sequence[float]], horizon_s: float) -> tuple[int, float, float]:
+    """Rule 15: ``(calls, seconds, tokens)`` of the newest calls of a work history (as
+    :func:`peak_to_mean` reads it) that first span 0.99 of ``horizon_s`` (all of it when shorter)."""
+    secs = work = 0.0
+    n = 0
+    for e in reversed(history):
+        if secs >= horizon_s * 0.99:
+            break
+        secs, work, n = secs + e[1], work + e[2], n + 1
+    return n, secs, work
+
+
+def spikes_were_short(st: PolicyState, spec: PolicySpec) -> bool:
+    """Rule 2 and 15: did the previous call's spike headroom see short spikes (:attr:`Headroom.short`)?
+    From the work history in the state: :func:`short_spikes` of its calls before the last horizon
+    (``st.load_s``, ``model_load_s`` until one is measured); False with the headroom off."""
+    if spec.headroom_window_s <= 0:
+        return False
+    horizon = st.load_s if st.load_s > 0 else spec.model_load_s
+    hist = st.work_history
+    n = last_horizon(hist, horizon)[0]
+    return short_spikes(hist[:len(hist) - n], horizon)
+
+
 def headroom(now: float, dt: float, fleet: Fleet, fc: Forecast, metrics_ok: bool, spec: PolicySpec,
              st: PolicyState) -> Headroom:
     """Phase 4b: the offered work's recent history and the spike headroom (rule 15). Each call
@@ -1316,12 +1365,7 @@ def headroom(now: float, dt: float, fleet: Fleet, fc: Forecast, metrics_ok: bool
         prompt = fleet.prompt_mean if fleet.prompt_mean is not None else fc.prompt_level
         hist.append((now, dt, fleet.offered_rps * dt * (prompt + fc.output_level), fleet.offered_rps * dt))
     ratio, mean_w, mean_n = peak_to_mean(hist, fc.horizon_s)
-    secs = work = 0.0
-    n = 0
-    for e in reversed(hist):            # the last horizon
-        if secs >= fc.horizon_s * 0.99:
-            break
-        secs, work, n = secs + e[1], work + e[2], n + 1
+    n, secs, work = last_horizon(hist, fc.horizon_s)
     return Headroom(ratio if spec.headroom_window_s > 0 else 1.0, mean_w, mean_n, tuple(hist),
                     sum(e[1] for e in hist) >= fc.horizon_s * 0.99, work / secs if secs > 0 else 0.0,
                     spec.headroom_window_s > 0 and short_spikes(hist[:len(hist) - n], fc.horizon_s))
@@ -1733,6 +1777,6 @@ __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation
            "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
            "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "prefill_size", "prefill_relief", "peak_to_mean", "headroom",
-           "SPIKE_NOISE_SD", "SHORT_SPIKE", "short_spikes", "short_spike_limit",
+           "SPIKE_NOISE_SD", "SHORT_SPIKE", "short_spikes", "short_spike_limit", "last_horizon", "spikes_were_short",
            "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]
