@@ -309,6 +309,51 @@ def test_refine_capacity_bisects_inside_the_sweep_step(monkeypatch):
     assert made == [("long-context", 7, x) for x, _ in runs]
 
 
+def test_capacity_sweep_stops_a_fleet_at_its_first_miss(monkeypatch):
+    # attainment by fleet at rates 1, 2, 3, 4: colocated 1.0, 0.8 (miss at 2), then not run;
+    # 1:1 1.0, 0.95, 0.85 (miss at 3), then not run. Capacities as without stopping:
+    # colocated 1 + (1.0 - 0.9) / (1.0 - 0.8) = 1.5; 1:1 2 + (0.95 - 0.9) / (0.95 - 0.85) = 2.5
+    att = {(0, 2): [1.0, 0.8, 0.7, 0.6], (1, 1): [1.0, 0.95, 0.85, 0.95]}
+    ran = []
+
+    def fake_run(rate, hw, prefill, decode, link=None, *, threshold=0.0, **kw):
+        ran.append((prefill, decode, rate))
+        r = pd.PDResult("x", prefill, decode, "rdma", threshold, 100, 0, 0, 0, 600.0)
+        r.slo_met = round(100 * att[(prefill, decode)][int(rate) - 1])
+        return r
+
+    monkeypatch.setattr(pd, "make_trace", lambda name, seed, hardware, duration, rate: rate)
+    monkeypatch.setattr(pd, "simulate_pd", fake_run)
+    c = pd.capacity_sweep("long-context", HW, 2, [1.0, 2.0, 3.0, 4.0], stop_at_miss=True)
+    assert sorted(ran) == [(0, 2, 1.0), (0, 2, 2.0), (1, 1, 1.0), (1, 1, 2.0), (1, 1, 3.0)]
+    assert [r is None for r in c.colocated] == [False, False, True, True]
+    assert [r is None for r in c.splits[(1, 1)]] == [False, False, False, True]
+    caps = c.capacities()
+    assert caps["colocated"] == (pytest.approx(1.5), True) and caps["1:1"] == (pytest.approx(2.5), True)
+    assert c.bracket("colocated") == (1.0, 2.0) and c.bracket("1:1") == (2.0, 3.0)
+    table = pd.capacity_table([c], HW, pd.RDMA, 600.0)
+    assert "| 4 | - | - |" in table and "| 3 | - | 0.142 / 0.850 |" in table   # 85 met / 600 s
+
+
+def test_run_fleet_gives_each_pool_its_budget(monkeypatch):
+    # colocated: every replica's step budget is budgets.colocated (the hardware's replaced); P/D:
+    # the prefill pool's is budgets.prefill, the decode pool keeps the hardware's
+    calls = []
+
+    def fake_run(tr, hw, prefill, decode, link=None, *, threshold=0.0, prefill_max_batched_tokens=None):
+        calls.append((hw.max_num_batched_tokens, prefill, decode, threshold, prefill_max_batched_tokens))
+
+    monkeypatch.setattr(pd, "simulate_pd", fake_run)
+    b = pd.Budgets(colocated=2048, prefill=4096)
+    pd.run_fleet(None, HW, 0, 4, pd.RDMA, 0.0, b)
+    pd.run_fleet(None, HW, 3, 1, pd.RDMA, 0.0, b)
+    pd.run_fleet(None, HW, 0, 4, pd.RDMA, 0.0)
+    pd.run_fleet(None, HW, 3, 1, pd.RDMA, 0.0)
+    assert calls == [(2048, 0, 4, math.inf, None), (512, 3, 1, 0.0, 4096), (512, 0, 4, math.inf, None),
+                     (512, 3, 1, 0.0, None)]
+    assert b.label() == "-colocated2048-prefill4096" and pd.Budgets().label() == ""
+
+
 def test_cli_capacity_bisects(tmp_path):
     rc = sim.main(["--pd", "--trace", "long-context", "--duration", "15", "--capacity", "1,4", "--pd-sizes", "2",
                    "--pd-links", "rdma", "--pd-thresholds", "0", "--capacity-tol", "1", "--out-dir", str(tmp_path)])
