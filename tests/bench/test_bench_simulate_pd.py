@@ -250,9 +250,10 @@ def test_autoscaled_fleet_serves_every_request_once_and_loads_its_new_pods():
     tr = sim.make_trace("long-context", duration=120.0)
     r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
     # each request finished once or refused once; while the prefill pool loads, its one pod bounds
-    # its queue by its prefill time (rule 18) and the decode pod prefills what it refuses
+    # its queue by its prefill time (rule 18) and the router refuses what it refuses (prefill pods
+    # are coming: prefill_deferred) rather than have the decode pod prefill it
     assert len(set(r.finished_ids)) == len(r.finished_ids) == r.finished
-    assert r.finished + r.rejected == len(tr) and 0 < r.remote < len(tr) and r.decode_prefill_tokens > 0
+    assert r.finished + r.rejected == len(tr) and 0 < r.remote < len(tr) and 0 < r.deferred <= r.rejected
     # one prefill replica cannot carry 3 req/s of ~4k-token prompts: the prefill pool grows; what is
     # ordered at t is ready from t + 30 s, never before
     assert max(e[1] for e in r.timeline) > 1
@@ -282,6 +283,34 @@ def test_a_prefill_pod_that_refuses_leaves_the_prefill_to_the_decode_pod():
                        max_num_seqs=1, max_waiting=1)
     assert (r.offered, r.finished, r.remote, r.rejected) == (3, 3, 2, 0)
     assert r.decode_prefill_tokens == 100
+
+
+class FixedOrder:
+    """A stand-in for a pool's autoscaler: every tick asks for ``spec`` replicas, no limits."""
+
+    def __init__(self, spec, period_s):
+        self.spec, self.reasons = spec, {}
+
+    def tick(self, now, obs):
+        return self.spec, None
+
+
+@pytest.mark.parametrize("defer, rejected, deferred, local_tokens", [(True, 1, 1, 100), (False, 0, 0, 200)])
+def test_a_full_prefill_pod_defers_while_more_are_loading(monkeypatch, defer, rejected, deferred, local_tokens):
+    # 1:1 at 0, one running and one waiting per pod at most; the tick at 5 s orders a second prefill
+    # pod (ready at 65 s). Three 100-token prompts at t = 1: nothing is coming, the prefill pod
+    # runs one, queues one and refuses the third, which the decode pod prefills (100 tokens there).
+    # Three more at t = 6 (the first three are done by then): the third is refused again, now with
+    # a prefill pod coming, so the router defers it (429: rejected, not prefilled on the decode
+    # pod); with defer_full=False the decode pod prefills it as before (200 tokens there)
+    monkeypatch.setattr(pd, "GoodputPolicy", FixedOrder)
+    auto = pd.PDAutoscale(prefill_spec=2, decode_spec=1, initial=(1, 1), load_time_s=60.0, period_s=5.0)
+    tr = trace_of([1.0] * 3 + [6.0] * 3, [100] * 6, [2] * 6)
+    r = pd.simulate_pd(tr, HW, 0, 1, LINK, threshold=0, max_num_seqs=1, max_waiting=1, autoscale=auto,
+                       defer_full=defer)
+    assert (r.offered, r.rejected, r.deferred, r.remote) == (6, rejected, deferred, 4)
+    assert r.finished == 6 - rejected and r.decode_prefill_tokens == local_tokens
+    assert r.timeline[1][1:3] == (2, 1)    # at 5 s: 2 prefill pods ordered, 1 ready
 
 
 def test_refine_capacity_bisects_inside_the_sweep_step(monkeypatch):
@@ -366,12 +395,14 @@ def test_cli_capacity_bisects(tmp_path):
 
 def test_the_decode_pool_holds_while_the_prefill_pool_loads():
     # rule 19 in the simulator: the one prefill pod refuses what it cannot start in time, the decode
-    # pod prefills it (the router's prefill_failed, counted as the decode pool's prefill_fallback);
+    # pod prefills it (the router's prefill_failed, counted as the decode pool's prefill_fallback;
+    # a router that does not defer, defer_full=False, as while no prefill pod is Ready at all);
     # the decode pool holds (HoldPrefillStarting) instead of ordering pods for that work, and never
     # orders while prefill pods are loading
     h200 = sim.h200_step_time()
     tr = sim.make_trace("long-context", duration=120.0)
-    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
+    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0),
+                       defer_full=False)
     assert r.reasons["decode"].get("HoldPrefillStarting", 0) > 0 and r.decode_prefill_tokens > 0
     prev_d = 1
     for t, p_set, p_ready, d_set, d_ready in r.timeline:

@@ -25,7 +25,10 @@ serving):
    request is prefilled remotely (step 2); otherwise the decode replica serves it whole, prompt
    chunks mixed with its decodes (colocated serving on that replica).
 2. remote prefill: the least-loaded prefill replica runs the prompt (``max_tokens = 1``: its
-   step that completes the prompt samples the first token).
+   step that completes the prompt samples the first token). When it refuses the prompt (its
+   queue is full), the router's rule applies (``goodput.router.disagg.defer_when_full``): with
+   prefill replicas ordered and not ready yet (autoscaled fleets) the request is refused (429,
+   ``prefill_deferred``); otherwise the decode replica serves it whole (``prefill_failed``).
 3. the prompt's KV (all its tokens, :func:`kv_bytes`) goes over the prefill replica's link
    (:class:`Link`; transfers out of one prefill replica are sent one at a time, in order; the
    decode side's NIC is not modelled).
@@ -63,6 +66,7 @@ from dataclasses import dataclass, field, replace
 
 from goodput.api.policy import PolicySpec
 from goodput.autoscaler.policy import Limits
+from goodput.router.disagg import defer_when_full
 from goodput.bench.simulate import (HARDWARE, GoodputPolicy, Replica, SloRates, StepTime, Trace, make_trace,
                                     pool_observation, scale_in, set_limits)
 from goodput.worker.engine.block_manager import BlockManager
@@ -175,6 +179,7 @@ class PDResult(SloRates):
     rejected: int
     duration: float
     remote: int = 0                      # requests prefilled on a prefill replica
+    deferred: int = 0                    # refused by the router: prefill pool full and growing
     decode_prefill_tokens: int = 0       # prompt tokens computed by decode replicas
     transfer_s: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
@@ -193,6 +198,7 @@ class PDResult(SloRates):
         return {"prefill": self.prefill, "decode": self.decode, "link": self.link,
                 "threshold": None if math.isinf(self.threshold) else self.threshold,
                 "goodput_rps": round(self.goodput_rps, 4), "attainment": round(self.attainment, 4),
+                "deferred": self.deferred,
                 "replica_hours": round(self.replica_hours, 4),
                 "ttft_p90_s": round(pct(self.ttft, 0.9), 4), "tpot_p90_s": round(pct(self.tpot, 0.9), 4),
                 "offered": self.offered, "finished": self.finished, "rejected": self.rejected,
@@ -284,7 +290,7 @@ class _Pool:
 def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Link = RDMA, *,
                 threshold: float = 0.0, max_num_seqs: int = 64, max_waiting: int = 256,
                 prefill_max_batched_tokens: int | None = None,
-                autoscale: PDAutoscale | None = None) -> PDResult:
+                autoscale: PDAutoscale | None = None, defer_full: bool = True) -> PDResult:
     """``trace`` on ``prefill`` prefill and ``decode`` decode replicas, all ready at 0 (see the
     module doc); deterministic.
 
@@ -296,6 +302,11 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     autoscale: both pools sized by the autoscaler (:class:`PDAutoscale`; ``prefill``/``decode``
         are then ignored for its ``initial``). With no ready prefill replica a request is
         prefilled where it decodes (the router's ``no_prefill_pod``).
+    defer_full: the router's rule when the prefill replica picked refuses a prompt (its queue is
+        full): with prefill replicas ordered and not ready (autoscaled only), the request is
+        refused (``goodput.router.disagg.defer_when_full``: ``prefill_deferred``, counted in
+        ``rejected`` and ``deferred``); otherwise, or with ``defer_full=False``, the decode
+        replica prefills it (``prefill_failed``).
     """
     if autoscale is not None:
         prefill, decode = autoscale.initial
@@ -320,6 +331,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     # requests the decode pods prefilled because no prefill pod was ready or it refused (the
     # router's no_prefill_pod and prefill_failed): [total, total at the last tick]
     fallback = [0, 0]
+    defer = defer_full
 
     def new_pod(pool: _Pool, now: float, ready: bool) -> Replica:
         i = len(pool.pods)
@@ -464,12 +476,15 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         pending[id(dst)] += 1
         res.remote += 1
         pre = Request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=now)
-        if not admit(src, pre, now):           # the prefill pod refused it (429): the router's
-            remote.pop(rid)                    # prefill_failed, the decode pod prefills it itself
+        if not admit(src, pre, now):           # the prefill pod refused it (429)
+            remote.pop(rid)
             pending[id(dst)] -= 1
             res.remote -= 1
-            res.rejected -= 1
-            fallback[0] += 1
+            if defer and defer_when_full(len(pres), max(0, ppool.replicas - len(pres))):
+                res.deferred += 1              # the router's prefill_deferred: refused (429), counted
+                return                         # in res.rejected by the failed admission
+            res.rejected -= 1                  # the router's prefill_failed: the decode pod prefills
+            fallback[0] += 1                   # it itself
             admit(dst, full, now)
 
     def scale(pool: _Pool, desired: int, now: float) -> None:
@@ -656,9 +671,11 @@ class AutoComparison:
 
 
 def compare_auto(trace: Trace, hw: StepTime, spec: PDAutoscale, n_max: int = 8, link: Link = RDMA,
-                 threshold: float = 0.0, progress: bool = False, target: float = 0.9) -> AutoComparison:
-    """The autoscaled run (``spec``) and every fixed split of at most ``n_max`` replicas."""
-    auto = simulate_pd(trace, hw, 0, 1, link, threshold=threshold, autoscale=spec)
+                 threshold: float = 0.0, progress: bool = False, target: float = 0.9,
+                 defer_full: bool = True) -> AutoComparison:
+    """The autoscaled run (``spec``; ``defer_full``: :func:`simulate_pd`'s) and every fixed split of
+    at most ``n_max`` replicas."""
+    auto = simulate_pd(trace, hw, 0, 1, link, threshold=threshold, autoscale=spec, defer_full=defer_full)
     fixed = []
     for p, d in splits_upto(n_max):
         fixed.append(simulate_pd(trace, hw, p, d, link, threshold=threshold))
@@ -693,7 +710,8 @@ def auto_table(c: AutoComparison) -> str:
     def row(label: str, r: PDResult) -> str:
         return (f"| {label} | {r.goodput_rps:.3f} | {r.attainment:.3f} | {r.replica_hours:.3f} "
                 f"({r.prefill_hours:.3f} + {r.decode_hours:.3f}) | {pct(r.ttft, 0.9):.2f} "
-                f"| {pct(r.tpot, 0.9) * 1000:.1f} | {r.rejected} |")
+                f"| {pct(r.tpot, 0.9) * 1000:.1f} | {r.rejected}"
+                + (f" ({r.deferred} deferred)" if r.deferred else "") + " |")
 
     lines.append(row("autoscaled", a))
     lines.append(row(f"hindsight-best split {b.prefill}:{b.decode}", b))
@@ -1077,6 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto-bounds", default="1:8,1:8",
                     help="--auto: prefill pool min:max, decode pool min:max replicas")
     ap.add_argument("--load-time", type=float, default=60.0, help="--auto: model load seconds")
+    ap.add_argument("--no-defer", action="store_true",
+                    help="--auto: the router never defers (429) a prompt the full prefill pool refuses while "
+                         "prefill pods load; the decode pod prefills it (goodput.router.disagg.defer_when_full)")
     ap.add_argument("--capacity", metavar="R1,R2,...",
                     help="rate sweep at each N of --pd-sizes: colocated and every split, the highest rate "
                          "each sustains at --target attainment: pd-capacity-<trace>-<hardware>.md/.json")
@@ -1131,7 +1152,8 @@ def _main_auto_capacity(args: argparse.Namespace, argv: list[str] | None) -> int
         initial = tuple(int(x) for x in args.auto_initial.split(":"))
         spec = pd_autoscale(trace, prefill_replicas=(p_lo, p_hi), decode_replicas=(d_lo, d_hi),
                             initial=initial, load_time_s=args.load_time)
-        c = compare_auto(trace, hw, spec, args.pd_max_n, link, th, args.progress, args.target)
+        c = compare_auto(trace, hw, spec, args.pd_max_n, link, th, args.progress, args.target,
+                         defer_full=not args.no_defer)
         table = auto_table(c)
         print(table)
         _write(args.out_dir, f"pd-auto-{tname}-{args.hardware}", argv, table, auto_json(c))
