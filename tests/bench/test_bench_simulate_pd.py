@@ -250,9 +250,10 @@ def test_autoscaled_fleet_serves_every_request_once_and_loads_its_new_pods():
     tr = sim.make_trace("long-context", duration=120.0)
     r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
     # each request finished once or refused once; while the prefill pool loads, its one pod bounds
-    # its queue by its prefill time (rule 18) and the decode pod prefills what it refuses
+    # its queue by its prefill time (rule 18) and the router refuses what it refuses (prefill pods
+    # are coming: prefill_deferred) rather than have the decode pod prefill it
     assert len(set(r.finished_ids)) == len(r.finished_ids) == r.finished
-    assert r.finished + r.rejected == len(tr) and 0 < r.remote < len(tr) and r.decode_prefill_tokens > 0
+    assert r.finished + r.rejected == len(tr) and 0 < r.remote < len(tr) and 0 < r.deferred <= r.rejected
     # one prefill replica cannot carry 3 req/s of ~4k-token prompts: the prefill pool grows; what is
     # ordered at t is ready from t + 30 s, never before
     assert max(e[1] for e in r.timeline) > 1
@@ -284,6 +285,34 @@ def test_a_prefill_pod_that_refuses_leaves_the_prefill_to_the_decode_pod():
     assert r.decode_prefill_tokens == 100
 
 
+class FixedOrder:
+    """A stand-in for a pool's autoscaler: every tick asks for ``spec`` replicas, no limits."""
+
+    def __init__(self, spec, period_s):
+        self.spec, self.reasons = spec, {}
+
+    def tick(self, now, obs):
+        return self.spec, None
+
+
+@pytest.mark.parametrize("defer, rejected, deferred, local_tokens", [(True, 1, 1, 100), (False, 0, 0, 200)])
+def test_a_full_prefill_pod_defers_while_more_are_loading(monkeypatch, defer, rejected, deferred, local_tokens):
+    # 1:1 at 0, one running and one waiting per pod at most; the tick at 5 s orders a second prefill
+    # pod (ready at 65 s). Three 100-token prompts at t = 1: nothing is coming, the prefill pod
+    # runs one, queues one and refuses the third, which the decode pod prefills (100 tokens there).
+    # Three more at t = 6 (the first three are done by then): the third is refused again, now with
+    # a prefill pod coming, so the router defers it (429: rejected, not prefilled on the decode
+    # pod); with defer_full=False the decode pod prefills it as before (200 tokens there)
+    monkeypatch.setattr(pd, "GoodputPolicy", FixedOrder)
+    auto = pd.PDAutoscale(prefill_spec=2, decode_spec=1, initial=(1, 1), load_time_s=60.0, period_s=5.0)
+    tr = trace_of([1.0] * 3 + [6.0] * 3, [100] * 6, [2] * 6)
+    r = pd.simulate_pd(tr, HW, 0, 1, LINK, threshold=0, max_num_seqs=1, max_waiting=1, autoscale=auto,
+                       defer_full=defer)
+    assert (r.offered, r.rejected, r.deferred, r.remote) == (6, rejected, deferred, 4)
+    assert r.finished == 6 - rejected and r.decode_prefill_tokens == local_tokens
+    assert r.timeline[1][1:3] == (2, 1)    # at 5 s: 2 prefill pods ordered, 1 ready
+
+
 def test_refine_capacity_bisects_inside_the_sweep_step(monkeypatch):
     # attainment falls linearly from 1.0 at 2 req/s to 0.8 at 2.5: it is 0.9 at 2.25. Bisecting
     # [2, 2.5] to 0.05: 2.25 (0.9, sustains) -> 2.375 (0.85) -> 2.3125 (0.875) -> 2.28125 (0.8875):
@@ -309,6 +338,51 @@ def test_refine_capacity_bisects_inside_the_sweep_step(monkeypatch):
     assert made == [("long-context", 7, x) for x, _ in runs]
 
 
+def test_capacity_sweep_stops_a_fleet_at_its_first_miss(monkeypatch):
+    # attainment by fleet at rates 1, 2, 3, 4: colocated 1.0, 0.8 (miss at 2), then not run;
+    # 1:1 1.0, 0.95, 0.85 (miss at 3), then not run. Capacities as without stopping:
+    # colocated 1 + (1.0 - 0.9) / (1.0 - 0.8) = 1.5; 1:1 2 + (0.95 - 0.9) / (0.95 - 0.85) = 2.5
+    att = {(0, 2): [1.0, 0.8, 0.7, 0.6], (1, 1): [1.0, 0.95, 0.85, 0.95]}
+    ran = []
+
+    def fake_run(rate, hw, prefill, decode, link=None, *, threshold=0.0, **kw):
+        ran.append((prefill, decode, rate))
+        r = pd.PDResult("x", prefill, decode, "rdma", threshold, 100, 0, 0, 0, 600.0)
+        r.slo_met = round(100 * att[(prefill, decode)][int(rate) - 1])
+        return r
+
+    monkeypatch.setattr(pd, "make_trace", lambda name, seed, hardware, duration, rate: rate)
+    monkeypatch.setattr(pd, "simulate_pd", fake_run)
+    c = pd.capacity_sweep("long-context", HW, 2, [1.0, 2.0, 3.0, 4.0], stop_at_miss=True)
+    assert sorted(ran) == [(0, 2, 1.0), (0, 2, 2.0), (1, 1, 1.0), (1, 1, 2.0), (1, 1, 3.0)]
+    assert [r is None for r in c.colocated] == [False, False, True, True]
+    assert [r is None for r in c.splits[(1, 1)]] == [False, False, False, True]
+    caps = c.capacities()
+    assert caps["colocated"] == (pytest.approx(1.5), True) and caps["1:1"] == (pytest.approx(2.5), True)
+    assert c.bracket("colocated") == (1.0, 2.0) and c.bracket("1:1") == (2.0, 3.0)
+    table = pd.capacity_table([c], HW, pd.RDMA, 600.0)
+    assert "| 4 | - | - |" in table and "| 3 | - | 0.142 / 0.850 |" in table   # 85 met / 600 s
+
+
+def test_run_fleet_gives_each_pool_its_budget(monkeypatch):
+    # colocated: every replica's step budget is budgets.colocated (the hardware's replaced); P/D:
+    # the prefill pool's is budgets.prefill, the decode pool keeps the hardware's
+    calls = []
+
+    def fake_run(tr, hw, prefill, decode, link=None, *, threshold=0.0, prefill_max_batched_tokens=None):
+        calls.append((hw.max_num_batched_tokens, prefill, decode, threshold, prefill_max_batched_tokens))
+
+    monkeypatch.setattr(pd, "simulate_pd", fake_run)
+    b = pd.Budgets(colocated=2048, prefill=4096)
+    pd.run_fleet(None, HW, 0, 4, pd.RDMA, 0.0, b)
+    pd.run_fleet(None, HW, 3, 1, pd.RDMA, 0.0, b)
+    pd.run_fleet(None, HW, 0, 4, pd.RDMA, 0.0)
+    pd.run_fleet(None, HW, 3, 1, pd.RDMA, 0.0)
+    assert calls == [(2048, 0, 4, math.inf, None), (512, 3, 1, 0.0, 4096), (512, 0, 4, math.inf, None),
+                     (512, 3, 1, 0.0, None)]
+    assert b.label() == "-colocated2048-prefill4096" and pd.Budgets().label() == ""
+
+
 def test_cli_capacity_bisects(tmp_path):
     rc = sim.main(["--pd", "--trace", "long-context", "--duration", "15", "--capacity", "1,4", "--pd-sizes", "2",
                    "--pd-links", "rdma", "--pd-thresholds", "0", "--capacity-tol", "1", "--out-dir", str(tmp_path)])
@@ -321,12 +395,14 @@ def test_cli_capacity_bisects(tmp_path):
 
 def test_the_decode_pool_holds_while_the_prefill_pool_loads():
     # rule 19 in the simulator: the one prefill pod refuses what it cannot start in time, the decode
-    # pod prefills it (the router's prefill_failed, counted as the decode pool's prefill_fallback);
+    # pod prefills it (the router's prefill_failed, counted as the decode pool's prefill_fallback;
+    # a router that does not defer, defer_full=False, as while no prefill pod is Ready at all);
     # the decode pool holds (HoldPrefillStarting) instead of ordering pods for that work, and never
     # orders while prefill pods are loading
     h200 = sim.h200_step_time()
     tr = sim.make_trace("long-context", duration=120.0)
-    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0))
+    r = pd.simulate_pd(tr, h200, 0, 1, pd.RDMA, threshold=0, autoscale=pd.pd_autoscale(tr, load_time_s=30.0),
+                       defer_full=False)
     assert r.reasons["decode"].get("HoldPrefillStarting", 0) > 0 and r.decode_prefill_tokens > 0
     prev_d = 1
     for t, p_set, p_ready, d_set, d_ready in r.timeline:

@@ -301,3 +301,20 @@ def test_service_info_carries_each_slo_class_band(slo, want):
     if slo is not None:
         obj["spec"]["slo"] = slo
     assert service_info(obj).slo_ranks == want
+
+
+@pytest.mark.parametrize("status, want", [
+    (None, 0),
+    ({}, 0),
+    ({"pools": None}, 0),
+    ({"pools": {"prefill": {"desiredReplicas": 4, "replicas": 4, "readyReplicas": 1}}}, 3),   # 4 ordered, 1 Ready
+    ({"pools": {"prefill": {"desiredReplicas": 2, "replicas": 3, "readyReplicas": 3}}}, 0),   # scaling in: none coming
+    ({"pools": {"prefill": {"desiredReplicas": 2}}}, 2),                                      # readyReplicas absent: 0
+    ({"pools": {"prefill": {"desiredReplicas": "2", "readyReplicas": 0}}}, 0),                # not an integer
+    ({"pools": {"prefill": {"desiredReplicas": True, "readyReplicas": 0}}}, 0),
+])
+def test_service_info_carries_the_prefill_pods_coming(status, want):
+    obj = isvc()
+    if status is not None:
+        obj["status"] = status
+    assert service_info(obj).prefill_coming == want

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from goodput.router.disagg import decide, min_chunks
+from goodput.router.disagg import DEFERRED, decide, defer_when_full, min_chunks
 from goodput.router.picker import Endpoint, PickConfig, PrefixIndex, RouteKey
 
 CFG = PickConfig()
@@ -99,3 +99,33 @@ def test_static_urls_carry_roles():
         ("127.0.0.1:3", "http://127.0.0.1:3", "both")]
     with pytest.raises(ValueError, match="role 'fast' of 'http://127.0.0.1:1' is not one of"):
         StaticDiscovery(["m=http://127.0.0.1:1#fast"]).services()
+
+
+@pytest.mark.parametrize("ready, coming, want", [
+    (1, 1, True),    # one prefill pod serving and full, one more starting: refuse (429)
+    (3, 2, True),
+    (1, 0, False),   # nothing coming: the decode pod prefills, the only way to serve it
+    (0, 2, False),   # no prefill pod serving (scaled to zero, all down): the decode pod prefills
+    (0, 0, False),
+])
+def test_defer_when_full(ready, coming, want):
+    assert defer_when_full(ready, coming) is want
+
+
+def test_a_full_prefill_pool_that_grows_defers_the_prompt():
+    full = ep("p1", in_flight=4, max_num_seqs=2, max_waiting=2)  # at its limits: the picker skips it
+    # p1 Ready and full, one prefill pod coming: refused, not prefilled on d1
+    d = decide(KEY, "d1", 0, [ep("d1"), full], ROLES, PrefixIndex(), CFG, 1, prefill_coming=1)
+    assert (d.prefill, d.reason, d.uncached) == (None, DEFERRED, 10)
+    # nothing coming: d1 prefills it itself
+    d = decide(KEY, "d1", 0, [ep("d1"), full], ROLES, PrefixIndex(), CFG, 1, prefill_coming=0)
+    assert (d.prefill, d.reason) == (None, "no_prefill_pod")
+    # no Ready prefill pod at all, two coming: d1 prefills it (refusing would refuse every long prompt)
+    d = decide(KEY, "d1", 0, [ep("d1"), ep("d2")], ROLES, PrefixIndex(), CFG, 1, prefill_coming=2)
+    assert (d.prefill, d.reason) == (None, "no_prefill_pod")
+    # a prefill pod with room: remote whatever is coming
+    d = decide(KEY, "d1", 0, [ep("d1"), full, ep("p2")], ROLES, PrefixIndex(), CFG, 1, prefill_coming=1)
+    assert (d.prefill, d.reason) == ("p2", "remote")
+    # a short prompt stays local before anything is asked of the prefill pool
+    d = decide(KEY, "d1", 9, [ep("d1"), full], ROLES, PrefixIndex(), CFG, 1, prefill_coming=1)
+    assert d.reason == "short"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -58,14 +59,25 @@ class Stub:
         self.app = app
 
 
+class Growing(StaticDiscovery):
+    """Static discovery whose services report ``coming`` prefill pods ordered and not Ready (as
+    ``status.pools.prefill`` does in Kubernetes)."""
+
+    coming = 0
+
+    def services(self):
+        return [(replace(info, prefill_coming=self.coming), pods) for info, pods in super().services()]
+
+
 @pytest.fixture
 def fleet():
-    def make(decode_status=200, prefill_status=200):
+    def make(decode_status=200, prefill_status=200, prefill_coming=0):
         p, d = Stub(prefill_status=prefill_status), Stub(status=decode_status)
         servers = [ServerThread(p.app), ServerThread(d.app)]
         for s in servers:
             s.__enter__()
-        disc = StaticDiscovery([f"m={servers[0].url}#prefill,{servers[1].url}#decode"], period_s=0.05)
+        disc = Growing([f"m={servers[0].url}#prefill,{servers[1].url}#decode"], period_s=0.05)
+        disc.coming = prefill_coming
         r = ServerThread(create_app(disc, RouterSettings(scrape_period_s=0.05, pd_remote_prefill_min_tokens=0)))
         r.__enter__()
         servers.append(r)
@@ -112,3 +124,23 @@ def test_a_request_that_fails_after_the_prefill_frees_the_lease(fleet):
     while not p.deleted and time.monotonic() < deadline:
         time.sleep(0.02)
     assert p.deleted == ["kv-1"]
+
+
+def test_a_full_prefill_pod_while_more_are_starting_refuses_the_prompt(fleet):
+    # the prefill pod answers 429 (its queue is full) and one more prefill pod is starting: the
+    # client gets the router's 429 with Retry-After, the decode pod never sees the request
+    r, _, p, d = fleet(prefill_status=429, prefill_coming=1)
+    resp = httpx.post(r + "/v1/completions", json=body())
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    assert "starting" in resp.json()["error"]["message"]
+    assert len(p.requests) == 1 and d.requests == []
+    m = httpx.get(r + "/metrics").text
+    assert 'goodput_router_pd_decisions_total{decision="prefill_deferred",inferenceservice="m",namespace=""} 1.0' in m
+
+
+def test_a_full_prefill_pod_with_nothing_coming_leaves_the_decode_pod_to_prefill(fleet):
+    r, _, p, d = fleet(prefill_status=429, prefill_coming=0)
+    assert httpx.post(r + "/v1/completions", json=body()).status_code == 200
+    assert len(d.requests) == 1 and KV_HANDLE_HEADER not in d.requests[0]
+    m = httpx.get(r + "/metrics").text
+    assert 'goodput_router_pd_decisions_total{decision="prefill_failed",inferenceservice="m",namespace=""} 1.0' in m

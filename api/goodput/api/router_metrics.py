@@ -44,7 +44,8 @@ KV_RESYNC_LABELS = ("namespace", "inferenceservice", "pod", "reason")
 # Label values.
 OUTCOMES = ("success", "error", "refused", "timeout", "client_abort")
 DECISION_REASONS = ("affinity", "rendezvous", "load_bound_fallback", "queued", "held", "refused")
-PD_DECISIONS_VALUES = ("remote", "off", "short", "decode_pod_is_prefill", "no_prefill_pod", "prefill_failed")
+PD_DECISIONS_VALUES = ("remote", "off", "short", "decode_pod_is_prefill", "no_prefill_pod", "prefill_failed",
+                       "prefill_deferred")
 EJECTION_REASONS = ("consecutive_failures", "success_rate", "failure_percentage", "probe_failed")
 # start: the first snapshot of a pod; gap: a sequence gap or events no longer kept; instance: a
 # new engine; error: the stream broke (connection, bad line) and the pod was out of sync meanwhile

@@ -25,7 +25,10 @@ serving):
    request is prefilled remotely (step 2); otherwise the decode replica serves it whole, prompt
    chunks mixed with its decodes (colocated serving on that replica).
 2. remote prefill: the least-loaded prefill replica runs the prompt (``max_tokens = 1``: its
-   step that completes the prompt samples the first token).
+   step that completes the prompt samples the first token). When it refuses the prompt (its
+   queue is full), the router's rule applies (``goodput.router.disagg.defer_when_full``): with
+   prefill replicas ordered and not ready yet (autoscaled fleets) the request is refused (429,
+   ``prefill_deferred``); otherwise the decode replica serves it whole (``prefill_failed``).
 3. the prompt's KV (all its tokens, :func:`kv_bytes`) goes over the prefill replica's link
    (:class:`Link`; transfers out of one prefill replica are sent one at a time, in order; the
    decode side's NIC is not modelled).
@@ -63,6 +66,7 @@ from dataclasses import dataclass, field, replace
 
 from goodput.api.policy import PolicySpec
 from goodput.autoscaler.policy import Limits
+from goodput.router.disagg import defer_when_full
 from goodput.bench.simulate import (HARDWARE, GoodputPolicy, Replica, SloRates, StepTime, Trace, make_trace,
                                     pool_observation, scale_in, set_limits)
 from goodput.worker.engine.block_manager import BlockManager
@@ -175,6 +179,7 @@ class PDResult(SloRates):
     rejected: int
     duration: float
     remote: int = 0                      # requests prefilled on a prefill replica
+    deferred: int = 0                    # refused by the router: prefill pool full and growing
     decode_prefill_tokens: int = 0       # prompt tokens computed by decode replicas
     transfer_s: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
@@ -193,6 +198,7 @@ class PDResult(SloRates):
         return {"prefill": self.prefill, "decode": self.decode, "link": self.link,
                 "threshold": None if math.isinf(self.threshold) else self.threshold,
                 "goodput_rps": round(self.goodput_rps, 4), "attainment": round(self.attainment, 4),
+                "deferred": self.deferred,
                 "replica_hours": round(self.replica_hours, 4),
                 "ttft_p90_s": round(pct(self.ttft, 0.9), 4), "tpot_p90_s": round(pct(self.tpot, 0.9), 4),
                 "offered": self.offered, "finished": self.finished, "rejected": self.rejected,
@@ -284,7 +290,7 @@ class _Pool:
 def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Link = RDMA, *,
                 threshold: float = 0.0, max_num_seqs: int = 64, max_waiting: int = 256,
                 prefill_max_batched_tokens: int | None = None,
-                autoscale: PDAutoscale | None = None) -> PDResult:
+                autoscale: PDAutoscale | None = None, defer_full: bool = True) -> PDResult:
     """``trace`` on ``prefill`` prefill and ``decode`` decode replicas, all ready at 0 (see the
     module doc); deterministic.
 
@@ -296,6 +302,11 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     autoscale: both pools sized by the autoscaler (:class:`PDAutoscale`; ``prefill``/``decode``
         are then ignored for its ``initial``). With no ready prefill replica a request is
         prefilled where it decodes (the router's ``no_prefill_pod``).
+    defer_full: the router's rule when the prefill replica picked refuses a prompt (its queue is
+        full): with prefill replicas ordered and not ready (autoscaled only), the request is
+        refused (``goodput.router.disagg.defer_when_full``: ``prefill_deferred``, counted in
+        ``rejected`` and ``deferred``); otherwise, or with ``defer_full=False``, the decode
+        replica prefills it (``prefill_failed``).
     """
     if autoscale is not None:
         prefill, decode = autoscale.initial
@@ -320,6 +331,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     # requests the decode pods prefilled because no prefill pod was ready or it refused (the
     # router's no_prefill_pod and prefill_failed): [total, total at the last tick]
     fallback = [0, 0]
+    defer = defer_full
 
     def new_pod(pool: _Pool, now: float, ready: bool) -> Replica:
         i = len(pool.pods)
@@ -464,12 +476,15 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
         pending[id(dst)] += 1
         res.remote += 1
         pre = Request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=now)
-        if not admit(src, pre, now):           # the prefill pod refused it (429): the router's
-            remote.pop(rid)                    # prefill_failed, the decode pod prefills it itself
+        if not admit(src, pre, now):           # the prefill pod refused it (429)
+            remote.pop(rid)
             pending[id(dst)] -= 1
             res.remote -= 1
-            res.rejected -= 1
-            fallback[0] += 1
+            if defer and defer_when_full(len(pres), max(0, ppool.replicas - len(pres))):
+                res.deferred += 1              # the router's prefill_deferred: refused (429), counted
+                return                         # in res.rejected by the failed admission
+            res.rejected -= 1                  # the router's prefill_failed: the decode pod prefills
+            fallback[0] += 1                   # it itself
             admit(dst, full, now)
 
     def scale(pool: _Pool, desired: int, now: float) -> None:
@@ -656,9 +671,11 @@ class AutoComparison:
 
 
 def compare_auto(trace: Trace, hw: StepTime, spec: PDAutoscale, n_max: int = 8, link: Link = RDMA,
-                 threshold: float = 0.0, progress: bool = False, target: float = 0.9) -> AutoComparison:
-    """The autoscaled run (``spec``) and every fixed split of at most ``n_max`` replicas."""
-    auto = simulate_pd(trace, hw, 0, 1, link, threshold=threshold, autoscale=spec)
+                 threshold: float = 0.0, progress: bool = False, target: float = 0.9,
+                 defer_full: bool = True) -> AutoComparison:
+    """The autoscaled run (``spec``; ``defer_full``: :func:`simulate_pd`'s) and every fixed split of
+    at most ``n_max`` replicas."""
+    auto = simulate_pd(trace, hw, 0, 1, link, threshold=threshold, autoscale=spec, defer_full=defer_full)
     fixed = []
     for p, d in splits_upto(n_max):
         fixed.append(simulate_pd(trace, hw, p, d, link, threshold=threshold))
@@ -693,7 +710,8 @@ def auto_table(c: AutoComparison) -> str:
     def row(label: str, r: PDResult) -> str:
         return (f"| {label} | {r.goodput_rps:.3f} | {r.attainment:.3f} | {r.replica_hours:.3f} "
                 f"({r.prefill_hours:.3f} + {r.decode_hours:.3f}) | {pct(r.ttft, 0.9):.2f} "
-                f"| {pct(r.tpot, 0.9) * 1000:.1f} | {r.rejected} |")
+                f"| {pct(r.tpot, 0.9) * 1000:.1f} | {r.rejected}"
+                + (f" ({r.deferred} deferred)" if r.deferred else "") + " |")
 
     lines.append(row("autoscaled", a))
     lines.append(row(f"hindsight-best split {b.prefill}:{b.decode}", b))
@@ -759,6 +777,21 @@ def first_miss(attainments: Sequence[float], target: float) -> int | None:
     return next((i for i, att in enumerate(attainments) if att < target), None)
 
 
+@dataclass(frozen=True)
+class Budgets:
+    """Step token budgets (``max_num_batched_tokens``) per kind of replica; None: the hardware's
+    (512 on h200). ``colocated``: every replica of a colocated fleet (``spec.engine``);
+    ``prefill``: a P/D fleet's prefill pool (``spec.disaggregation.prefill.engine``). A P/D
+    fleet's decode replicas keep the hardware's (``spec.disaggregation.decode.engine`` unset)."""
+
+    colocated: int | None = None
+    prefill: int | None = None
+
+    def label(self) -> str:
+        """"" when both are the hardware's, else e.g. "-colocated2048-prefill4096"."""
+        return "".join(f"-{k}{v}" for k, v in (("colocated", self.colocated), ("prefill", self.prefill)) if v)
+
+
 @dataclass
 class CapacitySweep:
     """For one total N: colocated serving and every split P:D of N at each arrival rate."""
@@ -773,13 +806,16 @@ class CapacitySweep:
     # measured at or above the target, lowest rate above it measured below) and the runs made
     refined: dict[str, tuple[float, float]] = field(default_factory=dict)
     refine_runs: dict[str, list[tuple[float, PDResult]]] = field(default_factory=dict)
+    budgets: Budgets = Budgets()
 
     def capacities(self) -> dict[str, tuple[float | None, bool]]:
-        """``colocated`` and ``P:D`` -> :func:`capacity_rate` of its sweep."""
-        out = {"colocated": capacity_rate([(x, r.attainment) for x, r in zip(self.rates, self.colocated)],
-                                          self.target)}
+        """``colocated`` and ``P:D`` -> :func:`capacity_rate` of its sweep (rates not run, None
+        after a miss with ``stop_at_miss``, left out)."""
+        out = {"colocated": capacity_rate([(x, r.attainment) for x, r in zip(self.rates, self.colocated)
+                                           if r is not None], self.target)}
         for (p, d), rs in self.splits.items():
-            out[f"{p}:{d}"] = capacity_rate([(x, r.attainment) for x, r in zip(self.rates, rs)], self.target)
+            out[f"{p}:{d}"] = capacity_rate([(x, r.attainment) for x, r in zip(self.rates, rs) if r is not None],
+                                            self.target)
         return out
 
     def best(self) -> tuple[str, float | None, bool]:
@@ -800,38 +836,61 @@ class CapacitySweep:
         the first below it), walking up as :func:`capacity_rate` does; None when there is none
         (the lowest rate already misses, or no rate misses)."""
         runs = self.colocated if key == "colocated" else self.splits[self.fleet(key)]
-        i = first_miss([r.attainment for r in runs], self.target)
+        i = first_miss([r.attainment for r in runs if r is not None], self.target)
         return None if not i else (self.rates[i - 1], self.rates[i])
 
 
-def run_fleet(tr: Trace, hw: StepTime, prefill: int, decode: int, link: Link, threshold: float) -> PDResult:
+def run_fleet(tr: Trace, hw: StepTime, prefill: int, decode: int, link: Link, threshold: float,
+              budgets: Budgets = Budgets()) -> PDResult:
     """One fleet on ``tr``: ``prefill == 0`` is colocated serving on ``decode`` replicas (no prompt
-    leaves them), else ``prefill:decode`` with remote prefill above ``threshold`` uncached tokens."""
+    leaves them; each replica's step budget ``budgets.colocated``), else ``prefill:decode`` with
+    remote prefill above ``threshold`` uncached tokens (the prefill replicas' budget
+    ``budgets.prefill``)."""
     if prefill == 0:
+        if budgets.colocated:
+            hw = replace(hw, max_num_batched_tokens=budgets.colocated)
         return simulate_pd(tr, hw, 0, decode, threshold=math.inf)
+    if budgets.prefill:
+        return simulate_pd(tr, hw, prefill, decode, link, threshold=threshold,
+                           prefill_max_batched_tokens=budgets.prefill)
     return simulate_pd(tr, hw, prefill, decode, link, threshold=threshold)
 
 
 def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float], *, seed: int = 0,
                    duration: float | None = None, link: Link = RDMA, threshold: float = 0.0,
-                   target: float = 0.9, progress: bool = False) -> CapacitySweep:
-    """Colocated serving on ``n`` replicas and every split of ``n`` on the trace at each rate."""
-    colo, splits = [], {(p, n - p): [] for p in range(1, n)}
+                   target: float = 0.9, progress: bool = False, budgets: Budgets = Budgets(),
+                   stop_at_miss: bool = False) -> CapacitySweep:
+    """Colocated serving on ``n`` replicas and every split of ``n`` on the trace at each rate.
+
+    stop_at_miss: a fleet that missed ``target`` at some rate is not run at the higher ones (its
+    entries there are None): its capacity (:func:`capacity_rate`) and its bisection bracket use
+    only the rates up to its first miss, so the sweep's answer is the same, on fewer runs."""
+    colo: list[PDResult | None] = []
+    splits: dict[tuple[int, int], list[PDResult | None]] = {(p, n - p): [] for p in range(1, n)}
+
+    def run(runs: list[PDResult | None], tr: Trace, p: int, d: int) -> None:
+        if stop_at_miss and first_miss([r.attainment for r in runs if r is not None], target) is not None:
+            runs.append(None)
+        else:
+            runs.append(run_fleet(tr, hw, p, d, link, threshold, budgets))
+
     for rate in rates:
         tr = make_trace(trace_name, seed, "h200", duration, rate)
-        colo.append(run_fleet(tr, hw, 0, n, link, threshold))
+        run(colo, tr, 0, n)
         for p, d in splits:
-            splits[(p, d)].append(run_fleet(tr, hw, p, d, link, threshold))
+            run(splits[(p, d)], tr, p, d)
         if progress:
-            print(f"  {trace_name} N={n} {rate:g} req/s: colocated {colo[-1].attainment:.3f}, "
-                  + ", ".join(f"{p}:{d} {rs[-1].attainment:.3f}" for (p, d), rs in splits.items()),
+            print(f"  {trace_name} N={n} {rate:g} req/s: "
+                  + ", ".join(f"{k} {'-' if rs[-1] is None else f'{rs[-1].attainment:.3f}'}"
+                              for k, rs in [("colocated", colo), *((f"{p}:{d}", rs) for (p, d), rs in splits.items())]),
                   file=sys.stderr)
-    return CapacitySweep(trace_name, n, list(rates), colo, splits, target)
+    return CapacitySweep(trace_name, n, list(rates), colo, splits, target, budgets=budgets)
 
 
 def refine_capacity(trace_name: str, hw: StepTime, prefill: int, decode: int, lo: float, hi: float, *,
                     tol: float = 0.05, seed: int = 0, duration: float | None = None, link: Link = RDMA,
-                    threshold: float = 0.0, target: float = 0.9) -> tuple[float, float, list[tuple[float, PDResult]]]:
+                    threshold: float = 0.0, target: float = 0.9,
+                    budgets: Budgets = Budgets()) -> tuple[float, float, list[tuple[float, PDResult]]]:
     """Bisect a fleet's capacity inside one step of a sweep: ``lo`` sustains ``target`` attainment,
     ``hi`` misses it; the trace is made at the midpoint (the same generator and seed as the sweep)
     and the fleet run on it (``prefill == 0``: colocated serving on ``decode`` replicas, as
@@ -843,7 +902,7 @@ def refine_capacity(trace_name: str, hw: StepTime, prefill: int, decode: int, lo
     while hi - lo > tol + 1e-9:
         mid = round((lo + hi) / 2, 6)
         tr = make_trace(trace_name, seed, "h200", duration, mid)
-        r = run_fleet(tr, hw, prefill, decode, link, threshold)
+        r = run_fleet(tr, hw, prefill, decode, link, threshold, budgets)
         runs.append((mid, r))
         if r.attainment >= target:
             lo = mid
@@ -854,16 +913,20 @@ def refine_capacity(trace_name: str, hw: StepTime, prefill: int, decode: int, lo
 
 def refine_sweep(c: CapacitySweep, hw: StepTime, *, tol: float = 0.05, seed: int = 0,
                  duration: float | None = None, link: Link = RDMA, threshold: float = 0.0,
-                 progress: bool = False) -> CapacitySweep:
+                 progress: bool = False, top: int | None = None) -> CapacitySweep:
     """:func:`refine_capacity` for every fleet of ``c`` whose crossing lies inside the sweep
-    (``CapacitySweep.bracket``); fills ``c.refined`` and ``c.refine_runs`` and returns ``c``."""
-    for key in ["colocated"] + [f"{p}:{d}" for p, d in c.splits]:
+    (``CapacitySweep.bracket``); fills ``c.refined`` and ``c.refine_runs`` and returns ``c``.
+    top: only colocated serving and the ``top`` splits with the highest interpolated capacity
+    (None: every split)."""
+    caps = c.capacities()
+    keys = sorted((f"{p}:{d}" for p, d in c.splits), key=lambda k: -(caps[k][0] or 0.0))
+    for key in ["colocated"] + (keys if top is None else keys[:top]):
         br = c.bracket(key)
         if br is None:
             continue
         p, d = c.fleet(key)
         lo, hi, runs = refine_capacity(c.name, hw, p, d, *br, tol=tol, seed=seed, duration=duration, link=link,
-                                       threshold=threshold, target=c.target)
+                                       threshold=threshold, target=c.target, budgets=c.budgets)
         c.refined[key] = (lo, hi)
         c.refine_runs[key] = runs
         if progress:
@@ -878,11 +941,15 @@ def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, du
     for c in sweeps:
         keys = ["colocated"] + [f"{p}:{d}" for p, d in c.splits]
         runs = [c.colocated] + list(c.splits.values())
+        b = c.budgets
         lines += [f"### {c.name}, N = {c.n}: goodput (req/s) / attainment by arrival rate ({hw.name}; "
-                  f"{duration:.0f} s per rate; P/D over {link.name}, threshold 0)", "",
+                  f"{duration:.0f} s per rate; P/D over {link.name}, threshold 0; step token budget: colocated "
+                  f"{b.colocated or hw.max_num_batched_tokens}, prefill pool {b.prefill or hw.max_num_batched_tokens}, "
+                  f"decode pool {hw.max_num_batched_tokens})", "",
                   "| rate (req/s) | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
         for i, rate in enumerate(c.rates):
-            lines.append(f"| {rate:g} | " + " | ".join(f"{rs[i].goodput_rps:.3f} / {rs[i].attainment:.3f}"
+            lines.append(f"| {rate:g} | " + " | ".join("-" if rs[i] is None else
+                                                      f"{rs[i].goodput_rps:.3f} / {rs[i].attainment:.3f}"
                                                       for rs in runs) + " |")
         caps = c.capacities()
         bk, bv, bexact = c.best()
@@ -905,7 +972,7 @@ def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, du
                 runs = c.refine_runs[key]
                 att = {x: r.attainment for x, r in runs}
                 base = c.colocated if key == "colocated" else c.splits[c.fleet(key)]
-                att.update({x: r.attainment for x, r in zip(c.rates, base) if x not in att})
+                att.update({x: r.attainment for x, r in zip(c.rates, base) if x not in att and r is not None})
                 lines.append(f"| {key} | {lo:g} ({att[lo]:.4f}) | {hi:g} ({att[hi]:.4f}) | "
                              + ", ".join(f"{x:g}: {r.goodput_rps:.3f} / {r.attainment:.4f}" for x, r in runs) + " |")
             rb = max((k for k in c.refined if k != "colocated"), key=lambda k: c.refined[k][0], default=None)
@@ -923,14 +990,15 @@ def capacity_json(sweeps: Sequence[CapacitySweep]) -> dict:
         bk, bv, _ = c.best()
         cv = caps["colocated"][0]
         out[str(c.n)] = {"rates": c.rates, "target": c.target,
+                         "budgets": {"colocated": c.budgets.colocated, "prefill": c.budgets.prefill},
                          "capacity": {k: {"rate": None if v is None else round(v, 4), "exact": e}
                                       for k, (v, e) in caps.items()},
                          "best_split": bk, "ratio": round(bv / cv, 4) if bv is not None and cv else None,
                          "refined": {k: {"sustains": lo, "misses": hi,
                                          "runs": [{"rate": x, **r.summary()} for x, r in c.refine_runs[k]]}
                                      for k, (lo, hi) in c.refined.items()},
-                         "runs": {"colocated": [r.summary() for r in c.colocated],
-                                  **{f"{p}:{d}": [r.summary() for r in rs] for (p, d), rs in c.splits.items()}}}
+                         "runs": {"colocated": [r and r.summary() for r in c.colocated],
+                                  **{f"{p}:{d}": [r and r.summary() for r in rs] for (p, d), rs in c.splits.items()}}}
     return out
 
 
@@ -1010,6 +1078,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pd-links", default="rdma,tcp", help="comma-separated subset of " + ",".join(LINKS))
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="the prefill replicas' step token budget (default the hardware's, 512)")
+    ap.add_argument("--colocated-budget", type=int, default=None,
+                    help="--capacity: the colocated replicas' step token budget (default the hardware's, 512)")
+    ap.add_argument("--capacity-top", type=int, default=None,
+                    help="--capacity-tol: bisect colocated and only this many splits, those with the highest "
+                         "interpolated capacity (default every split)")
+    ap.add_argument("--capacity-stop", action="store_true",
+                    help="--capacity: a fleet that missed the target is not run at higher rates (same capacities)")
     ap.add_argument("--out-dir", default=None, help="write pd-<trace>-<hardware>.md and .json here")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--auto", action="store_true",
@@ -1020,6 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto-bounds", default="1:8,1:8",
                     help="--auto: prefill pool min:max, decode pool min:max replicas")
     ap.add_argument("--load-time", type=float, default=60.0, help="--auto: model load seconds")
+    ap.add_argument("--no-defer", action="store_true",
+                    help="--auto: the router never defers (429) a prompt the full prefill pool refuses while "
+                         "prefill pods load; the decode pod prefills it (goodput.router.disagg.defer_when_full)")
     ap.add_argument("--capacity", metavar="R1,R2,...",
                     help="rate sweep at each N of --pd-sizes: colocated and every split, the highest rate "
                          "each sustains at --target attainment: pd-capacity-<trace>-<hardware>.md/.json")
@@ -1074,23 +1152,27 @@ def _main_auto_capacity(args: argparse.Namespace, argv: list[str] | None) -> int
         initial = tuple(int(x) for x in args.auto_initial.split(":"))
         spec = pd_autoscale(trace, prefill_replicas=(p_lo, p_hi), decode_replicas=(d_lo, d_hi),
                             initial=initial, load_time_s=args.load_time)
-        c = compare_auto(trace, hw, spec, args.pd_max_n, link, th, args.progress, args.target)
+        c = compare_auto(trace, hw, spec, args.pd_max_n, link, th, args.progress, args.target,
+                         defer_full=not args.no_defer)
         table = auto_table(c)
         print(table)
         _write(args.out_dir, f"pd-auto-{tname}-{args.hardware}", argv, table, auto_json(c))
     if args.capacity:
         rates = [float(x) for x in args.capacity.split(",") if x.strip()]
         sizes = [int(x) for x in (args.pd_sizes or "4").split(",") if x.strip()]
+        budgets = Budgets(args.colocated_budget, args.prefill_budget)
         sweeps = [capacity_sweep(tname, hw, n, rates, seed=args.seed, duration=args.duration, link=link,
-                                 threshold=th, target=args.target, progress=args.progress) for n in sizes]
+                                 threshold=th, target=args.target, progress=args.progress, budgets=budgets,
+                                 stop_at_miss=args.capacity_stop) for n in sizes]
         if args.capacity_tol > 0:
             for c in sweeps:
                 refine_sweep(c, hw, tol=args.capacity_tol, seed=args.seed, duration=args.duration, link=link,
-                             threshold=th, progress=args.progress)
+                             threshold=th, progress=args.progress, top=args.capacity_top)
         duration = make_trace(tname, args.seed, args.hardware, args.duration, rates[0]).duration
         table = capacity_table(sweeps, hw, link, duration)
         print(table)
-        _write(args.out_dir, f"pd-capacity-{tname}-{args.hardware}", argv, table,
+        _write(args.out_dir, f"pd-capacity-{tname}-{args.hardware}{'' if link is RDMA else '-' + link.name}"
+                             f"{budgets.label()}", argv, table,
                {"trace": tname, "hardware": hw.name, "link": link.name, "threshold": th, "duration_s": duration,
                 "sizes": capacity_json(sweeps)})
     return 0

@@ -12,11 +12,24 @@ decodes), :func:`decide` says whether a prefill pod computes the prompt first:
   chunks: :func:`min_chunks` (a chunk is ``--picker-chunk-size`` characters, ~4 per token);
 - otherwise the prefill pod is picked among the other Ready pods whose role is ``both`` or
   ``prefill`` by the same picker (prefix affinity first, then load under the bound, pods at their
-  limits skipped); none with room: the decode pod prefills locally.
+  limits skipped); none with room: the decode pod prefills locally, except while the prefill pool
+  is growing (:func:`defer_when_full`).
 
 Reasons (``goodput_router_pd_decisions_total{decision}``): ``remote``, ``off``, ``short``,
-``decode_pod_is_prefill``, ``no_prefill_pod``; and ``prefill_failed`` (counted by the router when
-the prefill pod's call fails; the decode pod then prefills locally: a retry before the first byte).
+``decode_pod_is_prefill``, ``no_prefill_pod``, ``prefill_deferred``; and ``prefill_failed``
+(counted by the router when the prefill pod's call fails; the decode pod then prefills locally: a
+retry before the first byte).
+
+When the prefill pool is full, a long prompt prefilled on its decode pod costs more than that one
+request: every step that carries one of its chunks stretches the inter-token latency of every
+stream the pod decodes (what disaggregation exists to avoid). That is the only way to serve it
+while no prefill capacity is coming. But when the autoscaler has ordered prefill pods that are
+not Ready yet (``ServiceInfo.prefill_coming``: ``status.pools.prefill`` desired minus ready), the
+shortage is a scale-up in flight. The router then refuses the prompt (429 with ``Retry-After``,
+before any byte, reason ``prefill_deferred``), as the full prefill pods themselves do, and the
+decode pods keep decoding at their TPOT. With no Ready prefill pod at all (a pool scaled to zero,
+or every prefill pod down) the decode pods still prefill: refusing then would refuse every long
+prompt until a pod is up.
 """
 from __future__ import annotations
 
@@ -27,7 +40,9 @@ from goodput.api.router_metrics import PD_DECISIONS_VALUES as DECISIONS
 from goodput.router.picker import Endpoint, PickConfig, PrefixIndex, RouteKey, pick
 
 PREFILL_ROLES = ("both", "prefill")
-__all__ = ["CHARS_PER_TOKEN", "DECISIONS", "PDDecision", "PREFILL_ROLES", "decide", "min_chunks"]
+DEFERRED = "prefill_deferred"
+__all__ = ["CHARS_PER_TOKEN", "DECISIONS", "DEFERRED", "PDDecision", "PREFILL_ROLES", "decide", "defer_when_full",
+           "min_chunks"]
 
 
 @dataclass(frozen=True)
@@ -51,14 +66,24 @@ def min_chunks(min_tokens: int | None, chunk_size: int) -> int | None:
     return -(-min_tokens * CHARS_PER_TOKEN // chunk_size)
 
 
+def defer_when_full(prefill_ready: int, prefill_coming: int) -> bool:
+    """Whether the router refuses (429) a prompt that no prefill pod has room for, rather than
+    have its decode pod prefill it (module doc): only while the prefill pool both serves
+    (``prefill_ready``: its Ready pods, at least one, all full) and grows (``prefill_coming``:
+    pods ordered and not Ready yet, at least one)."""
+    return prefill_ready > 0 and prefill_coming > 0
+
+
 def decide(key: RouteKey, decode_pod: str, decode_held: int, endpoints: Sequence[Endpoint],
            roles: Mapping[str, str], index: PrefixIndex, cfg: PickConfig,
-           min_uncached_chunks: int | None) -> PDDecision:
+           min_uncached_chunks: int | None, prefill_coming: int = 0) -> PDDecision:
     """Whether a prefill pod computes ``key``'s prompt before ``decode_pod`` decodes it (module
     doc). ``decode_held``: leading chunks of the prompt the decode pod holds (its ``Pick.matched_chunks``,
     scored before admission counted this request's own chunks as held there); ``endpoints``: the
     service's routable pods; ``roles``: pod name -> role (missing: ``both``); ``min_uncached_chunks``:
-    the threshold (None: off; 0: any uncached chunk goes to a prefill pod)."""
+    the threshold (None: off; 0: any uncached chunk goes to a prefill pod); ``prefill_coming``:
+    prefill pods ordered and not Ready (:func:`defer_when_full`; reason ``prefill_deferred``: the
+    caller refuses the request)."""
     if min_uncached_chunks is None:
         return PDDecision(None, "off")
     if roles.get(decode_pod, "both") == "prefill":
@@ -70,5 +95,7 @@ def decide(key: RouteKey, decode_pod: str, decode_held: int, endpoints: Sequence
     candidates = [e for e in endpoints if e.name != decode_pod and roles.get(e.name, "both") in PREFILL_ROLES]
     choice = pick(key, candidates, index, cfg) if candidates else None
     if choice is None or choice.pod is None:
+        if defer_when_full(len(candidates), prefill_coming):
+            return PDDecision(None, DEFERRED, uncached)
         return PDDecision(None, "no_prefill_pod", uncached)
     return PDDecision(choice.pod, "remote", uncached)

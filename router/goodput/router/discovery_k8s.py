@@ -11,7 +11,8 @@ What the fleet gets (pure functions, table-tested):
   name the worker answers to (``spec.model.servedModelName``, else ``spec.model.name``'s file name
   without ``.gguf``: the worker's own rule, ``goodput.api.crd.served_model_name``), ``revision`` =
   ``spec.model.revision`` (``""`` unset), ``router_max_queued`` = ``status.admission.routerMaxQueued``
-  (None unset), ``startup_timeout_s`` = ``spec.probes.startupTimeoutSeconds`` (the CRD's default
+  (None unset), ``prefill_coming`` = ``status.pools.prefill.desiredReplicas - readyReplicas`` (at
+  least 0; 0 when absent), ``startup_timeout_s`` = ``spec.probes.startupTimeoutSeconds`` (the CRD's default
   when absent) — the longest hold of a request while the service has no Ready pod.
 - :func:`pod_record`: one pod → (namespace, InferenceService, pod name, :class:`PodInfo` or None).
   Worker pods are those labelled ``app.kubernetes.io/component=worker`` (or ``prefill-worker``: a
@@ -79,7 +80,19 @@ def service_info(obj: Mapping[str, Any]) -> ServiceInfo:
         startup_timeout_s=float(startup if isinstance(startup, (int, float)) else DEFAULT_STARTUP_TIMEOUT_S),
         created=meta.get("creationTimestamp") or "",
         remote_prefill_min_tokens=_remote_prefill_min_tokens(spec.get("disaggregation")),
-        slo_ranks=_slo_ranks(spec))
+        slo_ranks=_slo_ranks(spec), prefill_coming=_prefill_coming(obj.get("status")))
+
+
+def _prefill_coming(status: Any) -> int:
+    """``status.pools.prefill``: ``desiredReplicas - readyReplicas`` (the prefill pods ordered and
+    not Ready yet), at least 0; 0 when absent or not integers."""
+    pool = ((status or {}).get("pools") or {}).get("prefill") if isinstance(status, Mapping) else None
+    if not isinstance(pool, Mapping):
+        return 0
+    desired, ready = pool.get("desiredReplicas"), pool.get("readyReplicas", 0)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (desired, ready)):
+        return 0
+    return max(0, desired - ready)
 
 
 def _slo_ranks(spec: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:

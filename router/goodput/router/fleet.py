@@ -43,8 +43,12 @@ class ServiceInfo:
     when ``spec.disaggregation.enabled`` (None: not disaggregated; the router's
     ``--pd-remote-prefill-min-tokens`` applies). ``slo_ranks``: each SLO class's priority band,
     ``(name, band)`` pairs (``goodput.api.policy.slo_ranks`` of ``spec.slo``: the tighter the TTFT,
-    the smaller the band, as the worker queues them; empty without named classes). Static mode:
-    namespace ``""`` and name = the model.
+    the smaller the band, as the worker queues them; empty without named classes).
+    ``prefill_coming``: prefill pods ordered and not Ready yet (``status.pools.prefill``
+    ``desiredReplicas - readyReplicas``, at least 0; the autoscaler sets the desired count): while
+    it is positive, a prompt no Ready prefill pod has room for is refused rather than prefilled on
+    its decode pod (``goodput.router.disagg.defer_when_full``). Static mode: namespace ``""`` and
+    name = the model.
     """
 
     namespace: str
@@ -56,6 +60,7 @@ class ServiceInfo:
     created: str = ""
     remote_prefill_min_tokens: int | None = None
     slo_ranks: tuple[tuple[str, int], ...] = ()
+    prefill_coming: int = 0
 
     @property
     def key(self) -> ServiceKey:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from goodput.api.disagg import KV_HANDLE_HEADER, KV_PATH, KV_SOURCE_HEADER, REMOTE_PREFILL_HEADER
-from goodput.router.disagg import decide, min_chunks
+from goodput.router.disagg import DEFERRED, decide, defer_when_full, min_chunks
 from goodput.router.errors import APIError, error_body
 from goodput.router.fleet import Pod, Service
 from goodput.router.picker import Pick, RouteKey
@@ -312,7 +313,10 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
     ``x-goodput-remote-prefill`` and, on its 200, add the transfer headers (handle, the prefill
     pod's URL) to ``ex.headers``. Returns (prefill pod URL, handle), or None: the decode pod
     prefills locally (off, a short uncached prompt, no prefill pod with room, or the prefill call
-    failed or took longer than ``--pd-prefill-timeout``: nothing reached the client yet)."""
+    failed or took longer than ``--pd-prefill-timeout``: nothing reached the client yet). Raises
+    :class:`APIError` 429 (``prefill_deferred``) when no Ready prefill pod has room (none under
+    its limits, or the one picked answered 429) while prefill pods are starting
+    (``ServiceInfo.prefill_coming``; ``goodput.router.disagg.defer_when_full``)."""
     s, svc = rt.settings, ex.svc
     labels = svc.key
     if ex.pod is None:
@@ -325,7 +329,9 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
     pods = svc.routable_pods()
     held = ex.choice.matched_chunks if ex.choice is not None else 0
     d = decide(ex.key, ex.pod.name, held, endpoints(pods), {p.name: p.info.role for p in pods}, rt.index,
-               rt.pick_cfg, threshold)
+               rt.pick_cfg, threshold, svc.info.prefill_coming)
+    if d.reason == DEFERRED:
+        _defer(rt, ex)
     if d.prefill is None:
         rt.metrics.pd_decisions.labels(*labels, d.reason).inc()
         return None
@@ -335,10 +341,12 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
         async with rt.upstream.session.post(
                 pp.url + ex.path, data=ex.body, headers={**ex.headers, REMOTE_PREFILL_HEADER: "1"},
                 timeout=aiohttp.ClientTimeout(total=s.pd_prefill_timeout_s)) as resp:
-            if resp.status != 200:
+            # the prefill pod is full (429) and more are coming: refused below, not prefilled locally
+            full = resp.status == 429 and defer_when_full(1, svc.info.prefill_coming)
+            if resp.status != 200 and not full:
                 raise ValueError(f"{resp.status} from the prefill pod: {(await resp.read())[:200]!r}")
-            handle = (await resp.json())["handle"]
-            if not isinstance(handle, str):
+            handle = None if full else (await resp.json())["handle"]
+            if not full and not isinstance(handle, str):
                 raise ValueError(f"handle {handle!r}")
     except (*RETRYABLE, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
         log.warning("remote prefill on %s failed (%s: %s); %s prefills locally", pp.name, type(e).__name__, e,
@@ -347,10 +355,20 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
         return None
     finally:
         pp.in_flight -= 1
+    if full:
+        _defer(rt, ex)
     rt.index.record(ex.key, pp.name)
     rt.metrics.pd_decisions.labels(*labels, "remote").inc()
     ex.headers = {**ex.headers, KV_HANDLE_HEADER: handle, KV_SOURCE_HEADER: pp.url}
     return pp.url, handle
+
+
+def _defer(rt: Any, ex: Exchange) -> None:
+    """The prefill pool is full and growing (``goodput.router.disagg.defer_when_full``): count
+    ``prefill_deferred`` and refuse the request (429, ``Retry-After``) before any byte."""
+    rt.metrics.pd_decisions.labels(*ex.svc.key, DEFERRED).inc()
+    raise APIError(429, f"the prefill pods of {ex.svc.info.model!r} are full and more are starting; retry",
+                   headers={"Retry-After": str(max(1, math.ceil(rt.admission.retry_after_s)))})
 
 
 async def _deliver(rt: Any, ex: Exchange, resp: aiohttp.ClientResponse, send, sent: float) -> None:
