@@ -341,12 +341,12 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
         async with rt.upstream.session.post(
                 pp.url + ex.path, data=ex.body, headers={**ex.headers, REMOTE_PREFILL_HEADER: "1"},
                 timeout=aiohttp.ClientTimeout(total=s.pd_prefill_timeout_s)) as resp:
-            # the prefill pod is full (429) and more are coming: refused below, not prefilled locally
-            full = resp.status == 429 and defer_when_full(1, svc.info.prefill_coming)
-            if resp.status != 200 and not full:
+            if resp.status == 429 and defer_when_full(1, svc.info.prefill_coming):
+                _defer(rt, ex)             # full and more are coming: refused, not prefilled locally
+            if resp.status != 200:
                 raise ValueError(f"{resp.status} from the prefill pod: {(await resp.read())[:200]!r}")
-            handle = None if full else (await resp.json())["handle"]
-            if not full and not isinstance(handle, str):
+            handle = (await resp.json())["handle"]
+            if not isinstance(handle, str):
                 raise ValueError(f"handle {handle!r}")
     except (*RETRYABLE, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
         log.warning("remote prefill on %s failed (%s: %s); %s prefills locally", pp.name, type(e).__name__, e,
@@ -355,8 +355,6 @@ async def remote_prefill(rt: Any, ex: Exchange) -> tuple[str, str] | None:
         return None
     finally:
         pp.in_flight -= 1
-    if full:
-        _defer(rt, ex)
     rt.index.record(ex.key, pp.name)
     rt.metrics.pd_decisions.labels(*labels, "remote").inc()
     ex.headers = {**ex.headers, KV_HANDLE_HEADER: handle, KV_SOURCE_HEADER: pp.url}
