@@ -323,7 +323,7 @@ def test_refine_capacity_bisects_inside_the_sweep_step(monkeypatch):
         made.append((name, seed, rate))
         return rate
 
-    def fake_run(rate, hw, prefill, decode, link=None, *, threshold=0.0):
+    def fake_run(rate, hw, prefill, decode, link=None, *, threshold=0.0, prefill_max_batched_tokens=None):
         assert (prefill, decode) == (3, 1) and threshold == 0.0
         r = pd.PDResult("x", prefill, decode, "rdma", threshold, 1000, 0, 0, 0, 600.0)
         r.slo_met = round(1000 * (1.0 - 0.4 * (rate - 2.0)))

@@ -850,10 +850,8 @@ def run_fleet(tr: Trace, hw: StepTime, prefill: int, decode: int, link: Link, th
         if budgets.colocated:
             hw = replace(hw, max_num_batched_tokens=budgets.colocated)
         return simulate_pd(tr, hw, 0, decode, threshold=math.inf)
-    if budgets.prefill:
-        return simulate_pd(tr, hw, prefill, decode, link, threshold=threshold,
-                           prefill_max_batched_tokens=budgets.prefill)
-    return simulate_pd(tr, hw, prefill, decode, link, threshold=threshold)
+    return simulate_pd(tr, hw, prefill, decode, link, threshold=threshold,
+                       prefill_max_batched_tokens=budgets.prefill)
 
 
 def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float], *, seed: int = 0,
