@@ -234,7 +234,7 @@ def test_steady_writes_nothing_new_and_limits_change_is_put_with_the_token(rig):
     assert len(rig.kube.patches) == n_patches  # identical decision: no status write
     assert rig.calls[1][1].ready[0].interval_s == 5.0  # second scrape: a real interval
     asyncio.run(rig.scaler.tick())
-    assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":5,"max_waiting":2}')]
+    assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":5,"max_waiting":2,"max_waiting_tokens":0}')]
     assert rig.kube.events[-1][1] == "AdmissionLimits" and "maxNumSeqs=5 maxWaiting=2" in rig.kube.events[-1][2]
 
 
@@ -298,13 +298,43 @@ def test_spec_engine_limits_bound_the_pushed_limits(rig):
     rig.kube.obj["spec"]["engine"] = {"maxNumSeqs": 4, "maxWaiting": 8}
     rig.script.append(_decision(1, "Steady", {"p1": policy.Limits(64, 1024)}))
     decided = asyncio.run(rig.scaler.tick())
-    assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":4,"max_waiting":8}')]
+    assert rig.puts == [("10.244.0.7", "Bearer tok", b'{"max_num_seqs":4,"max_waiting":8,"max_waiting_tokens":0}')]
     adm = rig.kube.obj["status"]["admission"]
     assert (adm["maxNumSeqs"], adm["maxWaiting"]) == (4, 8)
     # every message (status record, --once output) says the limits in force, not the policy's 64/1024
     applied = "1 -> 1 replicas with numbers; limits max_num_seqs 4 max_waiting 8 (1 pod)"
     assert rig.kube.obj["status"]["autoscaler"]["decisions"][-1]["message"] == applied
     assert decided[("ns", "svc")].message == applied
+
+
+def test_spec_token_limit_bounds_the_policy_token_limit_and_stands_in_when_it_has_none(rig):
+    rig.kube.obj["spec"]["engine"] = {"maxWaitingTokens": 6000}
+    rig.script.append(_decision(1, "Steady", {"p1": policy.Limits(64, 1024, 9000)}))
+    asyncio.run(rig.scaler.tick())
+    assert rig.puts[-1][2] == b'{"max_num_seqs":64,"max_waiting":1024,"max_waiting_tokens":6000}'
+    assert loop.bound_limits({"p": policy.Limits(8, 4, 0)}, policy.Limits(9, 9, 6000))["p"] == \
+        policy.Limits(8, 4, 6000)     # the policy sets no token bound: the user's stands
+    assert loop.bound_limits({"p": policy.Limits(8, 4, 5000)}, policy.Limits(9, 9, 0))["p"] == \
+        policy.Limits(8, 4, 5000)     # the user set none: the policy's
+    assert rig.kube.obj["status"]["autoscaler"]["decisions"][-1]["message"].endswith(
+        "limits max_num_seqs 64 max_waiting 1024 max_waiting_tokens 6000 (1 pod)")
+
+
+@pytest.mark.parametrize("scraped, want, in_force", [
+    ((8, 4, 9000), (8, 4, 9000), True),
+    ((8, 4, 9500), (8, 4, 9000), True),      # within 10 % of 9000: not pushed again
+    ((8, 4, 10000), (8, 4, 9000), False),    # 1000 > 900
+    ((8, 4, 0), (8, 4, 9000), False),        # no bound where one is wanted
+    ((8, 4, 9000), (8, 4, 0), False),        # a bound where none is wanted
+    ((8, 5, 9000), (8, 4, 9000), False),
+    ((8, 4, None), (8, 4, 0), True),         # a worker that exports no token limit has none
+])
+def test_limits_in_force(scraped, want, in_force):
+    gauges = {"max_num_seqs": scraped[0], "max_waiting": scraped[1]}
+    if scraped[2] is not None:
+        gauges["max_waiting_tokens"] = scraped[2]
+    sample = observe.PodSample(0.0, gauges, {}, {})
+    assert loop.limits_in_force(sample, policy.Limits(*want)) is in_force
 
 
 class FakeEvents:

@@ -24,6 +24,7 @@ def stats(running=0, waiting=0, used=0, blocks=10, max_num_seqs=8, max_waiting=1
         engine_state=EngineState.RUNNING, num_running=running, num_waiting=waiting, num_preempted_waiting=0,
         kv_usage_ratio=used / blocks, num_blocks=blocks, num_used_blocks=used, num_cached_blocks=0,
         block_size=16, enable_prefix_caching=True, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+        max_waiting_tokens=0,
         admitted_total=admitted, rejected_total=dict(rejected or {}), finished_total=dict(finished or {}),
         preemptions_total=preemptions, prompt_tokens_total=0, generation_tokens_total=generation_tokens,
         prefix_cache_queries_total=0, prefix_cache_hits_total=0, steps_total=0, batched_tokens_total=0,

@@ -280,6 +280,18 @@ def test_queue_limits_and_router_bound():
     assert (q.max_waiting, q.router_max_queued) == (1024, None)
 
 
+@pytest.mark.parametrize("token_rate, loading, tokens", [
+    (4600.5, 0, 4600),     # TTFT 1 s x 4,600.5 tokens/s one replica prefills at a full step
+    (4600.5, 1, 4600),     # no slack, loading or not: the prefill rate is no noisy count
+    (0.4, 0, 1),           # at least one token
+    (0.0, 0, 0),           # no capacity estimate yet: no token bound
+])
+def test_queue_limits_in_prompt_tokens(token_rate, loading, tokens):
+    q = P.queue_limits(FLEET, 3, loading, 0, SPEC, 4.0, token_rate)
+    assert q.max_waiting_tokens == tokens
+    assert q.max_waiting == (20 if not loading else 17)    # the count bound as before
+
+
 def test_decision_carries_router_max_queued():
     # pod(): live capacity min(64, 20 * 0.8 / 0.3) = 53.33, service 4.16 s -> mu 12.82/s; no
     # queue histogram: t_first 0 -> floor(1.0 * 12.82 * 1) = 12

@@ -140,7 +140,7 @@ def test_both_pools_decided_and_scaled_each_its_own_way(rig):
     st = rig.kube.obj["status"]["autoscaler"]
     assert st["desiredReplicas"] == 3 and st["prefill"]["desiredReplicas"] == 2
     # the prefill pod's limits are bounded by its pool's maxNumSeqs (4), the worker's by spec.engine's (16)
-    assert ("10.244.0.8", b'{"max_num_seqs":4,"max_waiting":4}') in rig.puts
+    assert ("10.244.0.8", b'{"max_num_seqs":4,"max_waiting":4,"max_waiting_tokens":0}') in rig.puts
     assert not [p for p in rig.puts if p[0] == "10.244.0.7"]  # 8/4 already in force there
     assert [e[1] for e in rig.kube.events] == ["ScaleUpGoodput", "ScaleUpSaturation"]
     assert [e[2].startswith("prefill pool: ") for e in rig.kube.events] == [False, True]

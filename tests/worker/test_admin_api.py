@@ -15,7 +15,8 @@ def test_routes_are_the_contract_paths():
 
 
 def test_limits_body_is_what_the_route_accepts():
-    assert set(admin_api.limits_body(3, 7)) == set(AdminLimits.model_fields)
+    assert set(admin_api.limits_body(3, 7, 9000)) == set(AdminLimits.model_fields)
+    assert AdminLimits.model_validate(admin_api.limits_body(3, 7, 9000)).max_waiting_tokens == 9000
     assert AdminLimits.model_validate(admin_api.limits_body(3, 7)) == AdminLimits(max_num_seqs=3, max_waiting=7)
     assert admin_api.limits_body(max_waiting=0) == {"max_waiting": 0}     # omitted = unchanged
     assert admin_api.bearer("t") == {"Authorization": "Bearer t"}

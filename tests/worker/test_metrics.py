@@ -42,7 +42,7 @@ def doc_table() -> dict[str, tuple[str, set[str], str | None]]:
 STATS = SchedulerStats(
     engine_state=EngineState.BLOCKED, num_running=3, num_waiting=5, num_preempted_waiting=1,
     kv_usage_ratio=0.25, num_blocks=120, num_used_blocks=30, num_cached_blocks=40, block_size=16,
-    enable_prefix_caching=True, max_num_seqs=8, max_waiting=16, admitted_total=20,
+    enable_prefix_caching=True, max_num_seqs=8, max_waiting=16, max_waiting_tokens=9000, admitted_total=20,
     rejected_total={"queue_full": 2, "never_fits": 1, "invalid": 0},
     finished_total={"stop": 7, "length": 4, "abort": 1}, preemptions_total=6,
     prompt_tokens_total=900, generation_tokens_total=300, prefix_cache_queries_total=800,
@@ -137,6 +137,7 @@ def test_values_come_from_the_stats_snapshot():
     assert value(fams, "goodput_prefix_cache_hits_total") == 320
     assert value(fams, "goodput_preemptions_total") == 6
     assert value(fams, "goodput_admission_max_waiting") == 16
+    assert value(fams, "goodput_admission_max_waiting_tokens") == 9000
     assert value(fams, "goodput_engine_steps_total") == 77
     assert value(fams, "goodput_batched_tokens_total") == 1234
     assert value(fams, "goodput_spec_decode_draft_tokens_total") == 40

@@ -4,8 +4,9 @@ Standard library only, no side effects: the worker's routes (``server/admin.py``
 (which puts the token in the pod's environment) and the autoscaler (which calls the routes) take
 these names from here, so the contract is declared once.
 
-- ``GET /admin/limits`` (open): the limits in force, ``{"max_num_seqs": int, "max_waiting": int}``.
-- ``PUT /admin/limits`` (bearer token): the same body, either field omitted = unchanged.
+- ``GET /admin/limits`` (open): the limits in force, ``{"max_num_seqs": int, "max_waiting": int,
+  "max_waiting_tokens": int}`` (the last: prompt tokens queued for prefill; 0 = no token bound).
+- ``PUT /admin/limits`` (bearer token): the same body, any field omitted = unchanged.
 - ``POST /admin/drain`` / ``DELETE /admin/drain`` (bearer token): start / undo a drain
   (docs/router-autoscaler-contract.md, "Scale-in").
 The token is the value of the environment variable :data:`ADMIN_TOKEN_ENV` in the worker; the
@@ -20,14 +21,11 @@ STATE_PATH = "/admin/state"
 DRAIN_PATH = "/admin/drain"
 
 
-def limits_body(max_num_seqs: int | None = None, max_waiting: int | None = None) -> dict[str, int]:
+def limits_body(max_num_seqs: int | None = None, max_waiting: int | None = None,
+                max_waiting_tokens: int | None = None) -> dict[str, int]:
     """The ``PUT /admin/limits`` JSON body (fields left None are omitted: unchanged)."""
-    body: dict[str, int] = {}
-    if max_num_seqs is not None:
-        body["max_num_seqs"] = int(max_num_seqs)
-    if max_waiting is not None:
-        body["max_waiting"] = int(max_waiting)
-    return body
+    fields = {"max_num_seqs": max_num_seqs, "max_waiting": max_waiting, "max_waiting_tokens": max_waiting_tokens}
+    return {k: int(v) for k, v in fields.items() if v is not None}
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -33,6 +33,7 @@ KV_CACHE_BLOCKS = "goodput_kv_cache_blocks"
 ENGINE_STATE = "goodput_engine_state"
 ADMISSION_MAX_NUM_SEQS = "goodput_admission_max_num_seqs"
 ADMISSION_MAX_WAITING = "goodput_admission_max_waiting"
+ADMISSION_MAX_WAITING_TOKENS = "goodput_admission_max_waiting_tokens"
 CACHE_CONFIG_INFO = "goodput_cache_config_info"
 ENGINE_INSTANCE_INFO = "goodput_engine_instance_info"  # label instance_id (goodput.api.identity)
 KV_LEASES = "goodput_kv_leases"
@@ -50,8 +51,9 @@ LOAD_GAUGES: dict[str, str] = {
     "kv_usage": KV_CACHE_USAGE_RATIO,
     "max_num_seqs": ADMISSION_MAX_NUM_SEQS,
     "max_waiting": ADMISSION_MAX_WAITING,
+    "max_waiting_tokens": ADMISSION_MAX_WAITING_TOKENS,
 }
-COUNT_GAUGES = ("running", "waiting", "max_num_seqs", "max_waiting")  # whole numbers; the rest ratios
+COUNT_GAUGES = ("running", "waiting", "max_num_seqs", "max_waiting", "max_waiting_tokens")  # whole numbers; the rest ratios
 # Counters (read from the scheduler's stats at scrape time, except SLO_MET).
 REQUESTS_ADMITTED = "goodput_requests_admitted"
 REQUESTS_REJECTED = "goodput_requests_rejected"

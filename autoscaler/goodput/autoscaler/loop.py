@@ -256,40 +256,63 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
     return out
 
 
+def limits_in_force(sample: observe.PodSample, want: policy.Limits, token_tolerance: float = 0.1) -> bool:
+    """Whether a pod's scrape already shows ``want``: the same max_num_seqs and max_waiting, and a
+    token limit within ``token_tolerance`` of the wanted one (it follows the smoothed capacity
+    estimate, so it moves a little every call; a push per call and pod is not worth a few percent),
+    0 (no bound) only where 0 is wanted. A worker that exports no token limit counts as 0."""
+    if (int(sample.max_num_seqs), int(sample.max_waiting)) != (want.max_num_seqs, want.max_waiting):
+        return False
+    have = int(getattr(sample, "max_waiting_tokens", 0) or 0)
+    if have == 0 or want.max_waiting_tokens == 0:
+        return have == want.max_waiting_tokens
+    return abs(have - want.max_waiting_tokens) <= token_tolerance * want.max_waiting_tokens
+
+
 def decision_message(message: str, limits: Mapping[str, policy.Limits]) -> str:
     """The message of a decision as applied: the policy's ``message`` (the numbers behind the
     replicas) and the admission limits in force, ``limits`` after the spec's bounds (a range over
-    the pods when they differ). E.g. ``"...; limits max_num_seqs 8 max_waiting 4..6 (3 pods)"``."""
+    the pods when they differ; the token limit only when one is set). E.g. ``"...; limits
+    max_num_seqs 8 max_waiting 4..6 max_waiting_tokens 9000 (3 pods)"``."""
     if not limits:
         return f"{message}; no ready pod to limit"
     def span(xs: list[int]) -> str:
         return str(xs[0]) if min(xs) == max(xs) else f"{min(xs)}..{max(xs)}"
     seqs = span([v.max_num_seqs for v in limits.values()])
     waiting = span([v.max_waiting for v in limits.values()])
+    toks = [v.max_waiting_tokens for v in limits.values()]
+    tokens = f" max_waiting_tokens {span(toks)}" if any(toks) else ""
     n = len(limits)
-    return f"{message}; limits max_num_seqs {seqs} max_waiting {waiting} ({n} pod{'s' if n != 1 else ''})"
+    return f"{message}; limits max_num_seqs {seqs} max_waiting {waiting}{tokens} ({n} pod{'s' if n != 1 else ''})"
 
 
 def engine_bounds(spec: crd.InferenceServiceSpec, pool: str = WORKERS) -> policy.Limits | None:
-    """The upper bounds of the limits the autoscaler may set: ``spec.engine.maxNumSeqs`` and
-    ``spec.engine.maxWaiting`` (what the user wrote is the most a replica admits; the autoscaler
-    tunes below it); for a disaggregated service's pools, their own settings over those
-    (``crd.pool_spec``). None when neither is set; an unset one is unbounded (a very large int)."""
+    """The upper bounds of the limits the autoscaler may set: ``spec.engine.maxNumSeqs``,
+    ``spec.engine.maxWaiting`` and ``spec.engine.maxWaitingTokens`` (what the user wrote is the
+    most a replica admits; the autoscaler tunes below it); for a disaggregated service's pools,
+    their own settings over those (``crd.pool_spec``). None when none is set; an unset count is
+    unbounded (a very large int), an unset or 0 token limit is 0 (no token bound)."""
     if spec.disaggregation.enabled:
         spec = crd.pool_spec(spec, "prefill" if pool == PREFILL else "decode")
-    seqs, waiting = spec.engine.max_num_seqs, spec.engine.max_waiting
-    if seqs is None and waiting is None:
+    seqs, waiting, tokens = spec.engine.max_num_seqs, spec.engine.max_waiting, spec.engine.max_waiting_tokens
+    if seqs is None and waiting is None and not tokens:
         return None
     unbounded = 2**31 - 1
     return policy.Limits(max_num_seqs=seqs if seqs is not None else unbounded,
-                         max_waiting=waiting if waiting is not None else unbounded)
+                         max_waiting=waiting if waiting is not None else unbounded,
+                         max_waiting_tokens=tokens or 0)
 
 
 def bound_limits(limits: Mapping[str, policy.Limits], bound: policy.Limits | None) -> dict[str, policy.Limits]:
-    """Each pod's limits capped by ``bound`` (field by field; None = unchanged)."""
+    """Each pod's limits capped by ``bound`` (field by field; None = unchanged). A token limit of
+    0 is no bound: the smaller of two token limits, 0 only when both are 0."""
     if bound is None:
         return dict(limits)
-    return {pod: policy.Limits(min(v.max_num_seqs, bound.max_num_seqs), min(v.max_waiting, bound.max_waiting))
+
+    def tokens(a: int, b: int) -> int:
+        return min(a, b) if a and b else a or b
+    return {pod: policy.Limits(min(v.max_num_seqs, bound.max_num_seqs), min(v.max_waiting, bound.max_waiting),
+                               tokens(v.max_waiting_tokens, bound.max_waiting_tokens))
             for pod, v in limits.items()}
 
 
@@ -439,8 +462,7 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
         want, s = limits.get(p.name), seen.samples.get(p.name)
         if want is None:
             continue
-        if isinstance(s, observe.PodSample) and (int(s.max_num_seqs), int(s.max_waiting)) == (
-                want.max_num_seqs, want.max_waiting):
+        if isinstance(s, observe.PodSample) and limits_in_force(s, want):
             continue
         pushes.append(LimitPush(p, want))
     conditions = dict(decision.conditions)
@@ -974,7 +996,8 @@ class Autoscaler:
         """PUT /admin/limits on each planned pod."""
         await asyncio.gather(*(self._admin(
             ns, name, "PUT", f"http://{u.pod.ip}:{crd.WORKER_PORT}{admin_api.LIMITS_PATH}",
-            admin_api.limits_body(u.limits.max_num_seqs, u.limits.max_waiting)) for u in pushes))
+            admin_api.limits_body(u.limits.max_num_seqs, u.limits.max_waiting, u.limits.max_waiting_tokens))
+            for u in pushes))
 
     async def _drain(self, ns: str, name: str, pod: str, ip: str | None, on: bool) -> None:
         """Start (``on``) or undo a pod's drain: the annotations the router and the ReplicaSet read,

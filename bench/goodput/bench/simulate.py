@@ -352,7 +352,8 @@ class Replica:
         return observe.PodSample(
             time=now,
             gauges={"running": len(s.running), "waiting": len(s.waiting), "kv_usage": s.block_manager.usage,
-                    "max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
+                    "max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting,
+                    "max_waiting_tokens": s.max_waiting_tokens},
             counters={"admitted": s.admitted_total, "finished": fin.get("stop", 0) + fin.get("length", 0),
                       "slo_met": self.slo_met, "rejected_429": rej["queue_full"],
                       "rejected_400": rej["never_fits"] + rej["invalid"], "preempted": s.preemptions_total,
@@ -515,7 +516,7 @@ def set_limits(ready: Sequence[Replica], limits: dict | None, now: float,
     for p in ready:
         lim = (limits or {}).get(p.name)
         if lim is not None:
-            p.sched.set_limits(lim.max_num_seqs, lim.max_waiting)
+            p.sched.set_limits(lim.max_num_seqs, lim.max_waiting, lim.max_waiting_tokens)
             if not p.stepping and p.sched.has_unfinished():
                 start_step(p, now)
 

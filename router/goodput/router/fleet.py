@@ -97,7 +97,9 @@ class Pod:
     The rest come from
     the last scrape of the pod's ``/metrics`` (None = not scraped yet): ``running``, ``waiting``
     (goodput_requests_running / _waiting), ``kv_usage`` (goodput_kv_cache_usage_ratio, 0..1),
-    ``max_num_seqs``, ``max_waiting`` (goodput_admission_max_num_seqs / _max_waiting).
+    ``max_num_seqs``, ``max_waiting`` (goodput_admission_max_num_seqs / _max_waiting),
+    ``max_waiting_tokens`` (goodput_admission_max_waiting_tokens; 0 = no token bound; the picker
+    does not read it: a pod whose prompt-token queue is full answers 429 and the router retries).
     ``instance``: the engine id the pod last reported (answer header or scrape; None = not yet;
     goodput.api.identity): a change is a restart in place.
     """
@@ -110,6 +112,7 @@ class Pod:
     kv_usage: float | None = None
     max_num_seqs: int | None = None
     max_waiting: int | None = None
+    max_waiting_tokens: int | None = None
     instance: str | None = None
 
     @property

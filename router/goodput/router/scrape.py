@@ -25,7 +25,7 @@ _INTS = set(wmn.COUNT_GAUGES)
 
 def parse_pod_metrics(text: str) -> dict[str, float | int]:
     """Prometheus text → {field: value} for the fields of ``Pod`` the scrape fills (``running``,
-    ``waiting``, ``kv_usage``, ``max_num_seqs``, ``max_waiting``); a series summed over its
+    ``waiting``, ``kv_usage``, ``max_num_seqs``, ``max_waiting``, ``max_waiting_tokens``); a series summed over its
     samples; absent series are absent from the result. Raises ValueError on unparsable text."""
     out: dict[str, float | int] = {}
     for fam in text_string_to_metric_families(text):

@@ -460,7 +460,7 @@ def test_set_limits_lowering_max_num_seqs_kills_nothing():
     for i in range(3):
         s.add_request(req(f"r{i}", [1, 2], max_tokens=3))
     run_step(s)
-    assert s.set_limits(max_num_seqs=1) == {"max_num_seqs": 1, "max_waiting": 256}
+    assert s.set_limits(max_num_seqs=1) == {"max_num_seqs": 1, "max_waiting": 256, "max_waiting_tokens": 0}
     s.add_request(req("late", [1, 2], max_tokens=2))
     out, _ = run_step(s)
     assert {c.request_id for c in out.chunks} == {"r0", "r1", "r2"}
@@ -468,13 +468,54 @@ def test_set_limits_lowering_max_num_seqs_kills_nothing():
     run_step(s)  # r0..r2 finish (3 tokens)
     out, _ = run_step(s)
     assert layout(out) == [("late", 0, 2)]
-    for bad in (dict(max_num_seqs=0), dict(max_waiting=-1), dict(max_num_seqs=True)):
+    for bad in (dict(max_num_seqs=0), dict(max_waiting=-1), dict(max_num_seqs=True), dict(max_waiting_tokens=-1),
+                dict(max_waiting_tokens=1.5)):
         with pytest.raises(ValueError):
             s.set_limits(**bad)
     assert s.set_limits(max_waiting=0)["max_waiting"] == 0
     with pytest.raises(AdmissionError) as ei:
         s.add_request(req("drain", [1]))
     assert ei.value.reason == "queue_full"
+
+
+def test_max_waiting_tokens_bounds_the_prompt_tokens_ahead():
+    """Budget 8 tokens per step, limit 20 prompt tokens: a prompt is refused when the uncomputed
+    prompt tokens ahead of it (running chunks left + waiting prompts) plus its own exceed 20."""
+    s = Scheduler(EngineConfig(num_blocks=64, max_model_len=64, block_size=4, max_num_seqs=4,
+                               max_num_batched_tokens=8, max_waiting_tokens=20))
+    s.add_request(req("a", range(1, 13), max_tokens=2))     # 12 tokens; nothing ahead: 12 <= 20
+    assert s.prompt_tokens_ahead(0) == 12
+    s.add_request(req("b", range(1, 7), max_tokens=2))      # 12 ahead + 6 = 18 <= 20
+    with pytest.raises(AdmissionError) as ei:
+        s.add_request(req("c", range(1, 4), max_tokens=2))  # 18 ahead + 3 = 21 > 20
+    assert ei.value.reason == "queue_full" and "18 prompt tokens" in str(ei.value)
+    assert ei.value.retry_after is not None
+    s.add_request(req("d", [1, 2], max_tokens=2))           # 18 + 2 = 20: admitted
+    assert s.prompt_tokens_ahead(0) == 20
+    run_step(s)                                             # a's first chunk: 8 of its 12 tokens
+    assert s.prompt_tokens_ahead(0) == 4 + 6 + 2
+    s.add_request(req("c", range(1, 4), max_tokens=2))      # 12 + 3 = 15: admitted now
+    assert s.rejected_total["queue_full"] == 1
+
+
+def test_max_waiting_tokens_never_refuses_a_prompt_with_nothing_ahead():
+    s = Scheduler(EngineConfig(num_blocks=64, max_model_len=64, block_size=4, max_waiting_tokens=5))
+    s.add_request(req("long", range(1, 41), max_tokens=2))  # 40 tokens > 5, but nothing is ahead
+    assert s.set_limits(max_waiting_tokens=0)["max_waiting_tokens"] == 0     # 0: no token bound
+    s.add_request(req("next", range(1, 41), max_tokens=2))
+    assert s.stats().max_waiting_tokens == 0 and s.rejected_total["queue_full"] == 0
+
+
+def test_max_waiting_tokens_counts_only_the_classes_a_prompt_queues_behind():
+    s = Scheduler(EngineConfig(num_blocks=64, max_model_len=64, block_size=4, max_num_seqs=1,
+                               max_num_batched_tokens=8, max_waiting_tokens=10))
+    s.add_request(req("run", [1, 2], max_tokens=8))
+    run_step(s)                                             # "run" decodes; its prompt is done
+    s.add_request(req("batch", range(1, 10), slo_rank=1))   # 9 tokens of the looser class
+    assert (s.prompt_tokens_ahead(0), s.prompt_tokens_ahead(1)) == (0, 9)
+    s.add_request(req("chat", range(1, 9), slo_rank=0))     # 0 ahead of rank 0: admitted
+    with pytest.raises(AdmissionError):
+        s.add_request(req("batch2", range(1, 4), slo_rank=1))   # 9 + 8 ahead of rank 1, + 3 > 10
 
 
 def test_engine_state_running_when_idle_and_stats_snapshot():

@@ -173,9 +173,11 @@ class LLMEngine:
             if request_id in self._tracked:
                 self._pending_aborts.append(request_id)
 
-    def set_limits(self, max_num_seqs: int | None = None, max_waiting: int | None = None) -> None:
+    def set_limits(self, max_num_seqs: int | None = None, max_waiting: int | None = None,
+                   max_waiting_tokens: int | None = None) -> None:
         with self._lock:
-            self.scheduler.set_limits(max_num_seqs=max_num_seqs, max_waiting=max_waiting)
+            self.scheduler.set_limits(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                      max_waiting_tokens=max_waiting_tokens)
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -35,6 +35,7 @@ from goodput.api.states import FinishReason
 from goodput.api.worker_metrics import (
     ADMISSION_MAX_NUM_SEQS,
     ADMISSION_MAX_WAITING,
+    ADMISSION_MAX_WAITING_TOKENS,
     CACHE_CONFIG_INFO,
     E2E_BUCKETS,
     E2E_REQUEST_LATENCY,
@@ -167,6 +168,9 @@ class _StatsCollector(Collector):
                                s.max_num_seqs)
         yield from self._gauge(ADMISSION_MAX_WAITING, "Current admission limit on waiting requests.",
                                s.max_waiting)
+        yield from self._gauge(ADMISSION_MAX_WAITING_TOKENS, "Current admission limit on the prompt tokens "
+                               "queued for prefill ahead of a new request, plus its own (0 = none).",
+                               s.max_waiting_tokens)
         yield from self._cache_config(s)
         yield from self._gauge(KV_LEASES, "Remote prefills whose prompt KV is leased for a decode worker now.",
                                s.num_leases)

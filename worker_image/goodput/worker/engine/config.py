@@ -84,6 +84,11 @@ class SchedulerSettings:
     max_waiting: int = setting(
         256, "waiting-queue limit (preempted requests included); beyond it requests get 429 with "
              "Retry-After; 0 refuses every new request (drain)", ge=0, le=1000000, crd="engine")
+    max_waiting_tokens: int = setting(
+        0, "prompt-token limit of the queue: a request is refused (429 with Retry-After) when the prompt "
+           "tokens still to be prefilled ahead of it plus its own exceed it, so what is admitted can meet a "
+           "TTFT of this over the prefill rate; 0 = no token bound (only max_waiting)",
+        ge=0, le=1 << 30, crd="engine")
     enable_prefix_caching: bool = setting(
         True, "reuse KV blocks of identical prompt prefixes (same model revision and cache_salt)",
         crd="engine")

@@ -134,6 +134,7 @@ class SchedulerStats:
     enable_prefix_caching: bool
     max_num_seqs: int
     max_waiting: int
+    max_waiting_tokens: int
     admitted_total: int
     rejected_total: dict[str, int]
     finished_total: dict[str, int]
@@ -217,6 +218,7 @@ class Scheduler:
         self.clock = clock
         self.max_num_seqs = config.max_num_seqs
         self.max_waiting = config.max_waiting
+        self.max_waiting_tokens = config.max_waiting_tokens
         self._eos = frozenset(config.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self._rank_counts: dict[int, int] = {}   # slo_rank -> waiting requests of that rank
@@ -277,7 +279,11 @@ class Scheduler:
             tokens) needs more blocks than the whole pool (it could never run even alone).
         queue_full: ``max_waiting`` requests wait that ``req`` would queue behind
             (:meth:`queued_ahead`: of its ``slo_rank`` or a smaller one; with one rank, the
-            whole queue); retry_after is set. A request of a looser class is refused first.
+            whole queue); or, with ``max_waiting_tokens`` > 0, prompt tokens are still to be
+            prefilled ahead of it (:meth:`prompt_tokens_ahead`) and they plus its own prompt
+            exceed ``max_waiting_tokens`` (an imported prompt needs no prefill and is not
+            counted; with nothing ahead a prompt is always admitted); retry_after is set. A
+            request of a looser class is refused first.
         """
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
@@ -332,6 +338,13 @@ class Scheduler:
                 RejectReason.QUEUE_FULL, f"the waiting queue is full ({ahead} requests of rank <= "
                                          f"{req.slo_rank} waiting, max_waiting={self.max_waiting})",
                 cfg.queue_full_retry_after_s)
+        if self.max_waiting_tokens > 0 and imp is None:
+            tokens_ahead = self.prompt_tokens_ahead(req.slo_rank)
+            if tokens_ahead > 0 and tokens_ahead + n > self.max_waiting_tokens:
+                raise self._reject(
+                    RejectReason.QUEUE_FULL, f"{tokens_ahead} prompt tokens wait to be prefilled ahead of this "
+                                             f"prompt's {n} (max_waiting_tokens={self.max_waiting_tokens})",
+                    cfg.queue_full_retry_after_s)
         for r in (req, *forks):
             sp = r.sampling_params
             r.stop_token_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
@@ -550,6 +563,17 @@ class Scheduler:
         if len(self._rank_counts) <= 1:
             return len(self.waiting) if slo_rank >= max(self._rank_counts, default=0) else 0
         return sum(n for r, n in self._rank_counts.items() if r <= slo_rank)
+
+    def prompt_tokens_ahead(self, slo_rank: int) -> int:
+        """Prompt tokens still to be prefilled before a new request of ``slo_rank`` starts its own:
+        the uncomputed prompt tokens of the running requests (their remaining prefill chunks) and
+        of the waiting requests it would queue behind (:meth:`queued_ahead`'s: its rank or a
+        smaller one). A prefill-bound queue drains at the step's token budget, so this over the
+        replica's prefill rate (tokens/s) is the time the new prompt waits before its own prefill.
+        Admission holds it plus the new prompt to ``max_waiting_tokens``. O(running + waiting)."""
+        def left(r: Request) -> int:
+            return max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        return sum(left(r) for r in self.running) + sum(left(r) for r in self.waiting if r.slo_rank <= slo_rank)
 
     def _pick_victim(self, now: float) -> Request:
         """The running request preempted when blocks run out: the largest ``priority``, then the
@@ -825,22 +849,28 @@ class Scheduler:
         return self.finish_request(request_id, FinishReason.ABORT)
 
     # ---- limits, state, stats ------------------------------------------------------------------
-    def set_limits(self, max_num_seqs: int | None = None, max_waiting: int | None = None) -> dict:
-        """Change runtime admission limits; returns the limits now in force.
+    def set_limits(self, max_num_seqs: int | None = None, max_waiting: int | None = None,
+                   max_waiting_tokens: int | None = None) -> dict:
+        """Change runtime admission limits (None = unchanged); returns the limits now in force.
 
         Lowering ``max_num_seqs`` below the running count preempts nothing: it only stops
         admitting until the running set shrinks. Lowering ``max_waiting`` below the queue length
-        rejects new requests until the queue drains. Raises ValueError on a bad value
-        (max_num_seqs >= 1, max_waiting >= 0).
+        (or ``max_waiting_tokens`` below the prompt tokens queued; 0 = no token bound) rejects new
+        requests until the queue drains. Raises ValueError on a bad value (max_num_seqs >= 1,
+        max_waiting >= 0, max_waiting_tokens >= 0).
         """
-        for name, value, lo in (("max_num_seqs", max_num_seqs, 1), ("max_waiting", max_waiting, 0)):
+        for name, value, lo in (("max_num_seqs", max_num_seqs, 1), ("max_waiting", max_waiting, 0),
+                                ("max_waiting_tokens", max_waiting_tokens, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
                 raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
         if max_num_seqs is not None:
             self.max_num_seqs = max_num_seqs
         if max_waiting is not None:
             self.max_waiting = max_waiting
-        return {"max_num_seqs": self.max_num_seqs, "max_waiting": self.max_waiting}
+        if max_waiting_tokens is not None:
+            self.max_waiting_tokens = max_waiting_tokens
+        return {"max_num_seqs": self.max_num_seqs, "max_waiting": self.max_waiting,
+                "max_waiting_tokens": self.max_waiting_tokens}
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
@@ -884,6 +914,7 @@ class Scheduler:
             enable_prefix_caching=bm.enable_prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_waiting=self.max_waiting,
+            max_waiting_tokens=self.max_waiting_tokens,
             num_leases=len(self.leases),
             num_leased_blocks=sum(len(lease.request.block_ids) for lease in self.leases.values()),
             # Counters: the scheduler's attributes of the same names (copies of the dicts).

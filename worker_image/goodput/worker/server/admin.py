@@ -49,7 +49,7 @@ def _require_admin(request: Request) -> None:
 
 def _limits(st) -> dict[str, int]:
     s = st.llm.stats()
-    return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting}
+    return {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting, "max_waiting_tokens": s.max_waiting_tokens}
 
 
 @router.get(LIMITS_PATH, responses=_errors(503))
@@ -62,7 +62,8 @@ async def get_limits(request: Request) -> dict[str, int]:
 @router.put(LIMITS_PATH, responses=_errors(400, 401, 403, 503), openapi_extra={"requestBody": {
     "required": True, "content": {"application/json": {"schema": AdminLimits.model_json_schema()}}}})
 async def put_limits(request: Request) -> dict[str, int]:
-    """Set ``max_num_seqs`` and/or ``max_waiting`` (omitted = unchanged); returns the limits in force.
+    """Set ``max_num_seqs``, ``max_waiting`` and/or ``max_waiting_tokens`` (omitted = unchanged);
+    returns the limits in force.
     Lowering ``max_num_seqs`` preempts nothing: it only stops admitting until the running set shrinks.
     Authentication is checked before the body is read (401/403 never leak validation details)."""
     _require_admin(request)
@@ -73,7 +74,8 @@ async def put_limits(request: Request) -> dict[str, int]:
         raise RequestValidationError(e.errors()) from None
     st.require_engine()
     try:
-        st.llm.set_limits(max_num_seqs=body.max_num_seqs, max_waiting=body.max_waiting)
+        st.llm.set_limits(max_num_seqs=body.max_num_seqs, max_waiting=body.max_waiting,
+                          max_waiting_tokens=body.max_waiting_tokens)
     except ValueError as e:
         raise APIError(400, str(e))
     return _limits(st)
@@ -129,6 +131,7 @@ async def get_state(request: Request) -> dict:
         "kv_cache_usage_ratio": s.kv_usage_ratio,
         "block_size": s.block_size,
         "max_model_len": st.llm.config.max_model_len,
-        "limits": {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting},
+        "limits": {"max_num_seqs": s.max_num_seqs, "max_waiting": s.max_waiting,
+                   "max_waiting_tokens": s.max_waiting_tokens},
         "counters": s.counters(),  # admitted, rejected, finished, preemptions, tokens, steps ...
     }

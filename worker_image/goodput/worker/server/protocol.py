@@ -554,6 +554,7 @@ class AdminLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_num_seqs: Int | None = Field(default=None, ge=1)
     max_waiting: Int | None = Field(default=None, ge=0)
+    max_waiting_tokens: Int | None = Field(default=None, ge=0)
 
 
 # ------------------------------------------------------------------------------------- responses
