@@ -126,10 +126,9 @@ How each rule follows from the ideas it rests on:
    refuses the prompts that would miss and admits the ones that still fit, so what a saturated
    replica admits meets its TTFT. r is the full-step rate (prompt + decode tokens), so the bound
    errs high by the decode share of a step (R of the budget B). Measured (h200): azure-code 0.802
-   -> 0.903 attainment (6.28 -> 6.52 replica-hours; the first burst on 2 replicas: 41 -> 398 of
-   531 met... see docs/autoscaling.md), long-prompt 0.849 -> 0.882 at 0.822 -> 0.581, bursty
-   0.786 -> 0.815 and two-class 0.701 -> 0.725 at the same replica-hours; steady, diurnal, chat
-   unchanged.
+   -> 0.903 attainment at 6.28 -> 6.52 replica-hours (its 540 s burst on 6 replicas: 165 -> 407 of
+   476 requests met, 61 refused), long-prompt 0.849 -> 0.882 at 0.822 -> 0.581, bursty 0.786 ->
+   0.815 and two-class 0.701 -> 0.725 at the same replica-hours (docs/autoscaling.md).
 
 6. Preemptions are a saturation signal (they waste the recomputed prefill and stall TPOT): they
    cut the batch (rule 2) and block any scale-down.
