@@ -119,8 +119,9 @@ How each rule follows from the ideas it rests on:
    The same budget in prompt tokens, always: a prefill-bound queue drains at the step's token
    budget, not at a rate of requests, so a request waits for the prompt tokens ahead of it (the
    waiting prompts and the running ones' remaining chunks) and then its own, at the replica's
-   full-step rate r (rule 14's estimate, once ready): ``max_waiting_tokens = floor(slo_ttft_s *
-   r)`` (the worker refuses a prompt when the tokens ahead plus its own exceed it and something is
+   full-step rate r (rule 14's estimate, from its first measurement: a scale-down waits until the
+   estimate is ready, admission does not, since a young estimate misplaces the bound only until
+   the next call): ``max_waiting_tokens = floor(slo_ttft_s * r)`` (the worker refuses a prompt when the tokens ahead plus its own exceed it and something is
    ahead; ``Scheduler.prompt_tokens_ahead``). A count bounds a mix of prompt lengths badly: ten
    6,000-token prompts fill 12 s of an H200's prefill, ten 100-token ones 0.2 s; the token bound
    refuses the prompts that would miss and admits the ones that still fit, so what a saturated
@@ -1614,8 +1615,8 @@ class QueueLimits:
 def queue_limits(fleet: Fleet, n_ready: int, coming: int, added: int, spec: PolicySpec,
                  service_s: float, token_rate: float = 0.0) -> QueueLimits:
     """Phase 7: the waiting-queue limits from the TTFT budget (rule 5) and the router's bound.
-    token_rate: the prompt tokens one replica prefills per second (rule 14's usable estimate;
-    0 = not known yet: no token bound)."""
+    token_rate: the tokens one replica computes per second at a full step (rule 14's estimate,
+    ready or not; 0 = nothing measured yet: no token bound)."""
     mu = fleet.live_capacity / service_s if service_s > 0 else 0.0   # completions/s per replica
     ttft = fleet.queue_ttft_s if fleet.queue_ttft_s is not None else spec.slo_ttft_s   # rule 17
     budget = max(0.0, ttft - fleet.t_first)
@@ -1752,7 +1753,7 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     if (caps.relief_cap or st.relief_cap or settling) and out.replicas != obs.current_replicas and \
             spec.min_replicas <= obs.current_replicas <= spec.max_replicas:
         out = Replicas(obs.current_replicas, "HoldPrefillStarting")   # rule 19: the prefill pods are coming
-    token_rate = cap.tokens * cap.scale if cap.ready else 0.0     # rule 5 in prompt tokens
+    token_rate = cap.tokens * cap.scale     # rule 5 in prompt tokens (0 before any measurement)
     if sz is not sized:     # rule 18: a prefill pod serves one prompt at a time
         ql = queue_limits(replace(fleet, live_capacity=1.0), len(obs.ready), caps.coming,
                           out.replicas - obs.current_replicas, spec, sz.service_s, token_rate)
