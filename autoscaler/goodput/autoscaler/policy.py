@@ -127,9 +127,10 @@ How each rule follows from the ideas it rests on:
    refuses the prompts that would miss and admits the ones that still fit, so what a saturated
    replica admits meets its TTFT. r is the full-step rate (prompt + decode tokens), so the bound
    errs high by the decode share of a step (R of the budget B). Measured (h200): azure-code 0.802
-   -> 0.903 attainment at 6.28 -> 6.52 replica-hours (its 540 s burst on 6 replicas: 165 -> 407 of
-   476 requests met, 61 refused), long-prompt 0.849 -> 0.882 at 0.822 -> 0.581, bursty 0.786 ->
-   0.815 and two-class 0.701 -> 0.725 at the same replica-hours (docs/autoscaling.md).
+   -> 0.925 attainment at 6.28 -> 5.71 replica-hours (its first burst on 2-3 replicas: 41 -> 395
+   of 531 requests met, 136 refused, none missed), long-prompt 0.849 -> 0.882 at 0.822 -> 0.581,
+   bursty 0.786 -> 0.815 at the same replica-hours, two-class 0.701 -> 0.698 at 0.979 -> 0.912
+   (docs/autoscaling.md).
 
 6. Preemptions are a saturation signal (they waste the recomputed prefill and stall TPOT): they
    cut the batch (rule 2) and block any scale-down.

@@ -118,13 +118,13 @@ def test_never_fits_is_400_with_the_numbers(server_main):
 def test_admin_auth_and_limits(server_main):
     url = server_main.url
     before = httpx.get(url + "/admin/limits").json()
-    assert before == {"max_num_seqs": 64, "max_waiting": 256}
+    assert before == {"max_num_seqs": 64, "max_waiting": 256, "max_waiting_tokens": 0}
     r = httpx.put(url + "/admin/limits", json={"max_num_seqs": 8})
     assert _error(r, 401) and r.headers["www-authenticate"] == "Bearer"
     _error(httpx.put(url + "/admin/limits", json={"max_num_seqs": 8},
                      headers={"Authorization": "Bearer wrong"}), 401)
     r = httpx.put(url + "/admin/limits", json={"max_num_seqs": 8}, headers=AUTH)
-    assert r.status_code == 200 and r.json() == {"max_num_seqs": 8, "max_waiting": 256}
+    assert r.status_code == 200 and r.json() == {"max_num_seqs": 8, "max_waiting": 256, "max_waiting_tokens": 0}
     assert metric(metrics(url), "goodput_admission_max_num_seqs") == 8
     assert httpx.get(url + "/admin/state").json()["limits"]["max_num_seqs"] == 8
     err = _error(httpx.put(url + "/admin/limits", json={"max_num_seqs": 0}, headers=AUTH), 400)
@@ -161,6 +161,23 @@ def test_queue_full_is_429_with_retry_after(server_main):
     finally:
         httpx.put(url + "/admin/limits", json={"max_waiting": 256}, headers=AUTH)
     assert completion(url, prompt="Hello", max_tokens=2)["usage"]["completion_tokens"] >= 1
+
+
+def test_max_waiting_tokens_is_set_shown_and_exported(server_main):
+    """The token bound's wiring: PUT /admin/limits sets it in the scheduler (its admission is
+    table-tested in tests/worker/engine/test_scheduler.py), GET and /admin/state show it, the
+    gauge exports it; a negative value is a 400 naming the field."""
+    url = server_main.url
+    try:
+        r = httpx.put(url + "/admin/limits", json={"max_waiting_tokens": 9000}, headers=AUTH)
+        assert r.json() == {"max_num_seqs": 64, "max_waiting": 256, "max_waiting_tokens": 9000}
+        assert httpx.get(url + "/admin/state").json()["limits"]["max_waiting_tokens"] == 9000
+        assert metric(metrics(url), "goodput_admission_max_waiting_tokens") == 9000
+        err = _error(httpx.put(url + "/admin/limits", json={"max_waiting_tokens": -1}, headers=AUTH), 400)
+        assert err["param"] == "max_waiting_tokens"
+    finally:
+        httpx.put(url + "/admin/limits", json={"max_waiting_tokens": 0}, headers=AUTH)
+    assert httpx.get(url + "/admin/limits").json()["max_waiting_tokens"] == 0
 
 
 # ------------------------------------------------------------------------- streaming and load
