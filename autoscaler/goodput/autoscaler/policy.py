@@ -121,8 +121,9 @@ How each rule follows from the ideas it rests on:
    waiting prompts and the running ones' remaining chunks) and then its own, at the replica's
    full-step rate r (rule 14's estimate, from its first measurement: a scale-down waits until the
    estimate is ready, admission does not, since a young estimate misplaces the bound only until
-   the next call): ``max_waiting_tokens = floor(slo_ttft_s * r)`` (the worker refuses a prompt when the tokens ahead plus its own exceed it and something is
-   ahead; ``Scheduler.prompt_tokens_ahead``). A count bounds a mix of prompt lengths badly: ten
+   the next call): ``max_waiting_tokens = floor(slo_ttft_s * r)`` (the worker refuses a prompt
+   when the tokens ahead plus its own exceed it and something is ahead;
+   ``Scheduler.prompt_tokens_ahead``). A count bounds a mix of prompt lengths badly: ten
    6,000-token prompts fill 12 s of an H200's prefill, ten 100-token ones 0.2 s; the token bound
    refuses the prompts that would miss and admits the ones that still fit, so what a saturated
    replica admits meets its TTFT. r is the full-step rate (prompt + decode tokens), so the bound

@@ -282,7 +282,9 @@ class Scheduler:
             whole queue); or, with ``max_waiting_tokens`` > 0, prompt tokens are still to be
             prefilled ahead of it (:meth:`prompt_tokens_ahead`) and they plus its own prompt
             exceed ``max_waiting_tokens`` (an imported prompt needs no prefill and is not
-            counted; with nothing ahead a prompt is always admitted); retry_after is set. A
+            counted; a prompt counts in full even where the prefix cache holds its start, so
+            the bound errs toward refusing; with nothing ahead a prompt is always admitted);
+            retry_after is set. A
             request of a looser class is refused first.
         """
         if not isinstance(req, Request):
