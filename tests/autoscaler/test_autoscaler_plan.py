@@ -183,6 +183,19 @@ def test_router_max_queued_goes_to_status_admission():
     assert p.status_patch["admission"] == {"routerMaxQueued": 40, "updatedAt": TS}
 
 
+@pytest.mark.parametrize("old, tokens, written", [
+    ({}, (0, 0), None),                              # none before, none now: nothing to write
+    ({}, (9000, 9400), 9000),                        # the smallest of the pods' limits
+    ({"maxWaitingTokens": 9000}, (9800, 9800), None),    # 800 <= 10 % of 9,800: not rewritten
+    ({"maxWaitingTokens": 9000}, (10100, 10200), 10100),  # 1,100 > 10 % of 10,100
+    ({"maxWaitingTokens": 9000}, (0, 0), 0),         # the bound is gone
+])
+def test_status_admission_token_limit(old, tokens, written):
+    limits = {"a": L(8, 16, tokens[0]), "b": L(8, 16, tokens[1])}
+    adm = loop.admission_patch({"maxNumSeqs": 8, "maxWaiting": 16, **old}, limits, None)
+    assert adm.get("maxWaitingTokens") == written and ("maxWaitingTokens" in adm) == (written is not None)
+
+
 # ---------------------------------------------------------------------------------------- Events
 def _cond(metrics_ok, able_ok=True, able_reason="ReadyForNewScale", missing="MetricsMissing"):
     return {"MetricsAvailable": (metrics_ok, "MetricsScraped" if metrics_ok else missing, "x"),

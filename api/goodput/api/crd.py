@@ -406,6 +406,9 @@ class AdmissionStatus(_StatusModel):
 
     max_num_seqs: int | None = None
     max_waiting: int | None = None
+    max_waiting_tokens: int | None = Field(
+        None, ge=0, description="the smallest prompt-token queue limit pushed (0 = none; "
+        "docs/autoscaling.md, rule 5)")
     router_max_queued: int | None = Field(
         None, ge=0, description="bound of the router's fleet queue for this service (beyond it: 429); "
         "unset = the sum of the Ready pods' max_waiting (docs/router-autoscaler-contract.md)")

@@ -507,12 +507,19 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
 
 def admission_patch(old: Mapping[str, Any], limits: Mapping[str, policy.Limits],
                     router_max_queued: int | None) -> dict[str, Any]:
-    """The ``status.admission`` fields that change: the summarized limits in force and the router's
-    queue bound ({} = nothing new)."""
+    """The ``status.admission`` fields that change: the summarized limits in force, the smallest
+    token limit (``maxWaitingTokens``, 0 or absent = none; rewritten only when it moved by more than the
+    push tolerance of :func:`limits_in_force`, as it follows the smoothed capacity estimate) and
+    the router's queue bound ({} = nothing new)."""
     seqs, waiting = summarize_limits(limits)
     adm: dict[str, Any] = {}
     if seqs is not None and (old.get("maxNumSeqs"), old.get("maxWaiting")) != (seqs, waiting):
         adm.update(maxNumSeqs=seqs, maxWaiting=waiting)
+    if limits:
+        tokens = min(v.max_waiting_tokens for v in limits.values())
+        was = old.get("maxWaitingTokens") or 0     # absent: none (a status from before the field)
+        if (was == 0) != (tokens == 0) or abs(was - tokens) > 0.1 * tokens:
+            adm["maxWaitingTokens"] = tokens
     if router_max_queued is not None and old.get("routerMaxQueued") != router_max_queued:
         adm["routerMaxQueued"] = router_max_queued
     return adm
