@@ -224,7 +224,7 @@ def test_proof_needs_a_whole_model_load_of_good_calls():
     # samples from the newest one at least 60 s old (-65) on: min(800, 700, 1200 / 2) = 600
     assert (pr.proven, [t for t, _ in pr.samples]) == (600.0, [-65.0, -30.0, 0.0])
     # a call that is not good (saturated) proves nothing and restarts the run
-    bad = P.proven_work(0.0, replace(FLEET, rejected=3), CAPS, P.size(replace(FLEET, rejected=3), CAPS, 2,
+    bad = P.proven_work(0.0, replace(FLEET, rejected=12), CAPS, P.size(replace(FLEET, rejected=12), CAPS, 2,
                                                                           SPEC, st), fc, 2, True, SPEC, st)
     assert (bad.proven, bad.samples) == (100.0, ())
 
@@ -265,6 +265,15 @@ def test_router_queue_counts_as_demand_and_refusals_as_offered():
     # once, max(3, 1 + 1, ceil(0.9 / 0.333) = 3) = 3
     d = decide(0.0, obs(pod(), router=RouterObservation(held=0, queued=0, refused=100)), SPEC, None)
     assert (d.replicas, d.reason) == (3, "ScaleUpGoodput")
+
+
+@pytest.mark.parametrize("rejected, saturated", [
+    (0, False), (11, False),   # 11 of 111 requests refused: not more than tolerance (0.1) of them
+    (12, True),                # 12 > 0.1 x 112 = 11.2: the fleet is refusing
+])
+def test_refusals_saturate_only_past_the_tolerance(rejected, saturated):
+    # FLEET: 100 finished, nothing waiting, preempted or queued
+    assert P.size(replace(FLEET, rejected=rejected), CAPS, 2, SPEC, PolicyState()).saturated is saturated
 
 
 # ----------------------------------------------------------------------- phase 7: queue limits

@@ -86,8 +86,9 @@ def test_prefill_size_falls_back_to_rules_3_and_4_without_a_service_time():
 
 
 def test_prefill_evidence_adds_one_replica_and_waits_for_arrived_capacity():
-    # 2 of 10 within the SLO and a 429: missing while saturated, nothing coming
-    missing = dict(slo_met=2, rejected_429=1)
+    # 2 of 10 within the SLO and three 429s (6 of 26 refused, more than 0.1 of them): missing
+    # while saturated, nothing coming
+    missing = dict(slo_met=2, rejected_429=3)
     o = obs(pod("a", **missing), pod("b", **missing))
     fleet, sz, st = sized(o)
     assert sz.evidence and sz.rec == 8          # HPA's step: ceil(2 * 0.9 / 0.25) = 8

@@ -71,7 +71,10 @@ How each rule follows from the ideas it rests on:
    the cap binds (:func:`growth_room`): the learned batch is a floor, not a ceiling, so one
    replica at 3.5 req/s (47-54 sequences in flight under a learned cap of 64, which it carries
    at 0.998) is not sized at two. When attainment is below target while the
-   fleet is saturated (waiting, 429s or preemptions) and nothing is loading (misses while pods
+   fleet is saturated (waiting, preemptions, or 429s on more than ``tolerance`` of the interval's
+   requests: under rule 5's token bound one long prompt queued behind another on one replica is
+   refused while the fleet has room, and with 5 % metric noise such a stray refusal beside a
+   noisy attainment of a few requests ordered bursty's fleet from 6 to 9 replicas) and nothing is loading (misses while pods
    load are the expected cost of rule 4, not new evidence), ``w >= max(ready + 1, ceil(ready *
    attainment_target / attainment))`` (HPA's proportional formula applied to goodput; attainment
    floored at 0.25) (reason ScaleUpGoodput; ScaleUpSaturation when preemptions or KV over target
@@ -1122,7 +1125,10 @@ def size(fleet: Fleet, caps: BatchCaps, n_ready: int, spec: PolicySpec, st: Poli
     if caps.coming > 0:      # retried 429s while capacity loads are not new demand (rule 4)
         plan = st.plan_offered_rps or fleet.offered_rps
         sizing_rps = min(fleet.offered_rps, max(plan, fleet.admitted_rps))
-    saturated = (fleet.waiting > spec.queue_target * max(1, n_ready) or fleet.rejected > 0
+    # refusals say the fleet is full when they are more than stray ones: under rule 5's token bound
+    # a long prompt behind another on one replica is refused while the others have room
+    refusing = fleet.rejected > spec.tolerance * (fleet.finished + fleet.rejected)
+    saturated = (fleet.waiting > spec.queue_target * max(1, n_ready) or refusing
                  or fleet.preempted > 0 or fleet.kv_hot or fleet.queued > 0)
     missing = fleet.attainment is not None and \
         fleet.attainment < spec.attainment_target * (1 - spec.tolerance / 2)
