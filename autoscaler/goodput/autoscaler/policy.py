@@ -335,6 +335,20 @@ How each rule follows from the ideas it rests on:
    of rule 4 adds one replica at a time, and not while a ready pod is younger than the interval
    plus ``queue_slack`` TTFT SLOs: misses of requests that queued before ordered capacity
    arrived are no new evidence.
+   The first rate of a cold pool (:func:`backlog_rate`): rule 11's level starts at the first
+   interval's count, and the first order, made at once (rule 8's panic), rests on it and holds
+   through the stabilization window. A pod's first scrape gives no delta, so what arrived before
+   that interval is not counted; a queueing prefill pod holds it. Over its age A (at most two
+   intervals), arrivals = what it holds + what it served: ``(running + waiting) / A +
+   first tokens / interval``, a count over A instead of one interval, used as the level's first
+   value while every ready pod queues and nothing was refused or is coming. Measured (h200,
+   long-context, seed 0): the first interval counted 18 arrivals (3.6 req/s; the trace's mean
+   2.88) and 5 prefills of 5,178-token prompts (the trace's mean 4,242) at 1.07 s:
+   ``ceil(3.6 x 1.07 / 0.8) = 5``, one more than the best fixed split (4:1), and the stabilization
+   window, whose maximum over the recommendations, the forecasts and the fewest replicas carrying
+   the load reached 5 and 6 again, kept 5 for the whole 600 s (1.19x the split's replica-hours).
+   Over the pod's 10 s: (1 + 17) / 10 + 5 / 5 = 2.8 req/s -> ``ceil(3.76) = 4``; seed 1's light
+   first interval (8 arrivals, 16 in flight) reads 2.4 req/s instead of 1.6 (4 ordered, was 3).
 
 19. The decode pool of a disaggregated service waits for the prefill capacity on its way
    (:func:`prefill_relief`). When the prefill pool refuses a prompt or has no ready pod, the
@@ -1157,7 +1171,8 @@ def prefill_size(obs: Observation, fleet: Fleet, sz: Size, cap: Capacity, level_
     else the smoothed prompt level), and one replica carries one request at a time:
     ``per_replica = token_utilization``, ``demand = level_rps * service_s`` (replicas busy at
     rule 11's smoothed offered rate: the offered prompt tokens over one replica's tokens/s, a
-    leading signal), ``wanted = ceil(demand / token_utilization)``. The attainment evidence then
+    leading signal; on a cold pool its first value is :func:`backlog_rate`'s),
+    ``wanted = ceil(demand / token_utilization)``. The attainment evidence then
     adds one replica at a time (the size is known; HPA's proportional step overshoots on a
     backlog), and not while a ready pod is younger than the interval plus ``queue_slack`` TTFT
     SLOs: misses of requests that queued before ordered capacity arrived are no new evidence.
@@ -1181,6 +1196,36 @@ def prefill_size(obs: Observation, fleet: Fleet, sz: Size, cap: Capacity, level_
         wanted = max(wanted, len(obs.ready) + 1)
     rec = max(max(1, spec.min_replicas), min(spec.max_replicas, wanted))
     return Size(sz.sizing_rps, service_s, demand, per_replica, wanted, sz.saturated, evidence, sz.up_reason, rec)
+
+
+def backlog_rate(obs: Observation, fleet: Fleet, coming: int, st: PolicyState) -> float | None:
+    """Rule 18, the first rate of a cold prefill pool: the offered req/s over its pods' whole life,
+    read from the queue they hold, or None (then the interval's offered rate, as everywhere).
+
+    Rule 11's level starts at the first interval's offered rate, a Poisson count over one interval
+    (at 3 req/s over 5 s, +-26 %), and the first order is made on it. A pod's counters start at
+    zero when it becomes ready and its first scrape gives no delta, so what arrived before the
+    interval is not counted; a prefill pod that queues and refuses nothing still holds it. Over its
+    age A, arrivals = what it holds (running + waiting) + what it served, and a pod queueing since
+    it became ready served at the rate it served over the interval (its first tokens: the TTFT
+    histogram's count): ``(running + waiting) / A + ttft.count / interval_s``, a count over A
+    instead of the interval. Only when every ready pod became ready at most one interval before
+    the interval began (``interval_s < age_s <= 2 interval_s``: the part of its life before the
+    interval is no longer than the interval, so it is the unseen first scrape's, not hours of an
+    older pod's), holds requests waiting, and the pool refused nothing (the pods' 429s and the
+    router's: those left the queue), on the first call with rates (Holt's level unset) with nothing
+    coming (rule 4 sizes the rate then). E.g. a pod ready 10 s ago, its interval 5 s, 18 requests
+    in flight and 5 prefills done: 18 / 10 + 5 / 5 = 2.8 req/s, where the interval counted 18
+    arrivals (3.6 req/s)."""
+    if st.level_rps is not None or coming > 0 or fleet.rejected > 0 or not obs.ready or obs.unreachable:
+        return None
+    rate = 0.0
+    for p in obs.ready:
+        young = p.interval_s < p.age_s <= 2 * p.interval_s
+        if p.interval_s <= 0 or p.ttft is None or p.waiting <= 0 or not young:
+            return None
+        rate += (p.running + p.waiting) / p.age_s + p.ttft.count / p.interval_s
+    return rate
 
 
 # --------------------------------------------------------------------------- phase 4: forecast
@@ -1743,6 +1788,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     metrics_ok = not obs.unreachable and fleet.rated > 0
     sz = sized = size(fleet, caps, len(obs.ready), spec, st)
     if spec.prefill_pool:   # rule 18: sized by prompt tokens at rule 11's smoothed rate
+        first = backlog_rate(obs, fleet, caps.coming, st)   # a cold pool: the rate over its pods' life
+        if first is not None:
+            sz = sized = replace(sized, sizing_rps=first)
         level = forecast(now, obs, fleet, caps, sized, metrics_ok, spec, st).level_rps
         sz = prefill_size(obs, fleet, sized, cap, level, spec, st)
     fc = forecast(now, obs, fleet, caps, sz, metrics_ok, spec, st)
@@ -1801,6 +1849,7 @@ __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation
            "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
            "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "prefill_size", "prefill_relief", "peak_to_mean", "headroom",
+           "backlog_rate",
            "SPIKE_NOISE_SD", "SHORT_SPIKE", "short_spikes", "short_spike_limit", "last_horizon", "spikes_were_short",
            "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]
