@@ -169,3 +169,21 @@ def test_a_cold_prefill_pool_orders_for_the_rate_over_its_pods_life():
     d = P.decide(10.0, obs(cold(age_s=11.0)), SPEC, None)
     assert (d.replicas, d.state.level_rps) == (5, pytest.approx(3.6))
 
+
+def test_the_prefill_pools_capacity_reads_the_prompts_it_prefilled():
+    # the cold pod: 20000 prompt tokens started over 18 arrivals = 1111 per prompt over the 1.0 s
+    # prefill -> 1111 tokens/s; the 5 prompts it prefilled (its prompt-length histogram, one per
+    # finished request: a prefill pod's request finishes with its first token) average 4000 -> 4000
+    p = cold()
+    assert P.pod_token_rate(p) == pytest.approx(20000 / 18)
+    assert P.pod_token_rate(p, prefill_pool=True) == pytest.approx(4000.0)
+    # + generated tokens per second, as for any pod: 5 first tokens over 5 s -> 4001
+    assert P.pod_token_rate(replace(p, generation_tokens=5), prefill_pool=True) == pytest.approx(4001.0)
+    # no prompt-length histogram (or none finished): the prompt counter over the admissions
+    assert P.pod_token_rate(replace(p, prompt_len=None), prefill_pool=True) == pytest.approx(20000 / 18)
+    none_finished = replace(p, prompt_len=prompts(0, 0.0))
+    assert P.pod_token_rate(none_finished, prefill_pool=True) == pytest.approx(20000 / 18)
+    # in decide: the prefill pool's first capacity sample is 4000; the same pods elsewhere 1111
+    assert P.decide(10.0, obs(cold()), SPEC, None).state.cap_tokens == pytest.approx(4000.0)
+    assert P.decide(10.0, obs(cold()), replace(SPEC, prefill_pool=False), None).state.cap_tokens == \
+        pytest.approx(20000 / 18)

@@ -349,6 +349,14 @@ How each rule follows from the ideas it rests on:
    the load reached 5 and 6 again, kept 5 for the whole 600 s (1.19x the split's replica-hours).
    Over the pod's 10 s: (1 + 17) / 10 + 5 / 5 = 2.8 req/s -> ``ceil(3.76) = 4``; seed 1's light
    first interval (8 arrivals, 16 in flight) reads 2.4 req/s instead of 1.6 (4 ordered, was 3).
+   Rule 14's estimate of a prefill pod (:func:`pod_token_rate`) takes its mean prompt from the
+   prompt-length histogram, whose requests (finished with their first token) are the ones the
+   TTFT histogram timed; the prompt counter over the admissions counts arrivals that still wait,
+   so a cold pod's first sample read 1,385 tokens/s where its prefills ran at 4,821, and rule 5's
+   token bound (the TTFT SLO times the estimate: 4,154 tokens from that sample on, 9,241 when the
+   ordered pods had arrived, where 14,400 was due) refused prompts the pods had time for: the
+   decode pod prefilled them and, its TPOT missed, the decode pool went 1 -> 3 (long-context,
+   seed 0: 1.28x the best split's replica-hours).
 
 19. The decode pool of a disaggregated service waits for the prefill capacity on its way
    (:func:`prefill_relief`). When the prefill pool refuses a prompt or has no ready pod, the
@@ -879,7 +887,7 @@ def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> Batc
 # ------------------------------------------------------------------ phase 1b: capacity estimate
 
 
-def pod_token_rate(p: PodObservation) -> float | None:
+def pod_token_rate(p: PodObservation, prefill_pool: bool = False) -> float | None:
     """Rule 14 for one pod over its interval: the tokens per second it computes with a full step,
     ``(prompt_tokens / admitted) / (mean TTFT - mean queue time) + generation_tokens / interval_s``.
 
@@ -890,6 +898,14 @@ def pod_token_rate(p: PodObservation) -> float | None:
     whatever the load. The mean prompt over the mean prefill time (TTFT less the queue time, from
     the two histograms) is the first term. A pod that idles between steps, or whose prompts are
     shorter than a chunk, measures less than its full-step throughput (the estimate errs low).
+    In a disaggregated service's prefill pool (``prefill_pool``, rule 18) a request finishes with
+    its first token, so the prompt-length histogram counts exactly the prompts whose prefill the
+    TTFT histogram timed, and their mean is the mean prompt (when it has any): ``prompt_tokens /
+    admitted`` divides the prompts started over the interval by every request that arrived, which
+    a backlog makes far too low (a cold prefill pod holding 17 waiting: 26,759 tokens started over
+    18 arrivals, 1,487 per prompt, where the 5 prompts it prefilled averaged 5,178; its estimate
+    then started at 1,385 tokens/s instead of 4,821, and rule 5's token bound, 3 s of it,
+    refused prompts it would have prefilled in time).
     None when the interval measured no prefill (no admission, no first token, no queue
     histogram, no prompt counter, or TTFT not above the queue time)."""
     if p.interval_s <= 0 or p.admitted <= 0 or p.prompt_tokens is None or p.ttft is None or p.queue is None:
@@ -897,7 +913,10 @@ def pod_token_rate(p: PodObservation) -> float | None:
     ttft, queue = p.ttft.mean, p.queue.mean
     if ttft is None or queue is None or ttft - queue <= 0:
         return None
-    return (p.prompt_tokens / p.admitted) / (ttft - queue) + p.generation_tokens / p.interval_s
+    prompt = p.prompt_tokens / p.admitted
+    if prefill_pool and p.prompt_len is not None and p.prompt_len.count > 0:
+        prompt = p.prompt_len.sum / p.prompt_len.count
+    return prompt / (ttft - queue) + p.generation_tokens / p.interval_s
 
 
 @dataclass(frozen=True)
@@ -936,7 +955,7 @@ def capacity(obs: Observation, dt: float, horizon_s: float, spec: PolicySpec, st
     mean's standard deviation is ``sqrt(var g5 / (2 - g5))`` (g5: the weight per 5 s call), that of
     an exponentially weighted mean of independent samples. A call with an unreachable pod or no
     measurement carries the state unchanged."""
-    rates = [x for p in obs.ready if (x := pod_token_rate(p)) is not None]
+    rates = [x for p in obs.ready if (x := pod_token_rate(p, spec.prefill_pool)) is not None]
     tokens, var, seen = st.cap_tokens, st.cap_var, st.cap_seen_s
     sample = None
     if rates and not obs.unreachable:
@@ -1166,9 +1185,9 @@ def prefill_size(obs: Observation, fleet: Fleet, sz: Size, cap: Capacity, level_
     at its full-step speed, so one request occupies it ``service_s`` seconds, the shorter of the
     interval's prefill time (``Fleet.t_first``: mean TTFT less mean queue time; noisy) and the
     mean prompt over rule 14's estimate (``cap.tokens * cap.scale`` tokens/s from its first
-    sample on; smoothed, but low while a backlog waits: it divides the prompt tokens of started
-    requests by all admitted ones; prompt: the mean of the interval's prompt-length histograms,
-    else the smoothed prompt level), and one replica carries one request at a time:
+    sample on; smoothed; a prefill pod's own prompts over its prefill time, :func:`pod_token_rate`;
+    prompt: the mean of the interval's prompt-length histograms, else the smoothed prompt level),
+    and one replica carries one request at a time:
     ``per_replica = token_utilization``, ``demand = level_rps * service_s`` (replicas busy at
     rule 11's smoothed offered rate: the offered prompt tokens over one replica's tokens/s, a
     leading signal; on a cold pool its first value is :func:`backlog_rate`'s),
