@@ -112,3 +112,79 @@ def test_decide_bounds_the_prefill_queue_by_the_prefill_time():
     # the same pod in a pool that is not a prefill pool: no TPOT, no service time -> max_waiting
     d = P.decide(0.0, obs(pod()), replace(SPEC, prefill_pool=False), None)
     assert d.limits["a"].max_waiting == SPEC.max_waiting
+
+
+# ------------------------------------------------- rule 18: the first rate of a cold prefill pool
+def cold(name: str = "a", **kw) -> PodObservation:
+    """A cold prefill pod: ready 10 s ago (its first scrape, 5 s in, gave no delta), over the last
+    5 s 18 arrivals (3.6 req/s) and 5 prefills of 4000-token prompts (TTFT 3.0 s, of which 2.0 s
+    queued: prefill 1.0 s, 4000 tokens/s), 1 running and 17 waiting now."""
+    base = dict(running=1, waiting=17, admitted=18, finished=5, slo_met=1, generation_tokens=0,
+                ttft=seconds(5, 3.0), queue=seconds(5, 2.0), prompt_tokens=20000.0,
+                prompt_len=prompts(5, 4000.0), age_s=10.0)
+    base.update(kw)
+    return pod(name, **base)
+
+
+@pytest.mark.parametrize("pods,coming,st,expected", [
+    # (1 + 17) / 10 s + 5 / 5 s = 1.8 + 1.0 = 2.8 req/s over the pod's 10 s (the interval: 3.6)
+    ((cold(),), 0, PolicyState(), 2.8),
+    # two pods: (1 + 3) / 8 + 4 / 5 = 0.5 + 0.8 = 1.3; (2 + 6) / 10 + 3 / 5 = 0.8 + 0.6 = 1.4 -> 2.7
+    ((cold("a", waiting=3, age_s=8.0, ttft=seconds(4, 3.0)),
+      cold("b", running=2, waiting=6, ttft=seconds(3, 3.0))), 0, PolicyState(), 2.7),
+    # ready exactly two intervals ago still qualifies: (1 + 17) / 10 + 5 / 5
+    ((cold(age_s=10.0),), 0, PolicyState(), 2.8),
+    # Holt's level is set: not the first rate, the interval's count goes to the smoothing
+    ((cold(),), 0, PolicyState(level_rps=3.0), None),
+    # a pod older than two intervals (its unseen part is longer than the interval): None
+    ((cold(age_s=10.5),), 0, PolicyState(), None),
+    # no older than the interval: its counters' whole life is the interval already
+    ((cold(age_s=5.0),), 0, PolicyState(), None),
+    # nothing waiting: the queue does not hold what arrived before the interval
+    ((cold(waiting=0),), 0, PolicyState(), None),
+    # a refusal left the queue
+    ((cold(rejected_429=1),), 0, PolicyState(), None),
+    # one of two pods does not qualify
+    ((cold("a"), cold("b", waiting=0)), 0, PolicyState(), None),
+    # no TTFT histogram: what it served is unknown
+    ((cold(ttft=None),), 0, PolicyState(), None),
+    # capacity coming: rule 4 sizes the rate
+    ((cold(),), 2, PolicyState(), None),
+])
+def test_backlog_rate_by_hand(pods, coming, st, expected):
+    o = Observation(tuple(pods), (), (), len(pods) + coming)
+    fleet, _, _ = sized(o, st=st)
+    got = P.backlog_rate(o, fleet, coming, st)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_a_cold_prefill_pool_orders_for_the_rate_over_its_pods_life():
+    # prefill 1.0 s (TTFT 3.0 - queue 2.0; 4000-token prompts over the first capacity sample,
+    # 4000 / 1.0 = 4000 tokens/s: also 1.0 s). The rate over the pod's 10 s, 2.8 req/s: 2.8
+    # busy -> ceil(2.8 / 0.8) = ceil(3.5) = 4, ordered at once (4 >= 2 x 1 and 1 + 2)
+    d = P.decide(10.0, obs(cold()), SPEC, None)
+    assert (d.replicas, d.state.level_rps, d.state.plan_offered_rps) == \
+        (4, pytest.approx(2.8), pytest.approx(2.8))
+    # ready 11 s ago (first scraped 6 s in): the interval's 18 arrivals, 3.6 req/s -> 3.6 busy ->
+    # ceil(4.5) = 5
+    d = P.decide(10.0, obs(cold(age_s=11.0)), SPEC, None)
+    assert (d.replicas, d.state.level_rps) == (5, pytest.approx(3.6))
+
+
+def test_the_prefill_pools_capacity_reads_the_prompts_it_prefilled():
+    # the cold pod: 20000 prompt tokens started over 18 arrivals = 1111 per prompt over the 1.0 s
+    # prefill -> 1111 tokens/s; the 5 prompts it prefilled (its prompt-length histogram, one per
+    # finished request: a prefill pod's request finishes with its first token) average 4000 -> 4000
+    p = cold()
+    assert P.pod_token_rate(p) == pytest.approx(20000 / 18)
+    assert P.pod_token_rate(p, prefill_pool=True) == pytest.approx(4000.0)
+    # + generated tokens per second, as for any pod: 5 first tokens over 5 s -> 4001
+    assert P.pod_token_rate(replace(p, generation_tokens=5), prefill_pool=True) == pytest.approx(4001.0)
+    # no prompt-length histogram (or none finished): the prompt counter over the admissions
+    assert P.pod_token_rate(replace(p, prompt_len=None), prefill_pool=True) == pytest.approx(20000 / 18)
+    none_finished = replace(p, prompt_len=prompts(0, 0.0))
+    assert P.pod_token_rate(none_finished, prefill_pool=True) == pytest.approx(20000 / 18)
+    # in decide: the prefill pool's first capacity sample is 4000; the same pods elsewhere 1111
+    assert P.decide(10.0, obs(cold()), SPEC, None).state.cap_tokens == pytest.approx(4000.0)
+    assert P.decide(10.0, obs(cold()), replace(SPEC, prefill_pool=False), None).state.cap_tokens == \
+        pytest.approx(20000 / 18)

@@ -275,6 +275,18 @@ def test_cli_auto_and_capacity(tmp_path, capsys):
     assert cap["sizes"]["2"]["rates"] == [1.0, 2.0] and set(cap["sizes"]["2"]["capacity"]) == {"colocated", "1:1"}
 
 
+def test_cli_auto_with_another_seed_writes_its_own_files(tmp_path):
+    # seed 0 keeps pd-auto-<trace>-<hardware>; another seed gets -seed<N>, beside it
+    rc = sim.main(["--pd", "--trace", "long-context", "--duration", "15", "--auto", "--pd-max-n", "2",
+                   "--pd-links", "rdma", "--pd-thresholds", "0", "--seed", "1", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pd-auto-long-context-h200-seed1.json",
+                                                          "pd-auto-long-context-h200-seed1.md"]
+    auto = json.loads((tmp_path / "pd-auto-long-context-h200-seed1.json").read_text())
+    assert auto["note"].startswith("seed 1,")
+    assert "--seed 1" in (tmp_path / "pd-auto-long-context-h200-seed1.md").read_text().splitlines()[0]
+
+
 def test_a_prefill_pod_that_refuses_leaves_the_prefill_to_the_decode_pod():
     # three 100-token prompts at t = 1 on 1:1, one running and one waiting per pod at most: the
     # prefill pod runs the first, queues the second and refuses the third (429); the router then

@@ -338,6 +338,28 @@ How each rule follows from the ideas it rests on:
    of rule 4 adds one replica at a time, and not while a ready pod is younger than the interval
    plus ``queue_slack`` TTFT SLOs: misses of requests that queued before ordered capacity
    arrived are no new evidence.
+   The first rate of a cold pool (:func:`backlog_rate`): rule 11's level starts at the first
+   interval's count, and the first order, made at once (rule 8's panic), rests on it and holds
+   through the stabilization window. A pod's first scrape gives no delta, so what arrived before
+   that interval is not counted; a queueing prefill pod holds it. Over its age A (at most two
+   intervals), arrivals = what it holds + what it served: ``(running + waiting) / A +
+   first tokens / interval``, a count over A instead of one interval, used as the level's first
+   value while every ready pod queues and nothing was refused or is coming. Measured (h200,
+   long-context, seed 0): the first interval counted 18 arrivals (3.6 req/s; the trace's mean
+   2.88) and 5 prefills of 5,178-token prompts (the trace's mean 4,242) at 1.07 s:
+   ``ceil(3.6 x 1.07 / 0.8) = 5``, one more than the best fixed split (4:1), and the stabilization
+   window, whose maximum over the recommendations, the forecasts and the fewest replicas carrying
+   the load reached 5 and 6 again, kept 5 for the whole 600 s (1.19x the split's replica-hours).
+   Over the pod's 10 s: (1 + 17) / 10 + 5 / 5 = 2.8 req/s -> ``ceil(3.76) = 4``; seed 1's light
+   first interval (8 arrivals, 16 in flight) reads 2.4 req/s instead of 1.6 (4 ordered, was 3).
+   Rule 14's estimate of a prefill pod (:func:`pod_token_rate`) takes its mean prompt from the
+   prompt-length histogram, whose requests (finished with their first token) are the ones the
+   TTFT histogram timed; the prompt counter over the admissions counts arrivals that still wait,
+   so a cold pod's first sample read 1,385 tokens/s where its prefills ran at 4,821, and rule 5's
+   token bound (the TTFT SLO times the estimate: 4,154 tokens from that sample on, 9,241 when the
+   ordered pods had arrived, where 14,400 was due) refused prompts the pods had time for: the
+   decode pod prefilled them and, its TPOT missed, the decode pool went 1 -> 3 (long-context,
+   seed 0: 1.28x the best split's replica-hours).
 
 19. The decode pool of a disaggregated service waits for the prefill capacity on its way
    (:func:`prefill_relief`). When the prefill pool refuses a prompt or has no ready pod, the
@@ -868,7 +890,7 @@ def tune_batch_caps(obs: Observation, spec: PolicySpec, st: PolicyState) -> Batc
 # ------------------------------------------------------------------ phase 1b: capacity estimate
 
 
-def pod_token_rate(p: PodObservation) -> float | None:
+def pod_token_rate(p: PodObservation, prefill_pool: bool = False) -> float | None:
     """Rule 14 for one pod over its interval: the tokens per second it computes with a full step,
     ``(prompt_tokens / admitted) / (mean TTFT - mean queue time) + generation_tokens / interval_s``.
 
@@ -879,6 +901,14 @@ def pod_token_rate(p: PodObservation) -> float | None:
     whatever the load. The mean prompt over the mean prefill time (TTFT less the queue time, from
     the two histograms) is the first term. A pod that idles between steps, or whose prompts are
     shorter than a chunk, measures less than its full-step throughput (the estimate errs low).
+    In a disaggregated service's prefill pool (``prefill_pool``, rule 18) a request finishes with
+    its first token, so the prompt-length histogram counts exactly the prompts whose prefill the
+    TTFT histogram timed, and their mean is the mean prompt (when it has any): ``prompt_tokens /
+    admitted`` divides the prompts started over the interval by every request that arrived, which
+    a backlog makes far too low (a cold prefill pod holding 17 waiting: 26,759 tokens started over
+    18 arrivals, 1,487 per prompt, where the 5 prompts it prefilled averaged 5,178; its estimate
+    then started at 1,385 tokens/s instead of 4,821, and rule 5's token bound, 3 s of it,
+    refused prompts it would have prefilled in time).
     None when the interval measured no prefill (no admission, no first token, no queue
     histogram, no prompt counter, or TTFT not above the queue time)."""
     if p.interval_s <= 0 or p.admitted <= 0 or p.prompt_tokens is None or p.ttft is None or p.queue is None:
@@ -886,7 +916,10 @@ def pod_token_rate(p: PodObservation) -> float | None:
     ttft, queue = p.ttft.mean, p.queue.mean
     if ttft is None or queue is None or ttft - queue <= 0:
         return None
-    return (p.prompt_tokens / p.admitted) / (ttft - queue) + p.generation_tokens / p.interval_s
+    prompt = p.prompt_tokens / p.admitted
+    if prefill_pool and p.prompt_len is not None and p.prompt_len.count > 0:
+        prompt = p.prompt_len.sum / p.prompt_len.count
+    return prompt / (ttft - queue) + p.generation_tokens / p.interval_s
 
 
 @dataclass(frozen=True)
@@ -925,7 +958,7 @@ def capacity(obs: Observation, dt: float, horizon_s: float, spec: PolicySpec, st
     mean's standard deviation is ``sqrt(var g5 / (2 - g5))`` (g5: the weight per 5 s call), that of
     an exponentially weighted mean of independent samples. A call with an unreachable pod or no
     measurement carries the state unchanged."""
-    rates = [x for p in obs.ready if (x := pod_token_rate(p)) is not None]
+    rates = [x for p in obs.ready if (x := pod_token_rate(p, spec.prefill_pool)) is not None]
     tokens, var, seen = st.cap_tokens, st.cap_var, st.cap_seen_s
     sample = None
     if rates and not obs.unreachable:
@@ -1158,12 +1191,13 @@ def prefill_size(obs: Observation, fleet: Fleet, sz: Size, cap: Capacity, level_
     at its full-step speed, so one request occupies it ``service_s`` seconds, the shorter of the
     interval's prefill time (``Fleet.t_first``: mean TTFT less mean queue time; noisy) and the
     mean prompt over rule 14's estimate (``cap.tokens * cap.scale`` tokens/s from its first
-    sample on; smoothed, but low while a backlog waits: it divides the prompt tokens of started
-    requests by all admitted ones; prompt: the mean of the interval's prompt-length histograms,
-    else the smoothed prompt level), and one replica carries one request at a time:
+    sample on; smoothed; a prefill pod's own prompts over its prefill time, :func:`pod_token_rate`;
+    prompt: the mean of the interval's prompt-length histograms, else the smoothed prompt level),
+    and one replica carries one request at a time:
     ``per_replica = token_utilization``, ``demand = level_rps * service_s`` (replicas busy at
     rule 11's smoothed offered rate: the offered prompt tokens over one replica's tokens/s, a
-    leading signal), ``wanted = ceil(demand / token_utilization)``. The attainment evidence then
+    leading signal; on a cold pool its first value is :func:`backlog_rate`'s),
+    ``wanted = ceil(demand / token_utilization)``. The attainment evidence then
     adds one replica at a time (the size is known; HPA's proportional step overshoots on a
     backlog), and not while a ready pod is younger than the interval plus ``queue_slack`` TTFT
     SLOs: misses of requests that queued before ordered capacity arrived are no new evidence.
@@ -1187,6 +1221,36 @@ def prefill_size(obs: Observation, fleet: Fleet, sz: Size, cap: Capacity, level_
         wanted = max(wanted, len(obs.ready) + 1)
     rec = max(max(1, spec.min_replicas), min(spec.max_replicas, wanted))
     return Size(sz.sizing_rps, service_s, demand, per_replica, wanted, sz.saturated, evidence, sz.up_reason, rec)
+
+
+def backlog_rate(obs: Observation, fleet: Fleet, coming: int, st: PolicyState) -> float | None:
+    """Rule 18, the first rate of a cold prefill pool: the offered req/s over its pods' whole life,
+    read from the queue they hold, or None (then the interval's offered rate, as everywhere).
+
+    Rule 11's level starts at the first interval's offered rate, a Poisson count over one interval
+    (at 3 req/s over 5 s, +-26 %), and the first order is made on it. A pod's counters start at
+    zero when it becomes ready and its first scrape gives no delta, so what arrived before the
+    interval is not counted; a prefill pod that queues and refuses nothing still holds it. Over its
+    age A, arrivals = what it holds (running + waiting) + what it served, and a pod queueing since
+    it became ready served at the rate it served over the interval (its first tokens: the TTFT
+    histogram's count): ``(running + waiting) / A + ttft.count / interval_s``, a count over A
+    instead of the interval. Only when every ready pod became ready at most one interval before
+    the interval began (``interval_s < age_s <= 2 interval_s``: the part of its life before the
+    interval is no longer than the interval, so it is the unseen first scrape's, not hours of an
+    older pod's), holds requests waiting, and the pool refused nothing (the pods' 429s and the
+    router's: those left the queue), on the first call with rates (Holt's level unset) with nothing
+    coming (rule 4 sizes the rate then). E.g. a pod ready 10 s ago, its interval 5 s, 18 requests
+    in flight and 5 prefills done: 18 / 10 + 5 / 5 = 2.8 req/s, where the interval counted 18
+    arrivals (3.6 req/s)."""
+    if st.level_rps is not None or coming > 0 or fleet.rejected > 0 or not obs.ready or obs.unreachable:
+        return None
+    rate = 0.0
+    for p in obs.ready:
+        young = p.interval_s < p.age_s <= 2 * p.interval_s
+        if p.interval_s <= 0 or p.ttft is None or p.waiting <= 0 or not young:
+            return None
+        rate += (p.running + p.waiting) / p.age_s + p.ttft.count / p.interval_s
+    return rate
 
 
 # --------------------------------------------------------------------------- phase 4: forecast
@@ -1749,6 +1813,9 @@ def decide(now: float, obs: Observation, spec: PolicySpec, state: PolicyState | 
     metrics_ok = not obs.unreachable and fleet.rated > 0
     sz = sized = size(fleet, caps, len(obs.ready), spec, st)
     if spec.prefill_pool:   # rule 18: sized by prompt tokens at rule 11's smoothed rate
+        first = backlog_rate(obs, fleet, caps.coming, st)   # a cold pool: the rate over its pods' life
+        if first is not None:
+            sz = sized = replace(sized, sizing_rps=first)
         level = forecast(now, obs, fleet, caps, sized, metrics_ok, spec, st).level_rps
         sz = prefill_size(obs, fleet, sized, cap, level, spec, st)
     fc = forecast(now, obs, fleet, caps, sz, metrics_ok, spec, st)
@@ -1807,6 +1874,7 @@ __all__ = ["HistogramDelta", "PodObservation", "StartingPod", "RouterObservation
            "attainment", "PolicyState", "Limits",
            "Decision", "BatchCaps", "Fleet", "Size", "Forecast", "Proof", "Windows", "Replicas", "QueueLimits",
            "Capacity", "Headroom", "pod_token_rate", "capacity", "infeasible", "prefill_size", "prefill_relief", "peak_to_mean", "headroom",
+           "backlog_rate",
            "SPIKE_NOISE_SD", "SHORT_SPIKE", "short_spikes", "short_spike_limit", "last_horizon", "spikes_were_short",
            "tune_cap", "tpot_met", "strictest_tpot", "classes_present", "queue_ttft", "replica_capacity", "tune_batch_caps", "aggregate", "size", "forecast", "windows",
            "proven_work", "carries", "fewest_carrying", "choose_replicas", "queue_limits", "conditions", "next_state", "decide"]

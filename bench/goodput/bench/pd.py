@@ -1087,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--auto", action="store_true",
                     help="both pools autoscaled (policy.decide per pool, as the loop) against every fixed "
-                         "split up to --pd-max-n replicas: pd-auto-<trace>-<hardware>.md/.json")
+                         "split up to --pd-max-n replicas: pd-auto-<trace>-<hardware>[-seed<N>].md/.json")
     ap.add_argument("--pd-max-n", type=int, default=8, help="--auto: the largest fixed fleet compared")
     ap.add_argument("--auto-initial", default="1:1", help="--auto: prefill:decode replicas at 0")
     ap.add_argument("--auto-bounds", default="1:8,1:8",
@@ -1154,7 +1154,8 @@ def _main_auto_capacity(args: argparse.Namespace, argv: list[str] | None) -> int
                          defer_full=not args.no_defer)
         table = auto_table(c)
         print(table)
-        _write(args.out_dir, f"pd-auto-{tname}-{args.hardware}", argv, table, auto_json(c))
+        seed = f"-seed{args.seed}" if args.seed else ""     # seed 0 keeps the name it always had
+        _write(args.out_dir, f"pd-auto-{tname}-{args.hardware}{seed}", argv, table, auto_json(c))
     if args.capacity:
         rates = [float(x) for x in args.capacity.split(",") if x.strip()]
         sizes = [int(x) for x in (args.pd_sizes or "4").split(",") if x.strip()]
