@@ -133,7 +133,7 @@ How each rule follows from the ideas it rests on:
    errs high by the decode share of a step (R of the budget B). Measured (h200): azure-code 0.802
    -> 0.925 attainment at 6.28 -> 5.71 replica-hours (its first burst on 2-3 replicas: 41 -> 395
    of 531 requests met, 136 refused, none missed), long-prompt 0.849 -> 0.882 at 0.822 -> 0.581,
-   bursty 0.786 -> 0.815 at the same replica-hours, two-class 0.701 -> 0.698 at 0.979 -> 0.912
+   bursty 0.786 -> 0.815 at the same replica-hours, two-class 0.701 -> 0.714 at 0.979 -> 1.017
    (docs/autoscaling.md).
 
 6. Preemptions are a saturation signal (they waste the recomputed prefill and stall TPOT): they
