@@ -284,8 +284,7 @@ class Scheduler:
             exceed ``max_waiting_tokens`` (an imported prompt needs no prefill and is not
             counted; a prompt counts in full even where the prefix cache holds its start, so
             the bound errs toward refusing; with nothing ahead a prompt is always admitted);
-            retry_after is set. A
-            request of a looser class is refused first.
+            retry_after is set. A request of a looser class is refused first.
         """
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
