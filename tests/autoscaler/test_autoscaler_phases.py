@@ -289,14 +289,16 @@ def test_queue_limits_and_router_bound():
     assert (q.max_waiting, q.router_max_queued) == (1024, None)
 
 
-@pytest.mark.parametrize("token_rate, loading, tokens", [
-    (4600.5, 0, 4600),     # TTFT 1 s x 4,600.5 tokens/s one replica prefills at a full step
-    (4600.5, 1, 4600),     # no slack, loading or not: the prefill rate is no noisy count
-    (0.4, 0, 1),           # at least one token
-    (0.0, 0, 0),           # no capacity estimate yet: no token bound
+@pytest.mark.parametrize("token_rate, loading, scale, tokens", [
+    (4600.5, 0, 1.25, 5750),   # TTFT 1 s x 4,600.5 tokens/s at a full step x 1.25 = 5,750.6
+    (4600.5, 1, 1.25, 5750),   # no slack, loading or not: the prefill rate is no noisy count
+    (4600.5, 0, 1.0, 4600),
+    (0.4, 0, 1.25, 1),         # at least one token
+    (0.0, 0, 1.25, 0),         # no capacity estimate yet: no token bound
+    (4600.5, 0, 0.0, 0),       # tokenQueueScale 0: the token bound is off
 ])
-def test_queue_limits_in_prompt_tokens(token_rate, loading, tokens):
-    q = P.queue_limits(FLEET, 3, loading, 0, SPEC, 4.0, token_rate)
+def test_queue_limits_in_prompt_tokens(token_rate, loading, scale, tokens):
+    q = P.queue_limits(FLEET, 3, loading, 0, replace(SPEC, token_queue_scale=scale), 4.0, token_rate)
     assert q.max_waiting_tokens == tokens
     assert q.max_waiting == (20 if not loading else 17)    # the count bound as before
 

@@ -123,9 +123,9 @@ def test_queue_limits_use_the_class_budget():
     assert (q.k_ttft, q.max_waiting, q.router_max_queued) == (60, 120, 180)
     q = P.queue_limits(FLEET, 3, 0, 0, CSPEC, 4.0)
     assert (q.k_ttft, q.max_waiting, q.router_max_queued) == (10, 20, 30)
-    # in prompt tokens, the same class budget: 5 s x 2,000 tokens/s = 10,000 (1 s: 2,000)
-    assert P.queue_limits(replace(FLEET, queue_ttft_s=5.0), 3, 0, 0, CSPEC, 4.0, 2000.0).max_waiting_tokens == 10000
-    assert P.queue_limits(FLEET, 3, 0, 0, CSPEC, 4.0, 2000.0).max_waiting_tokens == 2000
+    # in prompt tokens, the same class budget: 5 s x 2,000 tokens/s x 1.25 = 12,500 (1 s: 2,500)
+    assert P.queue_limits(replace(FLEET, queue_ttft_s=5.0), 3, 0, 0, CSPEC, 4.0, 2000.0).max_waiting_tokens == 12500
+    assert P.queue_limits(FLEET, 3, 0, 0, CSPEC, 4.0, 2000.0).max_waiting_tokens == 2500
 
 
 def test_a_spec_without_classes_decides_as_before():

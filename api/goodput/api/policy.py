@@ -210,6 +210,10 @@ class PolicySpec:
                                crd="autoscaling.tuning.maxWaiting")
     queue_slack: float = setting(2.0, "how far past the TTFT-bound queue the limit loosens when nothing "
                                  "loads (rule 5)", ge=1, crd="autoscaling.tuning.queueSlack")
+    token_queue_scale: float = setting(
+        1.25, "the prompt-token queue bound (rule 5) in units of TTFT SLO x the capacity estimate, which errs "
+              "low (a pod idle between steps measures less than a full step); 0 turns the token bound off",
+        ge=0, le=4, crd="autoscaling.tuning.tokenQueueScale")
     batch_increase: float = setting(0.125, "additive batch growth, fraction of the cap (rule 2)", gt=0,
                                     crd="autoscaling.tuning.batchIncrease")
     batch_fast_increase: float = setting(1.5, "multiplicative batch growth far from the TPOT SLO (rule 2)",

@@ -124,7 +124,7 @@ How each rule follows from the ideas it rests on:
    waiting prompts and the running ones' remaining chunks) and then its own, at the replica's
    full-step rate r (rule 14's estimate, from its first measurement: a scale-down waits until the
    estimate is ready, admission does not, since a young estimate misplaces the bound only until
-   the next call): ``max_waiting_tokens = floor(slo_ttft_s * r)`` (the worker refuses a prompt
+   the next call): ``max_waiting_tokens = floor(slo_ttft_s * r * token_queue_scale)`` (the worker refuses a prompt
    when the tokens ahead plus its own exceed it and something is ahead;
    ``Scheduler.prompt_tokens_ahead``). A count bounds a mix of prompt lengths badly: ten
    6,000-token prompts fill 12 s of an H200's prefill, ten 100-token ones 0.2 s; the token bound
@@ -1699,7 +1699,8 @@ def queue_limits(fleet: Fleet, n_ready: int, coming: int, added: int, spec: Poli
     k = spec.max_waiting if k_ttft is None else math.floor(k_ttft * slack)
     max_waiting = max(spec.min_waiting, min(spec.max_waiting, k))
     router = math.floor(budget * mu * n_ready) if mu > 0 and n_ready > 0 else None
-    tokens = max(1, math.floor(ttft * token_rate)) if token_rate > 0 else 0
+    bound = ttft * token_rate * spec.token_queue_scale
+    tokens = max(1, math.floor(bound)) if bound > 0 else 0
     return QueueLimits(max_waiting, router, k_ttft, tokens)
 
 
