@@ -124,17 +124,18 @@ How each rule follows from the ideas it rests on:
    waiting prompts and the running ones' remaining chunks) and then its own, at the replica's
    full-step rate r (rule 14's estimate, from its first measurement: a scale-down waits until the
    estimate is ready, admission does not, since a young estimate misplaces the bound only until
-   the next call): ``max_waiting_tokens = floor(slo_ttft_s * r * token_queue_scale)`` (the worker refuses a prompt
-   when the tokens ahead plus its own exceed it and something is ahead;
+   the next call) times ``token_queue_scale`` (1.25: r errs low, a pod idle between steps measures
+   less than a full step; at 1.0 one replica at a steady 3.5 req/s refused prompts that would have
+   met their TTFT): ``max_waiting_tokens = floor(slo_ttft_s * r * token_queue_scale)`` (the worker
+   refuses a prompt when the tokens ahead plus its own exceed it and something is ahead;
    ``Scheduler.prompt_tokens_ahead``). A count bounds a mix of prompt lengths badly: ten
    6,000-token prompts fill 12 s of an H200's prefill, ten 100-token ones 0.2 s; the token bound
    refuses the prompts that would miss and admits the ones that still fit, so what a saturated
    replica admits meets its TTFT. r is the full-step rate (prompt + decode tokens), so the bound
    errs high by the decode share of a step (R of the budget B). Measured (h200): azure-code 0.802
-   -> 0.925 attainment at 6.28 -> 5.71 replica-hours (its first burst on 2-3 replicas: 41 -> 395
-   of 531 requests met, 136 refused, none missed), long-prompt 0.849 -> 0.882 at 0.822 -> 0.581,
-   bursty 0.786 -> 0.815 at the same replica-hours, two-class 0.701 -> 0.714 at 0.979 -> 1.017
-   (docs/autoscaling.md).
+   -> 0.881 attainment at 6.28 -> 6.50 replica-hours (its first burst on 2-3 replicas: 41 -> 407
+   of 531 requests met, 124 refused), long-prompt 0.849 -> 0.871 at 0.822 -> 0.581, two-class
+   0.701 -> 0.717 and bursty 0.786 -> 0.787 at the same replica-hours (docs/autoscaling.md).
 
 6. Preemptions are a saturation signal (they waste the recomputed prefill and stall TPOT): they
    cut the batch (rule 2) and block any scale-down.
