@@ -73,8 +73,9 @@ How each rule follows from the ideas it rests on:
    at 0.998) is not sized at two. When attainment is below target while the
    fleet is saturated (waiting, preemptions, or 429s on more than ``tolerance`` of the interval's
    requests: under rule 5's token bound one long prompt queued behind another on one replica is
-   refused while the fleet has room, and with 5 % metric noise such a stray refusal beside a
-   noisy attainment of a few requests ordered bursty's fleet from 6 to 9 replicas) and nothing is loading (misses while pods
+   refused while the fleet has room, and with 5 % metric noise one such refusal, while a burst's
+   backlog drained at a noisy attainment of 0.62, ordered bursty's fleet from 6 to 9 replicas)
+   and nothing is loading (misses while pods
    load are the expected cost of rule 4, not new evidence), ``w >= max(ready + 1, ceil(ready *
    attainment_target / attainment))`` (HPA's proportional formula applied to goodput; attainment
    floored at 0.25) (reason ScaleUpGoodput; ScaleUpSaturation when preemptions or KV over target
