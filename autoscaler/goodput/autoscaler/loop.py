@@ -256,17 +256,25 @@ def autoscaler_status(previous: Mapping[str, Any] | None, decision: policy.Decis
     return out
 
 
-def limits_in_force(sample: observe.PodSample, want: policy.Limits, token_tolerance: float = 0.1) -> bool:
-    """Whether a pod's scrape already shows ``want``: the same max_num_seqs and max_waiting, and a
-    token limit within ``token_tolerance`` of the wanted one (it follows the smoothed capacity
-    estimate, so it moves a little every call; a push per call and pod is not worth a few percent),
-    0 (no bound) only where 0 is wanted. A worker that exports no token limit counts as 0."""
+TOKEN_TOLERANCE = 0.1   # a token limit within this fraction of the wanted one is not written again
+
+
+def same_token_limit(have: int, want: int) -> bool:
+    """Whether token limit ``have`` stands for ``want``: within :data:`TOKEN_TOLERANCE` of it (the
+    limit follows the smoothed capacity estimate, so it moves a little every call; a push or a
+    status write per call is not worth a few percent), 0 (no bound) only where 0 is wanted."""
+    if have == 0 or want == 0:
+        return have == want
+    return abs(have - want) <= TOKEN_TOLERANCE * want
+
+
+def limits_in_force(sample: observe.PodSample, want: policy.Limits) -> bool:
+    """Whether a pod's scrape already shows ``want``: the same max_num_seqs and max_waiting, and
+    the same token limit (:func:`same_token_limit`). A worker that exports no token limit counts
+    as 0."""
     if (int(sample.max_num_seqs), int(sample.max_waiting)) != (want.max_num_seqs, want.max_waiting):
         return False
-    have = int(getattr(sample, "max_waiting_tokens", 0) or 0)
-    if have == 0 or want.max_waiting_tokens == 0:
-        return have == want.max_waiting_tokens
-    return abs(have - want.max_waiting_tokens) <= token_tolerance * want.max_waiting_tokens
+    return same_token_limit(int(getattr(sample, "max_waiting_tokens", 0) or 0), want.max_waiting_tokens)
 
 
 def decision_message(message: str, limits: Mapping[str, policy.Limits]) -> str:
@@ -508,9 +516,8 @@ def make_plan(status: Mapping[str, Any], spec: crd.InferenceServiceSpec, seen: O
 def admission_patch(old: Mapping[str, Any], limits: Mapping[str, policy.Limits],
                     router_max_queued: int | None) -> dict[str, Any]:
     """The ``status.admission`` fields that change: the summarized limits in force, the smallest
-    token limit (``maxWaitingTokens``, 0 or absent = none; rewritten only when it moved by more than the
-    push tolerance of :func:`limits_in_force`, as it follows the smoothed capacity estimate) and
-    the router's queue bound ({} = nothing new)."""
+    token limit (``maxWaitingTokens``, 0 or absent = none; rewritten only when it is no longer
+    :func:`same_token_limit`) and the router's queue bound ({} = nothing new)."""
     seqs, waiting = summarize_limits(limits)
     adm: dict[str, Any] = {}
     if seqs is not None and (old.get("maxNumSeqs"), old.get("maxWaiting")) != (seqs, waiting):
@@ -518,7 +525,7 @@ def admission_patch(old: Mapping[str, Any], limits: Mapping[str, policy.Limits],
     if limits:
         tokens = min(v.max_waiting_tokens for v in limits.values())
         was = old.get("maxWaitingTokens") or 0     # absent: none (a status from before the field)
-        if (was == 0) != (tokens == 0) or abs(was - tokens) > 0.1 * tokens:
+        if not same_token_limit(was, tokens):
             adm["maxWaitingTokens"] = tokens
     if router_max_queued is not None and old.get("routerMaxQueued") != router_max_queued:
         adm["routerMaxQueued"] = router_max_queued

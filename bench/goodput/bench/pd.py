@@ -331,7 +331,6 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
     # requests the decode pods prefilled because no prefill pod was ready or it refused (the
     # router's no_prefill_pod and prefill_failed): [total, total at the last tick]
     fallback = [0, 0]
-    defer = defer_full
 
     def new_pod(pool: _Pool, now: float, ready: bool) -> Replica:
         i = len(pool.pods)
@@ -480,7 +479,7 @@ def simulate_pd(trace: Trace, hw: StepTime, prefill: int, decode: int, link: Lin
             remote.pop(rid)
             pending[id(dst)] -= 1
             res.remote -= 1
-            if defer and defer_when_full(len(pres), max(0, ppool.replicas - len(pres))):
+            if defer_full and defer_when_full(len(pres), max(0, ppool.replicas - len(pres))):
                 res.deferred += 1              # the router's prefill_deferred: refused (429), counted
                 return                         # in res.rejected by the failed admission
             res.rejected -= 1                  # the router's prefill_failed: the decode pod prefills
@@ -792,6 +791,12 @@ class Budgets:
         return "".join(f"-{k}{v}" for k, v in (("colocated", self.colocated), ("prefill", self.prefill)) if v)
 
 
+def measured(rates: Sequence[float], runs: Sequence[PDResult | None]) -> list[tuple[float, PDResult]]:
+    """(rate, run) for the rates a fleet was run at (``capacity_sweep``'s ``stop_at_miss`` leaves
+    None after its first miss)."""
+    return [(x, r) for x, r in zip(rates, runs) if r is not None]
+
+
 @dataclass
 class CapacitySweep:
     """For one total N: colocated serving and every split P:D of N at each arrival rate."""
@@ -811,11 +816,10 @@ class CapacitySweep:
     def capacities(self) -> dict[str, tuple[float | None, bool]]:
         """``colocated`` and ``P:D`` -> :func:`capacity_rate` of its sweep (rates not run, None
         after a miss with ``stop_at_miss``, left out)."""
-        out = {"colocated": capacity_rate([(x, r.attainment) for x, r in zip(self.rates, self.colocated)
-                                           if r is not None], self.target)}
+        out = {"colocated": capacity_rate([(x, r.attainment) for x, r in measured(self.rates, self.colocated)],
+                                          self.target)}
         for (p, d), rs in self.splits.items():
-            out[f"{p}:{d}"] = capacity_rate([(x, r.attainment) for x, r in zip(self.rates, rs) if r is not None],
-                                            self.target)
+            out[f"{p}:{d}"] = capacity_rate([(x, r.attainment) for x, r in measured(self.rates, rs)], self.target)
         return out
 
     def best(self) -> tuple[str, float | None, bool]:
@@ -836,7 +840,7 @@ class CapacitySweep:
         the first below it), walking up as :func:`capacity_rate` does; None when there is none
         (the lowest rate already misses, or no rate misses)."""
         runs = self.colocated if key == "colocated" else self.splits[self.fleet(key)]
-        i = first_miss([r.attainment for r in runs if r is not None], self.target)
+        i = first_miss([r.attainment for _, r in measured(self.rates, runs)], self.target)
         return None if not i else (self.rates[i - 1], self.rates[i])
 
 
@@ -867,7 +871,8 @@ def capacity_sweep(trace_name: str, hw: StepTime, n: int, rates: Sequence[float]
     splits: dict[tuple[int, int], list[PDResult | None]] = {(p, n - p): [] for p in range(1, n)}
 
     def run(runs: list[PDResult | None], tr: Trace, p: int, d: int) -> None:
-        if stop_at_miss and first_miss([r.attainment for r in runs if r is not None], target) is not None:
+        missed = bool(runs) and (runs[-1] is None or runs[-1].attainment < target)   # None only after a miss
+        if stop_at_miss and missed:
             runs.append(None)
         else:
             runs.append(run_fleet(tr, hw, p, d, link, threshold, budgets))
@@ -970,7 +975,7 @@ def capacity_table(sweeps: Sequence[CapacitySweep], hw: StepTime, link: Link, du
                 runs = c.refine_runs[key]
                 att = {x: r.attainment for x, r in runs}
                 base = c.colocated if key == "colocated" else c.splits[c.fleet(key)]
-                att.update({x: r.attainment for x, r in zip(c.rates, base) if x not in att and r is not None})
+                att.update({x: r.attainment for x, r in measured(c.rates, base) if x not in att})
                 lines.append(f"| {key} | {lo:g} ({att[lo]:.4f}) | {hi:g} ({att[hi]:.4f}) | "
                              + ", ".join(f"{x:g}: {r.goodput_rps:.3f} / {r.attainment:.4f}" for x, r in runs) + " |")
             rb = max((k for k in c.refined if k != "colocated"), key=lambda k: c.refined[k][0], default=None)

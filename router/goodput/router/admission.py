@@ -89,7 +89,8 @@ class Admission:
             gate = self._gates[key] = _Gate()
         return gate
 
-    def _retry_after(self) -> dict[str, str]:
+    def retry_after_headers(self) -> dict[str, str]:
+        """The ``Retry-After`` header of the router's own 429 and 503 answers."""
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     # ---------------------------------------------------------------------------- picking
@@ -206,7 +207,7 @@ class Admission:
             self._drop(svc.key, gate, waiter)
             raise APIError(429, f"every pod of {svc.info.model!r} stayed at its admission limits for "
                                 f"{timeout:g} s; retry later", code="queue_timeout",
-                           headers=self._retry_after())
+                           headers=self.retry_after_headers())
         self._drop_done(svc.key, gate, waiter)
         pod, choice = waiter.fut.result()  # raises the 404 of a removed service
         return pod, choice, self._waited(labels, t0)
@@ -214,7 +215,7 @@ class Admission:
     def _queue_full(self, svc: Service, n: int, bound: int) -> APIError:
         return APIError(429, f"every pod of {svc.info.model!r} is at its admission limits and the router's "
                              f"queue holds {n} of {bound} requests; retry later",
-                        code="queue_full", headers=self._retry_after())
+                        code="queue_full", headers=self.retry_after_headers())
 
     def _waited(self, labels: ServiceKey, t0: float) -> float:
         waited = time.monotonic() - t0
@@ -233,7 +234,7 @@ class Admission:
                 raise APIError(503, f"no Ready pod serves {svc.info.model!r} (InferenceService "
                                     f"{'/'.join(p for p in svc.key if p)}) after waiting {timeout:g} s "
                                     "(scaling from zero or starting); retry later", code="no_ready_pod",
-                               headers=self._retry_after())
+                               headers=self.retry_after_headers())
             fut.result()  # raises the 404 of a removed service
         finally:
             if fut in gate.held:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -366,7 +365,7 @@ def _defer(rt: Any, ex: Exchange) -> None:
     ``prefill_deferred`` and refuse the request (429, ``Retry-After``) before any byte."""
     rt.metrics.pd_decisions.labels(*ex.svc.key, DEFERRED).inc()
     raise APIError(429, f"the prefill pods of {ex.svc.info.model!r} are full and more are starting; retry",
-                   headers={"Retry-After": str(max(1, math.ceil(rt.admission.retry_after_s)))})
+                   headers=rt.admission.retry_after_headers())
 
 
 async def _deliver(rt: Any, ex: Exchange, resp: aiohttp.ClientResponse, send, sent: float) -> None:
